@@ -1,0 +1,1 @@
+"""Torch-free vocabulary shared by every Tandem service (DESIGN.md §3)."""

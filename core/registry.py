@@ -1,0 +1,106 @@
+"""Worker registry in Redis: one key per worker, refreshed by heartbeat, expiring by TTL (DESIGN.md §6).
+
+Key ``tandem:workers:{role}:{worker_id}`` holds a JSON :class:`WorkerInfo`; a worker that stops
+heartbeating disappears by itself after ``ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "tandem:workers"
+ROLES = ("prefill", "decode", "pool")
+
+
+@dataclass
+class WorkerInfo:
+    """What the router knows of one worker; ``load`` holds the latest stats snapshot."""
+
+    worker_id: str
+    role: str
+    address: str
+    load: dict[str, float] = field(default_factory=dict)
+    heartbeat_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+def worker_key(role: str, worker_id: str) -> str:
+    return f"{KEY_PREFIX}:{role}:{worker_id}"
+
+
+class WorkerRegistry:
+    """Reads and writes worker entries; holds one Redis connection pool."""
+
+    def __init__(self, redis_url: str):
+        self.redis = aioredis.from_url(redis_url, decode_responses=True)
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Writes ``info`` with a fresh time stamp; the key expires after ``ttl_s``."""
+        info.heartbeat_time_s = time.time()
+        await self.redis.set(worker_key(info.role, info.worker_id), json.dumps(asdict(info)), px=int(ttl_s * 1000))
+
+    async def deregister(self, role: str, worker_id: str) -> None:
+        await self.redis.delete(worker_key(role, worker_id))
+
+    async def list_workers(self, role: str) -> list[WorkerInfo]:
+        """Every live worker of ``role``, sorted by worker_id."""
+        keys = [key async for key in self.redis.scan_iter(match=f"{KEY_PREFIX}:{role}:*", count=100)]
+        if not keys:
+            return []
+        values = await self.redis.mget(keys)
+        workers = [WorkerInfo(**json.loads(v)) for v in values if v is not None]
+        return sorted(workers, key=lambda w: w.worker_id)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class Heartbeat:
+    """Background task that re-registers a worker every ``interval_s`` with its live load."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        info: WorkerInfo,
+        load_fn: Callable[[], dict[str, float]],
+        interval_s: float = 1.0,
+        ttl_s: float = 3.0,
+    ):
+        if ttl_s <= interval_s:
+            raise ValueError(f"heartbeat ttl_s ({ttl_s}) must exceed interval_s ({interval_s})")
+        self.registry, self.info, self.load_fn = registry, info, load_fn
+        self.interval_s, self.ttl_s = interval_s, ttl_s
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._beat()  # registered before start() returns
+        self._task = asyncio.create_task(self._run())
+
+    async def _beat(self) -> None:
+        self.info.load = self.load_fn()
+        await self.registry.heartbeat(self.info, self.ttl_s)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._beat()
+            except Exception:  # Redis down: keep trying, the TTL tells the router
+                log.warning("heartbeat failed", exc_info=True)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.registry.deregister(self.info.role, self.info.worker_id)

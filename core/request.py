@@ -1,0 +1,99 @@
+"""A generation request as every scheduler sees it: token counts, not phases (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from core.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped; the values are the OpenAI API's."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the system
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence moving ``num_computed_tokens`` toward ``num_tokens``.
+
+    Prefill, a prefix-cache hit and KV loaded from the pool are all ways ``num_computed_tokens``
+    grows; each step that reaches ``num_tokens`` samples one new token.
+
+    ::
+
+        all_token_ids:  [ prompt ............................ | output ....... ]
+                        |<-- num_computed_tokens (KV exists) -->|<- to compute ->|
+                                                                          num_tokens
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in this worker's cache.
+    num_computed_tokens: int = 0
+    # Prompt tokens whose KV was loaded (pool or prefix cache) instead of computed.
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> FinishReason | None:
+        """Appends a sampled token; finishes the request and returns why if it must stop.
+
+        Mutates ``output_token_ids``, and ``status``/``finish_reason`` when it stops.
+        """
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        reason = None
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            reason = FinishReason.STOP
+        elif token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif self.num_output_tokens >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(reason)
+        return reason
+
+    def finish(self, reason: FinishReason) -> None:
+        """Marks the request finished (idempotent: the first reason wins)."""
+        if self.status is not RequestStatus.FINISHED:
+            self.status = RequestStatus.FINISHED
+            self.finish_reason = reason
