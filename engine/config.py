@@ -1,0 +1,60 @@
+"""Engine configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.kv_cache_spec import DTYPE_BYTES
+from core.model_source import DEFAULT_MODEL
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and switches of one engine (a prefill or a decode worker's model + KV cache).
+
+    Raises:
+        ValueError: quoting the offending value.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Tokens per KV block.
+    block_size: int = 16
+    # Blocks in this worker's paged KV cache.
+    num_kv_blocks: int = 512
+    # Most requests in one step's batch.
+    max_num_seqs: int = 64
+    # Token budget of one step (Sarathi-Serve); prompts are chunked to fit.
+    max_num_batched_tokens: int = 2048
+    # Longest prompt + output.
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    # torch intra-op threads; 0 leaves torch's default.
+    num_threads: int = 0
+    # Seed of the generator used by requests without their own seed.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks * block_size ({self.num_kv_blocks * self.block_size}) cannot hold "
+                f"one max_model_len ({self.max_model_len}) request"
+            )

@@ -1,0 +1,127 @@
+"""LLMEngine: the step loop of one worker, as a list of named phases."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from core.kv_cache_spec import KVCacheSpec
+from core.model_source import ModelSource, resolve_model
+from core.request import Request
+from engine.attention import AttentionBackend, TorchAttentionBackend
+from engine.config import EngineConfig
+from engine.kv_connector import pack_blocks
+from engine.loader import ensure_hf_dir
+from engine.model.loader import TORCH_DTYPES, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import ExternalKV, RequestOutput
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_preemptions: int
+
+
+def make_attention_backend(config: EngineConfig) -> AttentionBackend:
+    """``auto`` picks Triton on a CUDA device and torch elsewhere."""
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if config.device.startswith("cuda") else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend {name!r} is not available in this build")
+
+
+class LLMEngine:
+    """Runs requests to completion on one model and one paged KV cache.
+
+    ``save_kv_on_finish``: a finished request's prompt blocks are packed into
+    ``RequestOutput.saved_kv`` before they are freed (what a prefill worker ships to the pool).
+    Not thread-safe: one thread drives it (see :class:`engine.engine_thread.EngineThread`).
+    """
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False):
+        self.config = config
+        self.source = source
+        self.save_kv_on_finish = save_kv_on_finish
+        mc = model.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.spec = KVCacheSpec(
+            model_id=source.name,
+            revision=source.revision,
+            dtype=config.dtype,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=head_dim,
+            block_size=config.block_size,
+        )
+        eos = getattr(mc, "eos_token_id", None)
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        kv_cache = torch.zeros(
+            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, mc.num_key_value_heads, head_dim),
+            dtype=TORCH_DTYPES[config.dtype],
+            device=config.device,
+        )
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False) -> LLMEngine:
+        """Resolves and loads the model (converting a GGUF once), then builds the engine."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
+        return cls(config, model, source, save_kv_on_finish)
+
+    def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
+        """Queues a request (see Scheduler.add_request for the errors raised)."""
+        if request.eos_token_id is None:
+            request.eos_token_id = self.eos_token_id
+        self.scheduler.add_request(request, external_kv)
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule → execute → update → release finished requests' blocks."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for output in outputs:
+            if output.finished:
+                self._release(output)
+        return outputs
+
+    def _release(self, output: RequestOutput) -> None:
+        if self.save_kv_on_finish:
+            request = self.scheduler.requests[output.request_id]
+            num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+            block_ids = self.scheduler.kv.get(output.request_id).block_ids[:num_prompt_blocks]
+            output.saved_kv = pack_blocks(self.runner.kv_cache, block_ids)
+        self.scheduler.free(output.request_id)
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_total_blocks=self.config.num_kv_blocks,
+            num_used_blocks=kv.num_used_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,75 @@
+"""Plain data passed between Scheduler, ModelRunner and the engine's callers (vLLM v1 style)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class ExternalKV:
+    """KV of a request's first ``num_tokens`` tokens, fetched from outside (the pool) before the
+    request reaches the engine: one payload per block, ``[num_layers, 2, block_size, num_kv_heads,
+    head_dim]`` bytes each, ``ceil(num_tokens / block_size)`` of them."""
+
+    num_tokens: int
+    payloads: list[bytes | memoryview]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens ``[num_computed_tokens, +num_new_tokens)``."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Payloads to write into ``block_ids`` before the forward pass."""
+
+    block_ids: list[int]
+    payloads: list[bytes | memoryview]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    # Requests preempted (blocks freed, back to waiting) while building this step.
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> sampled token id, for requests whose step reached their last token.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    # Filled for finished requests when the engine saves KV on finish (prefill workers):
+    # one payload per block covering the prompt, in order.
+    saved_kv: list[bytes] | None = None

@@ -1,0 +1,164 @@
+"""Iteration-level Scheduler (Orca) with a token budget (Sarathi-Serve) over a paged KV cache.
+
+Every step: running requests first (decodes, continuing prompt chunks), then waiting requests
+admitted while the token budget, ``max_num_seqs`` and free blocks allow. A request that cannot get
+a block preempts the newest running request, which is freed and recomputed later (its output is
+unchanged: it resumes from prompt + tokens so far).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from core.request import FinishReason, Request, RequestStatus
+from engine.config import EngineConfig
+from engine.kv_cache.kv_cache_manager import KVCacheManager
+from engine.outputs import ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.external_kv: dict[str, ExternalKV] = {}
+        # Every request until it is freed or aborted.
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
+        """Queues ``request``; ``external_kv`` is loaded into its blocks when it is admitted.
+
+        Raises:
+            ValueError: the request cannot fit ``max_model_len``, or its external KV covers more
+                tokens than it has.
+        """
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens + request.sampling_params.max_tokens - request.num_output_tokens > limit:
+            raise ValueError(
+                f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) exceeds max_model_len ({limit})"
+            )
+        if external_kv is not None:
+            if external_kv.num_tokens > request.num_tokens:
+                raise ValueError(f"external KV covers {external_kv.num_tokens} tokens of {request.num_tokens}")
+            self.external_kv[request.request_id] = external_kv
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Builds one step. Mutates the queues, block tables and preempted requests' state."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids: set[str] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted by an earlier one
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            table = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            while table is None:
+                victim = self.running[-1]
+                if victim.request_id in scheduled_ids:
+                    raise RuntimeError("KV cache too small for the requests already scheduled this step")
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                table = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            if table is None:
+                continue
+            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+            scheduled_ids.add(request.request_id)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            ext = self.external_kv.get(request.request_id)
+            num_loaded = ext.num_tokens if ext else 0
+            # The last token is always computed: its logits give the next token.
+            num_computed = min(num_loaded, request.num_tokens - 1)
+            n = request.num_tokens - num_computed
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            table = self.kv.allocate_slots(request.request_id, max(num_computed + n, num_loaded))
+            if table is None:
+                break
+            self.waiting.popleft()
+            if ext is not None:
+                del self.external_kv[request.request_id]
+                out.kv_loads.append(KVLoad(table.block_ids[: len(ext.payloads)], ext.payloads))
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+            budget -= n
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Frees ``request``'s blocks and puts it first in line to be recomputed."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+        self.num_preemptions += 1
+
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """Advances ``num_computed_tokens``, appends sampled tokens, finishes requests that stop.
+
+        Finished requests leave ``running`` but keep their blocks until :meth:`free` (so the
+        engine can save their KV first).
+        """
+        outputs = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            token = runner_out.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            reason = request.append_output_token(token)
+            if reason is None and request.num_tokens >= self.config.max_model_len:
+                request.finish(FinishReason.LENGTH)
+            if request.is_finished:
+                self.running.remove(request)
+            outputs.append(
+                RequestOutput(
+                    request.request_id, [token], request.is_finished, request.finish_reason, request.num_cached_tokens
+                )
+            )
+        return outputs
+
+    def free(self, request_id: str) -> None:
+        """Returns a finished request's blocks and forgets it. Idempotent."""
+        self.kv.free(request_id)
+        self.requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Removes the request wherever it is and frees its blocks; None if unknown."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.free(request_id)
+                    self.external_kv.pop(request_id, None)
+                    request.finish(FinishReason.ABORT)
+                    return request
+        return None
