@@ -86,7 +86,16 @@ class LLMEngine:
         return cls(config, model, source, save_kv_on_finish)
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
-        """Queues a request (see Scheduler.add_request for the errors raised)."""
+        """Queues a request.
+
+        Raises:
+            ValueError: a token id outside the vocabulary, or the request cannot fit
+                ``max_model_len`` (see Scheduler.add_request).
+        """
+        vocab_size = self.runner.model.config.vocab_size
+        bad = [t for t in request.all_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
         self.scheduler.add_request(request, external_kv)

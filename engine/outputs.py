@@ -73,3 +73,5 @@ class RequestOutput:
     # Filled for finished requests when the engine saves KV on finish (prefill workers):
     # one payload per block covering the prompt, in order.
     saved_kv: list[bytes] | None = None
+    # Set when the engine refused the request (e.g. it cannot fit max_model_len).
+    error: str | None = None

@@ -1,0 +1,1 @@
+"""Continuous-batching decode worker: pulls prompt KV from the pool, streams tokens."""

@@ -1,0 +1,96 @@
+"""tandem.v1.DecodeWorker: converts protobuf and delegates to the decode flow."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from core.proto_convert import block_key_from_proto, sampling_params_from_proto
+from core.request import FinishReason, Request
+from engine.async_engine import AsyncEngine
+from engine.outputs import ExternalKV
+from engine.pool_io import PoolIO
+from engine.worker_runtime import PoolLocator, load_dict
+from tandem.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
+    return decode_worker_pb2.DecodeResponse(
+        finished=decode_worker_pb2.Finished(
+            finish_reason=_FINISH[request.finish_reason], num_output_tokens=request.num_output_tokens
+        )
+    )
+
+
+class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
+    """Decode = fetch the manifest's blocks from the pool (off the step loop), release the
+    request in the pool, join the running batch at the next step, stream every new token."""
+
+    def __init__(self, engine: AsyncEngine, pool: PoolLocator):
+        self.engine = engine
+        self.pool = pool
+        self.io = PoolIO(engine.engine.spec)
+
+    async def Decode(self, request, context):
+        try:
+            engine_request, keys = self._convert(request)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if engine_request.append_output_token(request.first_token_id) is not None:
+            yield _finished(engine_request)  # the first token already ends it
+            return
+        manifest = request.manifest
+        try:
+            payloads = await self.io.fetch(manifest.pool_address, keys)
+        except grpc.RpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool fetch failed: {err.details()}")
+        finally:
+            await self.io.release(manifest.pool_address, request.request_id)
+        external = ExternalKV(manifest.num_tokens, payloads)
+        try:
+            async for output in self.engine.generate(engine_request, external):
+                if output.new_token_ids:
+                    tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids)
+                    yield decode_worker_pb2.DecodeResponse(tokens=tokens)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        yield _finished(engine_request)
+
+    def _convert(self, request) -> tuple[Request, list]:
+        """Raises ValueError on a malformed request or a manifest of another KV spec."""
+        spec = self.engine.engine.spec
+        manifest = request.manifest
+        if manifest.spec_fingerprint != spec.fingerprint:
+            raise ValueError(f"manifest KV spec {manifest.spec_fingerprint!r} != this worker's {spec.fingerprint!r}")
+        if manifest.num_tokens != len(request.prompt_token_ids):
+            raise ValueError(f"manifest covers {manifest.num_tokens} tokens, prompt has {len(request.prompt_token_ids)}")
+        keys = [block_key_from_proto(k) for k in manifest.blocks]
+        if len(keys) != -(-manifest.num_tokens // spec.block_size):
+            raise ValueError(f"manifest lists {len(keys)} blocks for {manifest.num_tokens} tokens")
+        params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
+        return Request(request.request_id, list(request.prompt_token_ids), params), keys
+
+    async def Abort(self, request, context):
+        self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+    async def GetStats(self, request, context):
+        load = load_dict(self.engine)
+        return prefill_worker_pb2.GetWorkerStatsResponse(
+            num_requests_running=load["num_requests_running"],
+            num_requests_waiting=load["num_requests_waiting"],
+            num_total_blocks=load["num_total_blocks"],
+            num_used_blocks=load["num_used_blocks"],
+            num_free_blocks=load["num_free_blocks"],
+            num_prefill_tokens=self.engine.num_prompt_tokens,
+            num_generated_tokens=self.engine.num_generated_tokens,
+        )

@@ -1,0 +1,133 @@
+"""AsyncEngine: drives an LLMEngine in its own thread and streams outputs to asyncio callers.
+
+Torch releases the GIL inside kernels, so the step loop runs beside the asyncio event loop that
+serves gRPC; requests arrive and abort between steps (iteration-level scheduling, Orca).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from core.request import FinishReason, Request
+from engine.engine import EngineStats, LLMEngine
+from engine.outputs import ExternalKV, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Thread-safe front of one LLMEngine. ``start()`` must be called inside the event loop."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = engine.stats()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the step loop after the current step; unfinished requests are dropped."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken after the latest step."""
+        return self._stats
+
+    async def generate(self, request: Request, external_kv: ExternalKV | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes.
+
+        Cancelling the consumer (client gone) aborts the request in the engine, freeing its
+        blocks at the next step boundary.
+
+        Raises:
+            ValueError: the engine refused the request (message from the engine), or the id is in use.
+        """
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[rid] = stream
+        self._inbox.put(("add", request, external_kv))
+        self._wakeup.set()
+        try:
+            while True:
+                output = await stream.get()
+                if output.error is not None:
+                    raise ValueError(output.error)
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if self._streams.pop(rid, None) is not None and not request.is_finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_inbox()
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:  # a bug must not strand callers: fail every request in flight
+                log.exception("engine step failed")
+                outputs = self._fail_all()
+            for output in outputs:
+                self.num_generated_tokens += len(output.new_token_ids)
+                self._deliver(output)
+            self._stats = engine.stats()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, item, external_kv = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "abort":
+                if self.engine.abort_request(item):
+                    self._deliver(RequestOutput(item, [], True, FinishReason.ABORT))
+                continue
+            try:
+                self.engine.add_request(item, external_kv)
+                self.num_prompt_tokens += item.num_prompt_tokens
+            except ValueError as err:
+                self._deliver(RequestOutput(item.request_id, [], True, FinishReason.ABORT, error=str(err)))
+
+    def _fail_all(self) -> list[RequestOutput]:
+        failed = []
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.abort_request(rid)
+            failed.append(RequestOutput(rid, [], True, FinishReason.ABORT, error="engine step failed"))
+        return failed
+
+    def _deliver(self, output: RequestOutput) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put, output)
+
+    def _put(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)

@@ -1,0 +1,195 @@
+"""What prefill and decode workers share: engine flags, the pool address, the serve loop.
+
+Workers import this (and ``core``), never each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import click
+from prometheus_client import Gauge, start_http_server
+
+from core.grpc_service import GrpcService, run_until_signalled
+from core.logging_setup import setup_logging
+from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Process-level settings of a worker (the engine's are in EngineConfig)."""
+
+    role: str
+    host: str
+    port: int
+    redis_url: str
+    pool_address: str  # empty: found through the registry
+    worker_id: str
+    advertise_address: str  # empty: host:bound_port
+    metrics_port: int
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+
+
+def engine_options(f):
+    """Click options for EngineConfig, shared by both workers (env ``TANDEM_<ROLE>_<FLAG>``)."""
+    d = EngineConfig()
+    options = [
+        click.option("--model", default=d.model, show_default=True, help="Bundled name, .gguf file or HF folder."),
+        click.option("--dtype", default=d.dtype, show_default=True, type=click.Choice(["float32", "float16", "bfloat16"])),
+        click.option("--device", default=d.device, show_default=True),
+        click.option("--block-size", default=d.block_size, show_default=True, type=int),
+        click.option("--num-kv-blocks", default=d.num_kv_blocks, show_default=True, type=int),
+        click.option("--max-num-seqs", default=d.max_num_seqs, show_default=True, type=int),
+        click.option("--max-num-batched-tokens", default=d.max_num_batched_tokens, show_default=True, type=int),
+        click.option("--max-model-len", default=d.max_model_len, show_default=True, type=int),
+        click.option("--attention-backend", default=d.attention_backend, show_default=True,
+                     type=click.Choice(["auto", "torch", "triton"])),
+        click.option("--num-threads", default=d.num_threads, show_default=True, type=int,
+                     help="torch intra-op threads (0: torch's default)."),
+        click.option("--seed", default=d.seed, show_default=True, type=int),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def worker_options(default_port: int):
+    def wrap(f):
+        options = [
+            click.option("--host", default="127.0.0.1", show_default=True),
+            click.option("--port", default=default_port, show_default=True, type=int, help="0 picks a free port."),
+            click.option("--redis-url", default="redis://127.0.0.1:6379/0", show_default=True),
+            click.option("--pool-address", default="", help="KV pool host:port (default: found in Redis)."),
+            click.option("--worker-id", default="", help="Default: <role>-<hostname>-<pid>."),
+            click.option("--advertise-address", default="", help="Address others dial (default: host:port)."),
+            click.option("--metrics-port", default=0, type=int, help="Prometheus port (0: off)."),
+            click.option("--log-level", default="INFO", show_default=True),
+        ]
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return wrap
+
+
+def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, str]:
+    """Splits click kwargs into worker config, engine config and the log level."""
+    engine_keys = set(EngineConfig.__dataclass_fields__)
+    engine_config = EngineConfig(**{k: v for k, v in kwargs.items() if k in engine_keys})
+    worker = WorkerConfig(
+        role=role,
+        host=kwargs["host"],
+        port=kwargs["port"],
+        redis_url=kwargs["redis_url"],
+        pool_address=kwargs["pool_address"],
+        worker_id=kwargs["worker_id"] or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        advertise_address=kwargs["advertise_address"],
+        metrics_port=kwargs["metrics_port"],
+    )
+    return worker, engine_config, kwargs["log_level"]
+
+
+class PoolLocator:
+    """The KV pool's address: fixed by flag, else the first live pool in the registry (cached 1 s)."""
+
+    def __init__(self, registry: WorkerRegistry, fixed_address: str = ""):
+        self.registry = registry
+        self.fixed_address = fixed_address
+        self._cached: tuple[float, str] = (0.0, "")
+
+    async def address(self) -> str:
+        """Raises LookupError when no pool is registered."""
+        if self.fixed_address:
+            return self.fixed_address
+        when, address = self._cached
+        if not address or time.monotonic() - when > 1.0:
+            pools = await self.registry.list_workers("pool")
+            if not pools:
+                raise LookupError("no KV pool is registered")
+            address = pools[0].address
+            self._cached = (time.monotonic(), address)
+        return address
+
+
+def _export_gauges(engine: AsyncEngine, role: str) -> None:
+    labels = {"role": role}
+    Gauge("tandem:num_requests_running", "Requests in the running batch", ["role"]).labels(**labels).set_function(
+        lambda: engine.stats().num_requests_running
+    )
+    Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled", ["role"]).labels(**labels).set_function(
+        lambda: engine.stats().num_requests_waiting
+    )
+    Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use", ["role"]).labels(**labels).set_function(
+        lambda: engine.stats().num_used_blocks / max(1, engine.stats().num_total_blocks)
+    )
+
+
+def load_dict(engine: AsyncEngine) -> dict[str, float]:
+    """The live load a worker publishes in its heartbeat and its GetStats reply."""
+    s = engine.stats()
+    return {
+        "num_requests_running": s.num_requests_running,
+        "num_requests_waiting": s.num_requests_waiting,
+        "num_total_blocks": s.num_total_blocks,
+        "num_used_blocks": s.num_used_blocks,
+        "num_free_blocks": s.num_free_blocks,
+        "num_preemptions": s.num_preemptions,
+    }
+
+
+def serve_worker(
+    worker: WorkerConfig,
+    engine_config: EngineConfig,
+    log_level: str,
+    service_name: str,
+    add_servicer: Callable[[GrpcService, AsyncEngine, PoolLocator], None],
+    save_kv_on_finish: bool,
+) -> None:
+    """Loads the model, serves until SIGTERM, deregisters, drains in-flight RPCs, exits."""
+    setup_logging(f"{worker.role}_worker", log_level)
+    log.info("loading model %s", engine_config.model)
+    engine = LLMEngine.from_config(engine_config, save_kv_on_finish=save_kv_on_finish)
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        registry = WorkerRegistry(worker.redis_url)
+        service = GrpcService(worker.host, worker.port, [service_name])
+        add_servicer(service, async_engine, PoolLocator(registry, worker.pool_address))
+        heartbeat: Heartbeat | None = None
+
+        async def start() -> None:
+            nonlocal heartbeat
+            async_engine.start()
+            port = await service.start()
+            address = worker.advertise_address or f"{worker.host}:{port}"
+            info = WorkerInfo(worker.worker_id, worker.role, address)
+            heartbeat = Heartbeat(registry, info, lambda: load_dict(async_engine),
+                                  worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
+            await heartbeat.start()
+            if worker.metrics_port:
+                _export_gauges(async_engine, worker.role)
+                start_http_server(worker.metrics_port)
+            log.info("serving %s on %s", service_name, address)
+
+        async def stop() -> None:
+            if heartbeat is not None:
+                await heartbeat.stop()  # no new traffic
+            await service.stop()  # drain in-flight RPCs
+            async_engine.stop()
+            await registry.close()
+
+        await run_until_signalled(start, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+"""The ``tandem`` command: start a local cluster, run a demo."""

@@ -1,0 +1,103 @@
+"""``tandem``: the command-line entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from core.model_source import DEFAULT_MODEL, resolve_model
+from launcher.local_cluster import ClusterConfig, LocalCluster
+from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
+
+console = Console()
+
+
+@click.group()
+def main() -> None:
+    """Tandem: disaggregated prefill/decode LLM serving."""
+
+
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Bundled name, .gguf file or HF folder.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--http-port", default=8000, show_default=True, type=int)
+@click.option("--grpc-port", default=50050, show_default=True, type=int)
+@click.option("--redis-url", default="", help="Use this Redis instead of starting a private redis-server.")
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--num-kv-blocks", default=1024, show_default=True, type=int, help="Decode/prefill KV cache blocks.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
+@click.option("--max-model-len", default=2048, show_default=True, type=int)
+@click.option("--pool-capacity-bytes", default=2 * 1024**3, show_default=True, type=int)
+@click.option("--num-threads", default=0, type=int, help="CPU threads split between the workers (0: all cores).")
+@click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
+@click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
+@click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), default=None,
+              help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
+                   "if present, else built-in prompts.")
+@click.option("--num-prompts", default=8, show_default=True, type=int)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path, **kwargs) -> None:
+    """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine."""
+    config = ClusterConfig(log_dir=log_dir, **kwargs)
+    source = resolve_model(config.model)
+    with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
+        from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
+
+        ensure_hf_dir(source)
+    cluster = LocalCluster(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with console.status("starting services") as status:
+            cluster.start(on_progress=lambda msg: status.update(msg))
+        console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
+                      f"Redis {cluster.redis_url}  logs {config.log_dir}")
+        if demo:
+            if prompts_path is None and SHAREGPT_DEFAULT.exists():
+                prompts_path = SHAREGPT_DEFAULT
+            prompts = load_prompts(prompts_path, num_prompts, max_chars=400)
+            _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
+        else:
+            console.print("Ctrl-C stops every service.")
+            while not stop.wait(timeout=1.0):
+                _check_alive(cluster)
+    finally:
+        with console.status("stopping services"):
+            cluster.stop()
+        console.print("stopped")
+
+
+def _check_alive(cluster: LocalCluster) -> None:
+    for service in cluster.services:
+        if service.process.poll() is not None:
+            raise click.ClickException(f"{service.name} exited ({service.process.returncode}); see {service.log_path}")
+
+
+async def _demo(cluster: LocalCluster, model: str, prompts: list[str], max_tokens: int):
+    from launcher.demo import run_demo
+
+    return await run_demo(cluster.http_url, model, prompts, max_tokens)
+
+
+def _print_demo(results) -> None:
+    for i, r in enumerate(results):
+        console.rule(f"[bold]{i}[/] {r.prompt[:100]!r}")
+        console.print(r.error or r.text)
+    table = Table("#", "TTFT s", "mean TBT ms", "chars", "finish")
+    for i, r in enumerate(results):
+        table.add_row(str(i), f"{r.ttft_s:.3f}", f"{r.mean_tbt_s * 1000:.1f}", str(len(r.text)), r.finish_reason or r.error[:30])
+    console.print(table)
+    if any(r.error for r in results):
+        raise click.ClickException("some demo requests failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""LocalCluster: every Tandem service as its own process on this machine (DESIGN.md §9).
+
+Start order: Redis → KV pool → prefill worker → decode worker → router; stop order is the
+reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
+behind even when the launcher is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: Ctrl-C still stops everything through stop()
+        pass
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``tandem up`` starts. Raises ValueError on impossible sizes."""
+
+    model: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    redis_url: str = ""  # empty: start a private redis-server
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    pool_capacity_bytes: int = 2 * 1024**3
+    num_threads: int = 0  # total CPU threads for the two workers; 0: all cores
+    log_dir: Path = field(default_factory=lambda: Path.cwd() / ".cache" / "logs")
+    extra_worker_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    ready: Callable[[], bool]
+    log_path: Path
+
+
+def _grpc_ready(address: str) -> Callable[[], bool]:
+    def check() -> bool:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    return check
+
+
+def _http_ready(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def _redis_ready(port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    return check
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.services: list[Service] = []
+        self.redis_url = config.redis_url
+        self.http_url = f"http://{config.host}:{config.http_port}"
+        self.grpc_address = f"{config.host}:{config.grpc_port}"
+
+    def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.config.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent, env={**os.environ, **(env or {})},
+            )
+        service = Service(name, process, ready, log_path)
+        self.services.append(service)
+        return service
+
+    def start(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
+        """Starts every service and waits until each is healthy.
+
+        Raises:
+            FileNotFoundError: redis-server is needed and not installed.
+            RuntimeError: a service exited or did not become healthy in time (its log is named).
+        """
+        c = self.config
+        py = sys.executable
+        if not self.redis_url:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise FileNotFoundError(
+                    "redis-server not found: install it (Debian/Ubuntu: apt-get install -y redis-server) "
+                    "or pass --redis-url redis://HOST:PORT/0"
+                )
+            port = free_port()
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            self._wait(self._spawn("redis", argv, _redis_ready(port)), on_progress, timeout_s)
+        pool_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+        common = ["--host", c.host, "--redis-url", self.redis_url]
+        pool = self._spawn(
+            "kv_pool",
+            [py, "-m", "kv_pool", *common, "--port", str(pool_port), "--capacity-bytes", str(c.pool_capacity_bytes)],
+            _grpc_ready(f"{c.host}:{pool_port}"),
+        )
+        self._wait(pool, on_progress, timeout_s)
+        cores = c.num_threads or os.cpu_count() or 2
+        prefill_threads, decode_threads = max(1, cores // 2), max(1, cores - cores // 2)
+        engine_args = [
+            "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
+            "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--max-model-len", str(c.max_model_len), "--pool-address", f"{c.host}:{pool_port}",
+            *c.extra_worker_args,
+        ]
+        # One thread budget per process: oversubscribed torch processes slow down 10-100x.
+        workers = [
+            self._spawn(role, [py, "-m", f"{role}_worker", *common, *engine_args, "--port", str(port),
+                               "--num-threads", str(threads)],
+                        _grpc_ready(f"{c.host}:{port}"),
+                        env={"OMP_NUM_THREADS": str(threads)})
+            for role, port, threads in (("prefill", prefill_port, prefill_threads), ("decode", decode_port, decode_threads))
+        ]
+        for worker in workers:
+            self._wait(worker, on_progress, timeout_s)
+        router = self._spawn(
+            "router",
+            [py, "-m", "router", *common, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
+             "--model", c.model, "--max-model-len", str(c.max_model_len)],
+            _http_ready(f"{self.http_url}/health"),
+        )
+        self._wait(router, on_progress, timeout_s)
+
+    def _wait(self, service: Service, on_progress: Callable[[str], None], timeout_s: float) -> None:
+        on_progress(f"starting {service.name}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if service.process.poll() is not None:
+                tail = service.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{service.name} exited with code {service.process.returncode}; "
+                                   f"log {service.log_path}:\n{tail}")
+            if service.ready():
+                on_progress(f"{service.name} ready")
+                return
+            time.sleep(0.2)  # polling a child's health, not synchronising threads
+        raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; log {service.log_path}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM in reverse start order, SIGKILL what is still alive after ``timeout_s``."""
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+            try:
+                service.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
+        self.services.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Stateless prefill worker: batched prefill under a token budget, KV written to the pool."""
