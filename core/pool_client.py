@@ -1,0 +1,226 @@
+"""Clients of the KV pool (``tandem.v1.KVPool``): blocking for workers, asyncio for the router.
+
+Both speak in domain types (:class:`BlockKey`, ``bytes``); protobuf stays inside this module.
+Every method raises ``grpc.RpcError`` (``grpc.aio.AioRpcError`` for the async client, a subclass)
+when the call fails; ``err.code()`` tells why:
+
+- ``INVALID_ARGUMENT``: a malformed key, an empty fingerprint or request_id;
+- ``NOT_FOUND``: ``get_blocks`` named a block the pool does not hold (never stored or evicted;
+  hold a lease to prevent eviction);
+- ``RESOURCE_EXHAUSTED``: ``put_blocks`` found the pool full of leased/scoped/in-flight blocks;
+- ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``: the pool is down or slow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+
+from core.block_key import BlockKey
+from core.grpc_service import aio_channel, insecure_channel
+from core.proto_convert import block_key_to_proto
+from tandem.v1 import kv_pool_pb2, kv_pool_pb2_grpc
+
+# Largest data field of one PutBlocks / GetBlocks message; bigger blocks travel as several chunks.
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+BlockBytes = bytes | bytearray | memoryview
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
+
+
+def _chunk_blocks(items: Iterable[tuple[BlockKey, BlockBytes]]) -> list[tuple[BlockKey, memoryview]]:
+    """Byte views of every block, checked before any byte is sent.
+
+    Raises:
+        ValueError: an empty block (the pool stores none) or a non-contiguous buffer.
+    """
+    blocks = [(key, memoryview(data).cast("B")) for key, data in items]
+    for key, view in blocks:
+        if len(view) == 0:
+            raise ValueError(f"block {key} is empty")
+    return blocks
+
+
+def _put_requests(
+    blocks: list[tuple[BlockKey, memoryview]], lease_request_id: str, lease_ttl_s: float
+) -> Iterator[kv_pool_pb2.PutBlocksRequest]:
+    """Chunks every block at MAX_CHUNK_BYTES; the key and block size ride on every chunk."""
+    ttl_ms = _ttl_ms(lease_ttl_s) if lease_request_id else 0
+    for key, view in blocks:
+        key_msg = block_key_to_proto(key)
+        for offset in range(0, len(view), MAX_CHUNK_BYTES):
+            yield kv_pool_pb2.PutBlocksRequest(
+                key=key_msg,
+                block_bytes=len(view),
+                offset_bytes=offset,
+                data=bytes(view[offset : offset + MAX_CHUNK_BYTES]),
+                lease_request_id=lease_request_id,
+                lease_ttl_ms=ttl_ms,
+            )
+
+
+class _BlockAssembler:
+    """Reassembles GetBlocks chunks into one ``bytes`` per requested key, in request order."""
+
+    def __init__(self, keys: Sequence[BlockKey]):
+        self._keys = keys
+        self._parts: list[list[bytes]] = [[] for _ in keys]
+        self._sizes = [0] * len(keys)
+        self._received = [0] * len(keys)
+
+    def add(self, msg: kv_pool_pb2.GetBlocksResponse) -> None:
+        i = msg.key_index
+        if i >= len(self._keys) or msg.offset_bytes != self._received[i]:
+            raise ValueError(f"pool sent chunk key_index={i} offset={msg.offset_bytes} out of order")
+        self._sizes[i] = msg.block_bytes
+        self._parts[i].append(msg.data)
+        self._received[i] += len(msg.data)
+
+    def blocks(self) -> list[bytes]:
+        """Raises ValueError if a block arrived incomplete."""
+        for key, size, received in zip(self._keys, self._sizes, self._received):
+            if received != size or size == 0:
+                raise ValueError(f"block {key}: pool sent {received} of {size} bytes")
+        return [parts[0] if len(parts) == 1 else b"".join(parts) for parts in self._parts]
+
+
+def _stats_dict(msg: kv_pool_pb2.GetPoolStatsResponse) -> dict[str, int]:
+    return {field.name: getattr(msg, field.name) for field in msg.DESCRIPTOR.fields}
+
+
+class PoolClient:
+    """Blocking client of one pool node; thread-safe (one gRPC channel, shareable).
+
+    ``timeout_s`` bounds every call (None: no deadline).
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = insecure_channel(address)
+        self._stub = kv_pool_pb2_grpc.KVPoolStub(self._channel)
+
+    def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        """Number of leading ``block_hashes`` the pool holds (no lease taken)."""
+        msg = kv_pool_pb2.LookupRequest(spec_fingerprint=spec_fingerprint, block_hashes=block_hashes)
+        return self._stub.Lookup(msg, timeout=self.timeout_s).num_hit_blocks
+
+    def acquire_lease(self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float) -> int:
+        """Leases the longest held prefix to ``request_id`` for ``ttl_s`` seconds; returns its length."""
+        msg = kv_pool_pb2.AcquireLeaseRequest(
+            spec_fingerprint=spec_fingerprint, block_hashes=block_hashes, request_id=request_id, ttl_ms=_ttl_ms(ttl_s)
+        )
+        return self._stub.AcquireLease(msg, timeout=self.timeout_s).num_hit_blocks
+
+    def put_blocks(
+        self, items: Iterable[tuple[BlockKey, BlockBytes]], lease_request_id: str = "", lease_ttl_s: float = 60.0
+    ) -> tuple[int, int]:
+        """Stores blocks (two-phase, all-or-nothing per block); returns (committed, duplicates).
+
+        With ``lease_request_id``, every block (duplicates too) is leased to it for ``lease_ttl_s``.
+        Blocks committed before a failure stay stored; the block in flight is rolled back.
+
+        Raises:
+            ValueError: an empty block or ``lease_ttl_s`` <= 0 (before anything is sent).
+            grpc.RpcError: the put failed (see the module docstring).
+        """
+        if lease_request_id:
+            _ttl_ms(lease_ttl_s)  # a bad ttl raises here, not inside gRPC's sending thread
+        requests = _put_requests(_chunk_blocks(items), lease_request_id, lease_ttl_s)
+        response = self._stub.PutBlocks(requests, timeout=self.timeout_s)
+        return response.num_committed_blocks, response.num_duplicate_blocks
+
+    def get_blocks(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """The bytes of each key, in the order of ``keys``.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND names the first key the pool does not hold.
+            ValueError: the pool sent a block incomplete or out of order.
+        """
+        assembler = _BlockAssembler(keys)
+        msg = kv_pool_pb2.GetBlocksRequest(keys=[block_key_to_proto(k) for k in keys])
+        for chunk in self._stub.GetBlocks(msg, timeout=self.timeout_s):
+            assembler.add(chunk)
+        return assembler.blocks()
+
+    def release_request(self, request_id: str) -> None:
+        """Drops the request's leases and frees its scoped blocks; idempotent."""
+        self._stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=self.timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        """``GetPoolStatsResponse`` as a dict (``num_stored_blocks``, ``used_bytes``, ...)."""
+        return _stats_dict(self._stub.GetStats(kv_pool_pb2.GetPoolStatsRequest(), timeout=self.timeout_s))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncPoolClient:
+    """asyncio client of one pool node; the same methods as :class:`PoolClient`, as coroutines.
+
+    Create it inside the event loop that will use it.
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = aio_channel(address)
+        self._stub = kv_pool_pb2_grpc.KVPoolStub(self._channel)
+
+    async def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        msg = kv_pool_pb2.LookupRequest(spec_fingerprint=spec_fingerprint, block_hashes=block_hashes)
+        return (await self._stub.Lookup(msg, timeout=self.timeout_s)).num_hit_blocks
+
+    async def acquire_lease(
+        self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float
+    ) -> int:
+        msg = kv_pool_pb2.AcquireLeaseRequest(
+            spec_fingerprint=spec_fingerprint, block_hashes=block_hashes, request_id=request_id, ttl_ms=_ttl_ms(ttl_s)
+        )
+        return (await self._stub.AcquireLease(msg, timeout=self.timeout_s)).num_hit_blocks
+
+    async def put_blocks(
+        self, items: Iterable[tuple[BlockKey, BlockBytes]], lease_request_id: str = "", lease_ttl_s: float = 60.0
+    ) -> tuple[int, int]:
+        if lease_request_id:
+            _ttl_ms(lease_ttl_s)
+        requests = _put_requests(_chunk_blocks(items), lease_request_id, lease_ttl_s)
+        response = await self._stub.PutBlocks(_aiter(requests), timeout=self.timeout_s)
+        return response.num_committed_blocks, response.num_duplicate_blocks
+
+    async def get_blocks(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        assembler = _BlockAssembler(keys)
+        msg = kv_pool_pb2.GetBlocksRequest(keys=[block_key_to_proto(k) for k in keys])
+        async for chunk in self._stub.GetBlocks(msg, timeout=self.timeout_s):
+            assembler.add(chunk)
+        return assembler.blocks()
+
+    async def release_request(self, request_id: str) -> None:
+        await self._stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=self.timeout_s)
+
+    async def stats(self) -> dict[str, int]:
+        return _stats_dict(await self._stub.GetStats(kv_pool_pb2.GetPoolStatsRequest(), timeout=self.timeout_s))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _aiter(requests: Iterator[kv_pool_pb2.PutBlocksRequest]) -> AsyncIterator[kv_pool_pb2.PutBlocksRequest]:
+    for request in requests:
+        yield request

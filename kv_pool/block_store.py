@@ -1,0 +1,332 @@
+"""The DRAM block store: a pure data structure, no I/O (DESIGN.md §4-§5).
+
+Life of a block::
+
+    reserve ──► WRITING ──write()*──► commit ──► STORED ──(LRU, unleased, content only)──► evicted
+                   │                                │
+                   └────────── abort ───► gone      └── scoped: freed by release_request / expiry
+
+A WRITING block holds its bytes (they count as used) but is invisible to ``lookup`` and ``get``.
+Content-addressed blocks (``BlockKey.block_hash``) are shared by every request and evicted least
+recently used first, never while leased. Request-scoped blocks (``BlockKey.request_id``) are never
+indexed or evicted: they die with their request (``release_request`` or its deadline in
+``expire``). A request's deadline is extended by every lease it takes and every scoped block it
+reserves, so nothing is stranded when a client dies.
+
+Not thread-safe: call every method from one thread (the server's event loop). ``stats()`` only
+reads counters and may be called from another thread (the metrics exporter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from core.block_key import BlockKey
+from kv_pool.block_types import (
+    DUPLICATE,
+    BlockEvent,
+    BlockState,
+    Duplicate,
+    PoolFullError,
+    PoolStats,
+    Reservation,
+    StaleReservationError,
+)
+from kv_pool.leases import LeaseTable
+from kv_pool.lru import LruSet
+
+__all__ = [
+    "DUPLICATE",
+    "BlockEvent",
+    "BlockState",
+    "BlockStore",
+    "PoolFullError",
+    "PoolStats",
+    "Reservation",
+    "StaleReservationError",
+]
+
+
+@dataclass(eq=False)
+class _Block:
+    key: BlockKey
+    data: bytearray  # [block_bytes], uint8
+    reservation: Reservation | None  # set while WRITING
+    written_bytes: int = 0
+
+
+class BlockStore:
+    """Blocks keyed by :class:`BlockKey` in ``capacity_bytes`` of DRAM.
+
+    ``clock`` returns monotonic seconds (inject a fake one in tests); ``default_ttl_s`` is the
+    lifetime given to a request that reserves a scoped block without holding a lease.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        default_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[BlockEvent], None] | None = None,
+    ):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
+        if default_ttl_s <= 0:
+            raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s!r}")
+        self.capacity_bytes = capacity_bytes
+        self.default_ttl_s = default_ttl_s
+        self._on_event = on_event
+        self._blocks: dict[BlockKey, _Block] = {}
+        self._evictable = LruSet()  # STORED content-addressed blocks that no lease holds
+        self._leases = LeaseTable(clock)
+        self._used_bytes = 0
+        self._num_writing = self._num_stored = self._num_scoped = 0
+        self._num_evicted = self._num_lookup_hits = self._num_lookups = 0
+
+    # -- two-phase put ---------------------------------------------------------------------------
+
+    def reserve(self, key: BlockKey, block_bytes: int) -> Reservation | Duplicate:
+        """Reserves ``block_bytes`` for ``key`` in state WRITING, evicting LRU blocks for room.
+
+        Returns ``DUPLICATE`` (mutating nothing) when ``key`` is already stored or being written:
+        the second writer's put succeeds without a second copy.
+
+        Mutates: block table, used bytes, LRU (evictions); a scoped key extends its request's
+        deadline to at least now + ``default_ttl_s``.
+
+        Raises:
+            ValueError: ``block_bytes`` <= 0 or an empty spec fingerprint.
+            PoolFullError: no room can be made without touching leased, scoped or WRITING blocks.
+        """
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes!r}")
+        if not key.spec_fingerprint:
+            raise ValueError(f"spec_fingerprint must not be empty: {key}")
+        if key in self._blocks:
+            return DUPLICATE
+        self._make_room(block_bytes)
+        reservation = Reservation(key, block_bytes)
+        self._blocks[key] = _Block(key, bytearray(block_bytes), reservation)
+        self._used_bytes += block_bytes
+        self._num_writing += 1
+        if key.is_scoped:
+            self._leases.add_scoped(key, self.default_ttl_s)
+        return reservation
+
+    def write(self, reservation: Reservation, offset_bytes: int, data: bytes | memoryview) -> None:
+        """Copies ``data`` into the reserved block at ``offset_bytes``; chunks arrive in order.
+
+        Mutates: the block's bytes and its written count.
+
+        Raises:
+            StaleReservationError: the reservation is no longer live.
+            ValueError: ``offset_bytes`` is not where the previous chunk ended, or the chunk
+                runs past ``block_bytes``.
+        """
+        block = self._live(reservation)
+        end = offset_bytes + len(data)
+        if offset_bytes != block.written_bytes:
+            raise ValueError(f"{block.key}: chunk at offset {offset_bytes}, expected {block.written_bytes}")
+        if end > reservation.block_bytes:
+            raise ValueError(f"{block.key}: chunk ends at {end}, past block_bytes {reservation.block_bytes}")
+        block.data[offset_bytes:end] = data
+        block.written_bytes = end
+
+    def commit(self, reservation: Reservation) -> None:
+        """Makes the block STORED and visible; a content block becomes evictable unless leased.
+
+        Mutates: block state, LRU (most recently used), counts; reports a "stored" event for a
+        content-addressed block.
+
+        Raises:
+            StaleReservationError: the reservation is no longer live.
+            ValueError: not every byte was written.
+        """
+        block = self._live(reservation)
+        if block.written_bytes != reservation.block_bytes:
+            raise ValueError(f"{block.key}: commit after {block.written_bytes} of {reservation.block_bytes} bytes")
+        block.reservation = None
+        self._num_writing -= 1
+        if block.key.is_scoped:
+            self._num_scoped += 1
+            return
+        self._num_stored += 1
+        if not self._leases.is_leased(block.key):
+            self._evictable.add(block.key, len(block.data))
+        self._emit("stored", block.key)
+
+    def abort(self, reservation: Reservation) -> bool:
+        """Rolls a WRITING block back: it was never visible and its bytes are freed.
+
+        Returns False (mutating nothing) when the reservation is no longer live.
+        Mutates: block table, used bytes, leases on the block.
+        """
+        block = self._blocks.get(reservation.key)
+        if block is None or block.reservation is not reservation:
+            return False
+        self._free(block)
+        return True
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> memoryview:
+        """Read-only view of a STORED block's bytes, valid even if the block is freed later.
+
+        Mutates: LRU (the block becomes most recently used).
+
+        Raises:
+            KeyError: ``key`` is not stored (unknown, evicted, or still WRITING).
+        """
+        block = self._blocks.get(key)
+        if block is None or block.reservation is not None:
+            raise KeyError(key)
+        self._evictable.touch(key)
+        return memoryview(block.data).toreadonly()
+
+    def block_state(self, key: BlockKey) -> BlockState | None:
+        """State of ``key``, or None when the pool does not hold it. Mutates nothing."""
+        block = self._blocks.get(key)
+        if block is None:
+            return None
+        return BlockState.WRITING if block.reservation is not None else BlockState.STORED
+
+    def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        """Number of leading ``block_hashes`` that are STORED (stops at the first gap).
+
+        Mutates: the lookup counters only (queried and hit blocks).
+        """
+        num_hit = self._prefix_len(spec_fingerprint, block_hashes)
+        self._num_lookups += len(block_hashes)
+        self._num_lookup_hits += num_hit
+        return num_hit
+
+    # -- leases and request lifetime -------------------------------------------------------------
+
+    def acquire_lease(self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float) -> int:
+        """Leases the longest STORED prefix of ``block_hashes`` to ``request_id``; returns its length.
+
+        Mutates: leases (see ``lease``).
+
+        Raises:
+            ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
+        """
+        num_hit = self._prefix_len(spec_fingerprint, block_hashes)
+        keys = [BlockKey.content(spec_fingerprint, h) for h in block_hashes[:num_hit]]
+        self.lease(keys, request_id, ttl_s)
+        return num_hit
+
+    def lease(self, keys: Iterable[BlockKey], request_id: str, ttl_s: float) -> int:
+        """Leases every held key (WRITING or STORED) to ``request_id``; returns how many.
+
+        A leased block is never evicted. The request's deadline becomes at least now + ``ttl_s``.
+        Mutates: lease sets, LRU (leased blocks leave it), the request's deadline.
+
+        Raises:
+            ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
+        """
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        self._leases.extend(request_id, ttl_s)
+        num_leased = 0
+        for key in keys:
+            if key not in self._blocks:
+                continue
+            num_leased += 1
+            if self._leases.lease(request_id, key):
+                self._evictable.discard(key)
+        self._leases.drop_if_idle(request_id)
+        return num_leased
+
+    def release_request(self, request_id: str) -> tuple[int, int]:
+        """Ends ``request_id`` in the pool: drops its leases and frees its scoped blocks.
+
+        Idempotent. Returns (leases dropped, scoped blocks freed).
+        Mutates: lease sets, LRU (unleased content blocks return as most recently used), block
+        table and used bytes (scoped blocks, WRITING ones included: their reservation goes stale).
+        """
+        released = self._leases.release(request_id)
+        for key in released.unleased_keys:
+            block = self._blocks[key]
+            if block.reservation is None and not key.is_scoped:
+                self._evictable.add(key, len(block.data))
+        for key in released.scoped_keys:
+            self._free(self._blocks[key])
+        return released.num_leases, len(released.scoped_keys)
+
+    def expire(self, now_s: float | None = None) -> list[str]:
+        """Releases every request whose deadline is <= ``now_s`` (default: the clock).
+
+        Returns the released request_ids. Mutates: as ``release_request``.
+        """
+        lapsed = self._leases.lapsed(now_s)
+        for request_id in lapsed:
+            self.release_request(request_id)
+        return lapsed
+
+    def stats(self) -> PoolStats:
+        """Current counts; reads counters only. Mutates nothing."""
+        return PoolStats(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used_bytes,
+            num_writing_blocks=self._num_writing,
+            num_stored_blocks=self._num_stored,
+            num_leased_blocks=self._leases.num_leased_blocks,
+            num_scoped_blocks=self._num_scoped,
+            num_leases=self._leases.num_leases,
+            num_evicted_blocks=self._num_evicted,
+            num_lookup_hit_blocks=self._num_lookup_hits,
+            num_lookup_blocks=self._num_lookups,
+        )
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _live(self, reservation: Reservation) -> _Block:
+        block = self._blocks.get(reservation.key)
+        if block is None or block.reservation is not reservation:
+            raise StaleReservationError(f"reservation of {reservation.key} is no longer live")
+        return block
+
+    def _prefix_len(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        for i, block_hash in enumerate(block_hashes):
+            block = self._blocks.get(BlockKey.content(spec_fingerprint, block_hash))
+            if block is None or block.reservation is not None:
+                return i
+        return len(block_hashes)
+
+    def _make_room(self, block_bytes: int) -> None:
+        """Evicts LRU blocks until ``block_bytes`` fit, or raises PoolFullError evicting nothing."""
+        needed_bytes = self._used_bytes + block_bytes - self.capacity_bytes
+        if needed_bytes <= 0:
+            return
+        if block_bytes > self.capacity_bytes or needed_bytes > self._evictable.total_bytes:
+            raise PoolFullError(
+                f"no room for a {block_bytes}-byte block: {self.capacity_bytes - self._used_bytes} bytes "
+                f"free, {self._evictable.total_bytes} evictable; the rest is leased, scoped or being written"
+            )
+        while self._used_bytes + block_bytes > self.capacity_bytes:
+            key = self._evictable.pop_oldest()
+            self._num_evicted += 1
+            self._free(self._blocks[key])
+
+    def _free(self, block: _Block) -> None:
+        """Removes ``block`` in any state, dropping the leases every request holds on it."""
+        key = block.key
+        self._leases.forget_block(key)
+        self._evictable.discard(key)
+        del self._blocks[key]
+        self._used_bytes -= len(block.data)
+        if block.reservation is not None:
+            self._num_writing -= 1
+        elif key.is_scoped:
+            self._num_scoped -= 1
+        else:
+            self._num_stored -= 1
+            self._emit("evicted", key)
+
+    def _emit(self, kind: str, key: BlockKey) -> None:
+        if self._on_event is not None:
+            self._on_event(BlockEvent(kind, key))

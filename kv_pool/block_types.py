@@ -1,0 +1,65 @@
+"""Values the block store hands out: reservations, events, stats, and its errors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from core.block_key import BlockKey
+
+
+class PoolFullError(Exception):
+    """No room for a reservation: what is not free is leased, scoped or being written."""
+
+
+class StaleReservationError(Exception):
+    """The reservation was committed, aborted, or freed with its request."""
+
+
+class BlockState(enum.Enum):
+    WRITING = "writing"  # reserved, bytes arriving, invisible to readers
+    STORED = "stored"  # committed, visible
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A change of the content-addressed index, reported to ``on_event`` (for the Redis mirror)."""
+
+    kind: str  # "stored" | "evicted"
+    key: BlockKey
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Handle of one WRITING block; compared by identity, so a stale handle cannot write."""
+
+    key: BlockKey
+    block_bytes: int
+
+
+class Duplicate:
+    """Type of ``DUPLICATE``, the answer of a put whose key the store already holds."""
+
+    def __repr__(self) -> str:
+        return "DUPLICATE"
+
+
+# Returned by ``reserve`` when the key is already stored or being written: skip the bytes.
+DUPLICATE = Duplicate()
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Counts by state. ``stored``, ``scoped`` and ``writing`` are disjoint; ``leased`` overlays
+    them (blocks held by at least one lease). Field names mirror ``GetPoolStatsResponse``."""
+
+    capacity_bytes: int
+    used_bytes: int
+    num_writing_blocks: int
+    num_stored_blocks: int  # committed content-addressed blocks
+    num_leased_blocks: int
+    num_scoped_blocks: int  # committed request-scoped blocks
+    num_leases: int  # requests holding at least one lease
+    num_evicted_blocks: int
+    num_lookup_hit_blocks: int
+    num_lookup_blocks: int

@@ -1,0 +1,56 @@
+"""Configuration of one pool node, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Everything one ``kv_pool`` process needs to know.
+
+    Raises:
+        ValueError: quoting the bad value, for an out-of-range port, a non-positive capacity or
+            duration, an empty node id, a Redis URL without a known scheme, or an advertise
+            address that is not ``HOST:PORT``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    capacity_bytes: int = 2 * 1024**3  # DRAM held for blocks, reservations included
+    node_id: str = "pool-0"
+    advertise_address: str = ""  # what the registry tells others; "" means host:bound_port
+    lease_ttl_s: float = 60.0  # lease / scoped-block lifetime when a client gives none
+    metrics_port: int = 0  # Prometheus /metrics; 0 turns it off
+    expiry_interval_s: float = 0.5  # how often lapsed leases are released
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value!r}")
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes!r}")
+        for name in ("lease_ttl_s", "expiry_interval_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s must exceed heartbeat_interval_s ({self.heartbeat_interval_s}), "
+                f"got {self.heartbeat_ttl_s!r}"
+            )
+        if not self.host:
+            raise ValueError(f"host must not be empty, got {self.host!r}")
+        if not self.node_id or ":" in self.node_id:
+            raise ValueError(f"node_id must be non-empty and contain no ':', got {self.node_id!r}")
+        if not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(f"redis_url must start with one of {REDIS_SCHEMES}, got {self.redis_url!r}")
+        if self.advertise_address:
+            _, sep, port = self.advertise_address.rpartition(":")
+            if not sep or not port.isdigit():
+                raise ValueError(f"advertise_address must be HOST:PORT, got {self.advertise_address!r}")

@@ -1,0 +1,142 @@
+"""Mirrors one pool node's content-addressed index into Redis (DESIGN.md §6).
+
+For every block stored or evicted on this node:
+
+- hash ``tandem:kv_index:{spec_fingerprint}``: field = block hash as 16 hex chars, value = node_id
+  (HSET on stored; on evicted, HDEL only if the field still names this node);
+- stream ``tandem:kv_events``: ``{type: stored|evicted, fp, hash, node}``, trimmed to about
+  ``stream_maxlen`` entries, so a router can rebuild its prefix view after a restart.
+
+The block store stays synchronous and Redis-free: it calls ``report`` (non-blocking) and a
+background task writes the queued events in pipelined batches. The index is a routing hint; the
+pool's own ``Lookup`` is the truth, so a Redis outage only delays the mirror (batches are retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kv_pool.block_types import BlockEvent
+
+log = logging.getLogger(__name__)
+
+INDEX_KEY_PREFIX = "tandem:kv_index:"
+EVENTS_STREAM = "tandem:kv_events"
+
+# HDEL the field only while it still names this node: another node may have stored it since.
+_HDEL_IF_OWNER = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+def index_key(spec_fingerprint: str) -> str:
+    return f"{INDEX_KEY_PREFIX}{spec_fingerprint}"
+
+
+def hash_field(block_hash: int) -> str:
+    """A 64-bit block hash as 16 lower-case hex chars."""
+    return f"{block_hash:016x}"
+
+
+class IndexMirror:
+    """Queues block events and writes them to Redis; ``redis`` must decode responses to str."""
+
+    def __init__(self, redis: aioredis.Redis, node_id: str, stream_maxlen: int = 100_000, batch_max: int = 512):
+        self._redis = redis
+        self.node_id = node_id
+        self.stream_maxlen = stream_maxlen
+        self.batch_max = batch_max
+        self._queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue()  # None asks the task to stop
+        self._hdel_if_owner = redis.register_script(_HDEL_IF_OWNER)
+        self._task: asyncio.Task | None = None
+
+    def report(self, event: BlockEvent) -> None:
+        """Queues one event; never blocks (the block store's ``on_event``). Mutates: the queue."""
+        self._queue.put_nowait(event)
+
+    async def start(self) -> None:
+        """Clears this node's stale entries (a starting pool holds no blocks), then starts writing.
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        num_cleared = await self.clear_node()
+        if num_cleared:
+            log.info("cleared %d stale index entries of node %s", num_cleared, self.node_id)
+        self._task = asyncio.create_task(self._run(), name="kv-index-mirror")
+
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        """Writes what is queued (up to ``timeout_s``), then removes this node's entries."""
+        if self._task is not None:
+            self._queue.put_nowait(None)
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("index mirror did not drain within %.1f s", timeout_s)
+        try:
+            await self.clear_node()
+        except (RedisError, OSError):
+            log.warning("could not clear index entries of node %s", self.node_id, exc_info=True)
+
+    async def clear_node(self) -> int:
+        """Deletes every index field naming this node, with an "evicted" event each.
+
+        Returns how many were deleted. Mutates: Redis (index hashes, event stream).
+        """
+        num_cleared = 0
+        async for key in self._redis.scan_iter(match=f"{INDEX_KEY_PREFIX}*", count=100):
+            fields = [f async for f, node in self._redis.hscan_iter(key, count=1000) if node == self.node_id]
+            if not fields:
+                continue
+            fp = key[len(INDEX_KEY_PREFIX) :]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for field in fields:
+                    await self._hdel_if_owner(keys=[key], args=[field, self.node_id], client=pipe)
+                    pipe.xadd(EVENTS_STREAM, self._entry("evicted", fp, field), maxlen=self.stream_maxlen)
+                await pipe.execute()
+            num_cleared += len(fields)
+        return num_cleared
+
+    async def _run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.batch_max and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            stopping = None in batch
+            events = [e for e in batch if e is not None]
+            while events:
+                try:
+                    await self._write(events)
+                    break
+                except (RedisError, OSError):
+                    log.warning("index mirror write failed; retrying in %.1f s", backoff_s, exc_info=True)
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(backoff_s * 2, 5.0)
+            backoff_s = 0.1
+            if stopping:
+                return
+
+    async def _write(self, events: list[BlockEvent]) -> None:
+        """One pipelined round trip for ``events``, in order. Mutates: Redis."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for event in events:
+                key = index_key(event.key.spec_fingerprint)
+                field = hash_field(event.key.block_hash)
+                if event.kind == "stored":
+                    pipe.hset(key, field, self.node_id)
+                else:
+                    await self._hdel_if_owner(keys=[key], args=[field, self.node_id], client=pipe)
+                entry = self._entry(event.kind, event.key.spec_fingerprint, field)
+                pipe.xadd(EVENTS_STREAM, entry, maxlen=self.stream_maxlen)
+            await pipe.execute()
+
+    def _entry(self, kind: str, fp: str, field: str) -> dict[str, str]:
+        return {"type": kind, "fp": fp, "hash": field, "node": self.node_id}

@@ -1,0 +1,86 @@
+"""Prometheus metrics of one pool node (DESIGN.md §9b).
+
+Block counts and the store's cumulative counters are read from ``BlockStore.stats()`` at scrape
+time, so the store needs no metric calls; transfer bytes are counted by the servicer.
+
+    tandem:pool_blocks{state=writing|stored|leased|scoped}   gauge
+    tandem:pool_leases                                      gauge, requests holding a lease
+    tandem:pool_used_bytes / tandem:pool_capacity_bytes      gauges
+    tandem:pool_evictions_total                             counter
+    tandem:pool_lookup_blocks_total                         counter, blocks asked for by Lookup
+    tandem:pool_lookup_hit_blocks_total                     counter, of which stored
+    tandem:pool_transfer_bytes_total{direction=put|get}     counter, block bytes received / sent
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kv_pool.block_types import PoolStats
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats_fn: Callable[[], PoolStats]):
+        self._stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_fn()
+        blocks = GaugeMetricFamily("tandem:pool_blocks", "Pool blocks by state.", labels=["state"])
+        blocks.add_metric(["writing"], stats.num_writing_blocks)
+        blocks.add_metric(["stored"], stats.num_stored_blocks)
+        blocks.add_metric(["leased"], stats.num_leased_blocks)
+        blocks.add_metric(["scoped"], stats.num_scoped_blocks)
+        yield blocks
+        yield GaugeMetricFamily("tandem:pool_leases", "Requests holding a lease.", value=stats.num_leases)
+        yield GaugeMetricFamily("tandem:pool_used_bytes", "Bytes held by blocks.", value=stats.used_bytes)
+        yield GaugeMetricFamily("tandem:pool_capacity_bytes", "Bytes the pool may hold.", value=stats.capacity_bytes)
+        yield CounterMetricFamily("tandem:pool_evictions", "Blocks evicted by LRU.", value=stats.num_evicted_blocks)
+        yield CounterMetricFamily(
+            "tandem:pool_lookup_blocks", "Blocks asked for by Lookup.", value=stats.num_lookup_blocks
+        )
+        yield CounterMetricFamily(
+            "tandem:pool_lookup_hit_blocks", "Blocks found by Lookup.", value=stats.num_lookup_hit_blocks
+        )
+
+
+class PoolMetrics:
+    """The metrics of one pool in their own registry (no process-wide global)."""
+
+    def __init__(self, stats_fn: Callable[[], PoolStats]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(stats_fn))
+        self._transfer_bytes = Counter(
+            "tandem:pool_transfer_bytes",
+            "Block bytes received (put) and sent (get).",
+            labelnames=["direction"],
+            registry=self.registry,
+        )
+        self._put_bytes = self._transfer_bytes.labels(direction="put")
+        self._get_bytes = self._transfer_bytes.labels(direction="get")
+        self._http_server: WSGIServer | None = None
+
+    def count_put_bytes(self, num_bytes: int) -> None:
+        self._put_bytes.inc(num_bytes)
+
+    def count_get_bytes(self, num_bytes: int) -> None:
+        self._get_bytes.inc(num_bytes)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serves ``/metrics`` on ``host:port`` from a daemon thread until ``shutdown``.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def shutdown(self) -> None:
+        """Stops the ``/metrics`` server if one runs."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None

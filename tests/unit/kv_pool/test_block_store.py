@@ -1,0 +1,303 @@
+"""BlockStore from plain ints and bytes: visibility, rollback, dedup, LRU, leases, scoped blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from core.block_key import BlockKey
+from kv_pool.block_store import (
+    DUPLICATE,
+    BlockEvent,
+    BlockState,
+    BlockStore,
+    PoolFullError,
+    StaleReservationError,
+)
+
+FP = "f" * 16
+BLOCK_BYTES = 100
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def content(block_hash: int) -> BlockKey:
+    return BlockKey.content(FP, block_hash)
+
+
+def scoped(request_id: str, block_index: int = 0) -> BlockKey:
+    return BlockKey.scoped(FP, request_id, block_index)
+
+
+def payload(seed: int) -> bytes:
+    return bytes((seed + i) % 256 for i in range(BLOCK_BYTES))
+
+
+def make_store(capacity_blocks: int = 8, ttl_s: float = 10.0) -> tuple[BlockStore, FakeClock, list[BlockEvent]]:
+    clock, events = FakeClock(), []
+    store = BlockStore(capacity_blocks * BLOCK_BYTES, default_ttl_s=ttl_s, clock=clock, on_event=events.append)
+    return store, clock, events
+
+
+def put(store: BlockStore, key: BlockKey, seed: int = 0) -> bool:
+    """Two-phase put in two chunks; returns False when the store answered DUPLICATE."""
+    reservation = store.reserve(key, BLOCK_BYTES)
+    if reservation is DUPLICATE:
+        return False
+    data = payload(seed)
+    store.write(reservation, 0, data[:40])
+    store.write(reservation, 40, memoryview(data)[40:])
+    store.commit(reservation)
+    return True
+
+
+def held(store: BlockStore, hashes: range) -> list[int]:
+    return [h for h in hashes if store.block_state(content(h)) is BlockState.STORED]
+
+
+def assert_idle(store: BlockStore, num_stored_blocks: int) -> None:
+    """Every count is back to zero except the committed content blocks (the prefix cache)."""
+    stats = dataclasses.asdict(store.stats())
+    for name in ("num_writing_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases"):
+        assert stats[name] == 0, (name, stats)
+    assert stats["num_stored_blocks"] == num_stored_blocks, stats
+    assert stats["used_bytes"] == num_stored_blocks * BLOCK_BYTES, stats
+
+
+def test_writing_block_is_invisible_until_commit():
+    store, _, events = make_store()
+    reservation = store.reserve(content(1), BLOCK_BYTES)
+    store.write(reservation, 0, payload(7))
+    assert store.lookup(FP, [1]) == 0
+    with pytest.raises(KeyError):
+        store.get(content(1))
+    assert store.block_state(content(1)) is BlockState.WRITING
+    assert store.stats().num_writing_blocks == 1 and store.stats().used_bytes == BLOCK_BYTES
+    assert events == []
+
+    store.commit(reservation)
+    assert store.lookup(FP, [1]) == 1
+    assert bytes(store.get(content(1))) == payload(7)
+    assert events == [BlockEvent("stored", content(1))]
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_abort_rolls_back_and_leaves_nothing():
+    store, _, events = make_store()
+    reservation = store.reserve(content(1), BLOCK_BYTES)
+    store.write(reservation, 0, payload(0)[:50])
+    assert store.abort(reservation) is True
+    assert store.block_state(content(1)) is None
+    assert store.lookup(FP, [1]) == 0
+    assert store.abort(reservation) is False  # a second abort is harmless
+    with pytest.raises(StaleReservationError):
+        store.write(reservation, 50, payload(0)[50:])
+    with pytest.raises(StaleReservationError):
+        store.commit(reservation)
+    assert events == []
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_write_rejects_gaps_overflow_and_early_commit():
+    store, _, _ = make_store()
+    reservation = store.reserve(content(1), BLOCK_BYTES)
+    with pytest.raises(ValueError, match="offset 10, expected 0"):
+        store.write(reservation, 10, b"x")
+    with pytest.raises(ValueError, match="past block_bytes"):
+        store.write(reservation, 0, bytes(BLOCK_BYTES + 1))
+    store.write(reservation, 0, bytes(BLOCK_BYTES - 1))
+    with pytest.raises(ValueError, match="99 of 100"):
+        store.commit(reservation)
+    store.abort(reservation)
+    with pytest.raises(ValueError, match="block_bytes must be > 0"):
+        store.reserve(content(2), 0)
+    with pytest.raises(ValueError, match="spec_fingerprint"):
+        store.reserve(BlockKey.content("", 2), BLOCK_BYTES)
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_duplicate_put_stores_one_copy():
+    store, _, events = make_store()
+    assert put(store, content(1), seed=1) is True
+    assert put(store, content(1), seed=2) is False
+    assert bytes(store.get(content(1))) == payload(1)  # the first copy stays
+    assert [e.kind for e in events] == ["stored"]
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_concurrent_writers_of_one_hash_make_one_copy():
+    store, _, _ = make_store()
+    first = store.reserve(content(1), BLOCK_BYTES)
+    assert store.reserve(content(1), BLOCK_BYTES) is DUPLICATE  # second writer skips its bytes
+    assert store.stats().used_bytes == BLOCK_BYTES
+    store.write(first, 0, payload(3))
+    store.commit(first)
+    assert bytes(store.get(content(1))) == payload(3)
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_lru_evicts_least_recently_used_first():
+    store, _, events = make_store(capacity_blocks=3)
+    for h in (1, 2, 3):
+        put(store, content(h))
+    store.get(content(1))  # 1 becomes most recently used: order is 2, 3, 1
+    put(store, content(4))
+    assert held(store, range(1, 6)) == [1, 3, 4]
+    put(store, content(5))
+    assert held(store, range(1, 6)) == [1, 4, 5]
+    assert [(e.kind, e.key.block_hash) for e in events if e.kind == "evicted"] == [("evicted", 2), ("evicted", 3)]
+    assert store.stats().num_evicted_blocks == 2
+    assert_idle(store, num_stored_blocks=3)
+
+
+def test_leased_block_is_never_evicted():
+    store, _, _ = make_store(capacity_blocks=2)
+    put(store, content(1))
+    put(store, content(2))
+    assert store.lease([content(1)], "req-a", ttl_s=5) == 1
+    put(store, content(3))  # 1 is least recently used but leased: 2 goes
+    assert held(store, range(1, 5)) == [1, 3]
+
+    store.lease([content(3)], "req-a", ttl_s=5)
+    with pytest.raises(PoolFullError, match="leased"):
+        store.reserve(content(4), BLOCK_BYTES)
+    assert held(store, range(1, 5)) == [1, 3]  # a failed reserve evicts nothing
+    assert store.stats().num_evicted_blocks == 1
+    assert (store.stats().num_leased_blocks, store.stats().num_leases) == (2, 1)
+
+    assert store.release_request("req-a") == (2, 0)
+    assert_idle(store, num_stored_blocks=2)
+    put(store, content(4))  # released blocks rejoin the LRU in lease order: 1 goes first
+    assert held(store, range(1, 5)) == [3, 4]
+
+
+def test_block_larger_than_capacity_is_refused():
+    store, _, _ = make_store(capacity_blocks=2)
+    with pytest.raises(PoolFullError):
+        store.reserve(content(1), 3 * BLOCK_BYTES)
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_scoped_block_is_freed_by_release_request():
+    store, _, events = make_store()
+    put(store, content(1))
+    put(store, scoped("req-a", 0))
+    store.lease([content(1), scoped("req-a", 0)], "req-a", ttl_s=5)
+    stats = store.stats()
+    assert (stats.num_stored_blocks, stats.num_scoped_blocks, stats.num_leased_blocks) == (1, 1, 2)
+    assert store.lookup(FP, [1]) == 1
+
+    assert store.release_request("req-a") == (2, 1)
+    assert store.block_state(scoped("req-a", 0)) is None
+    assert store.release_request("req-a") == (0, 0)  # idempotent
+    assert all(e.key.request_id is None for e in events)  # scoped blocks are never indexed
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_scoped_block_is_freed_when_its_lease_lapses():
+    store, clock, _ = make_store(ttl_s=10)
+    put(store, scoped("req-a", 0))  # deadline 10 (default ttl)
+    put(store, content(1))
+    store.lease([content(1)], "req-a", ttl_s=4)  # deadline stays 10: leases only extend it
+    clock.now_s = 9.9
+    assert store.expire() == []
+    store.lease([content(1)], "req-a", ttl_s=5)  # deadline 14.9
+    clock.now_s = 14.8
+    assert store.expire() == []
+    clock.now_s = 14.9
+    assert store.expire() == ["req-a"]
+    assert store.block_state(scoped("req-a", 0)) is None
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_scoped_blocks_are_never_evicted():
+    store, _, _ = make_store(capacity_blocks=2)
+    put(store, scoped("req-a", 0))
+    put(store, content(1))
+    put(store, content(2))  # only the content block can make room
+    assert store.block_state(scoped("req-a", 0)) is BlockState.STORED
+    assert held(store, range(1, 3)) == [2]
+    store.lease([content(2)], "req-b", ttl_s=5)
+    with pytest.raises(PoolFullError):
+        store.reserve(content(3), BLOCK_BYTES)
+    store.release_request("req-a")
+    store.release_request("req-b")
+    assert_idle(store, num_stored_blocks=1)
+
+
+def test_release_frees_a_scoped_block_still_being_written():
+    store, _, _ = make_store()
+    reservation = store.reserve(scoped("req-a", 0), BLOCK_BYTES)
+    assert store.stats().num_writing_blocks == 1
+    assert store.release_request("req-a") == (0, 1)
+    with pytest.raises(StaleReservationError):
+        store.write(reservation, 0, payload(0))
+    assert store.abort(reservation) is False
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_freeing_a_scoped_block_drops_other_requests_leases_on_it():
+    store, _, _ = make_store()
+    put(store, scoped("req-a", 0))
+    assert store.lease([scoped("req-a", 0), content(9)], "req-b", ttl_s=5) == 1  # 9 is not held
+    assert (store.stats().num_leases, store.stats().num_leased_blocks) == (1, 1)
+    store.release_request("req-a")
+    assert store.release_request("req-b") == (0, 0)  # its only lease went with the block
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_lease_on_a_writing_block_survives_commit_and_dies_with_abort():
+    store, _, _ = make_store(capacity_blocks=1)
+    reservation = store.reserve(content(1), BLOCK_BYTES)
+    store.lease([content(1)], "req-a", ttl_s=5)
+    store.write(reservation, 0, payload(0))
+    store.commit(reservation)
+    with pytest.raises(PoolFullError):  # leased after commit: not evictable
+        store.reserve(content(2), BLOCK_BYTES)
+    store.release_request("req-a")
+
+    aborted = store.reserve(content(3), BLOCK_BYTES)  # evicts 1
+    store.lease([content(3)], "req-b", ttl_s=5)
+    store.abort(aborted)
+    assert store.release_request("req-b") == (0, 0)
+    assert_idle(store, num_stored_blocks=0)
+
+
+def test_lookup_returns_the_prefix_up_to_the_first_gap():
+    store, _, _ = make_store()
+    for h in (1, 2, 4):
+        put(store, content(h))
+    writing = store.reserve(content(5), BLOCK_BYTES)
+    assert store.lookup(FP, [1, 2, 3, 4]) == 2
+    assert store.lookup(FP, [3, 4]) == 0
+    assert store.lookup(FP, [4, 5]) == 1  # a WRITING block is a gap
+    assert store.lookup("other-spec", [1, 2]) == 0
+    assert store.lookup(FP, []) == 0
+    stats = store.stats()
+    assert (stats.num_lookup_blocks, stats.num_lookup_hit_blocks) == (10, 3)
+    store.abort(writing)
+    assert_idle(store, num_stored_blocks=3)
+
+
+def test_acquire_lease_leases_the_stored_prefix_only():
+    store, _, _ = make_store(capacity_blocks=3)
+    for h in (1, 2, 4):
+        put(store, content(h))
+    assert store.acquire_lease(FP, [1, 2, 3, 4], "req-a", ttl_s=5) == 2
+    assert (store.stats().num_leased_blocks, store.stats().num_leases) == (2, 1)
+    assert store.stats().num_lookup_blocks == 0  # only lookup() counts queries
+    put(store, content(5))  # 4 is the only unleased block
+    assert held(store, range(1, 6)) == [1, 2, 5]
+    assert store.acquire_lease(FP, [7], "req-b", ttl_s=5) == 0
+    assert store.stats().num_leases == 1  # a lease on nothing holds nothing
+    with pytest.raises(ValueError, match="ttl_s"):
+        store.acquire_lease(FP, [1], "req-c", ttl_s=0)
+    assert store.release_request("req-a") == (2, 0)
+    assert_idle(store, num_stored_blocks=3)
