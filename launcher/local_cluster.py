@@ -112,6 +112,8 @@ class LocalCluster:
         self.redis_url = config.redis_url
         self.http_url = f"http://{config.host}:{config.http_port}"
         self.grpc_address = f"{config.host}:{config.grpc_port}"
+        # gRPC address of each started service, by name (kv_pool, prefill, decode).
+        self.addresses: dict[str, str] = {}
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +148,8 @@ class LocalCluster:
             argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
             self._wait(self._spawn("redis", argv, _redis_ready(port)), on_progress, timeout_s)
         pool_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+        self.addresses = {name: f"{c.host}:{port}" for name, port in
+                          (("kv_pool", pool_port), ("prefill", prefill_port), ("decode", decode_port))}
         common = ["--host", c.host, "--redis-url", self.redis_url]
         pool = self._spawn(
             "kv_pool",

@@ -1,0 +1,59 @@
+"""The correctness reference (DESIGN.md §8): Hugging Face transformers on the same checkpoint, fp32.
+
+Loaded once per test session (cached); greedy references are cached per (prompt, max_tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from core.model_source import DEFAULT_MODEL, resolve_model
+from launcher.prompts import BUILTIN_PROMPTS
+
+PROMPTS = BUILTIN_PROMPTS  # eight real prompts written for Tandem's tests and demo
+
+
+@functools.lru_cache(maxsize=1)
+def hf_dir() -> Path:
+    from engine.loader import ensure_hf_dir
+
+    return ensure_hf_dir(resolve_model(DEFAULT_MODEL))
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir())
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir(), dtype=torch.float32).eval()
+
+
+def chat_ids(text: str) -> list[int]:
+    """Token ids of a one-turn chat prompt, generation prompt added (what the router sends)."""
+    ids = tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@functools.lru_cache(maxsize=256)
+def _greedy(prompt_ids: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    import torch
+
+    with torch.inference_mode():
+        out = hf_model().generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_tokens, do_sample=False,
+        )
+    return tuple(out[0, len(prompt_ids):].tolist())
+
+
+def hf_greedy(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers ``generate()`` greedy tokens, batch 1 (no padding), stopping at EOS like Tandem."""
+    return list(_greedy(tuple(prompt_ids), max_tokens))

@@ -1,0 +1,145 @@
+"""Scheduler behaviour from plain ints: token budget, chunking, continuous batching, preemption."""
+
+from __future__ import annotations
+
+from core.request import FinishReason, RequestStatus
+from engine.outputs import ExternalKV
+from tests.factories import fake_runner_output, make_request, make_scheduler
+
+
+def run_step(scheduler, token_id=100):
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, fake_runner_output(out, token_id))
+    for o in outputs:
+        if o.finished:
+            scheduler.free(o.request_id)
+    return out, outputs
+
+
+def test_prompt_is_chunked_under_token_budget():
+    s = make_scheduler(max_num_batched_tokens=8)
+    r = make_request(20, max_tokens=1)
+    s.add_request(r)
+    chunks = []
+    while s.num_unfinished:
+        out, _ = run_step(s)
+        chunks.append([x.num_new_tokens for x in out.scheduled])
+    assert chunks == [[8], [8], [4]]
+    assert r.output_token_ids == [100] and r.finish_reason is FinishReason.LENGTH
+    assert s.kv.num_used_blocks == 0
+
+
+def test_decodes_go_first_and_waiting_prefill_takes_the_rest_of_the_budget():
+    s = make_scheduler(max_num_batched_tokens=10)
+    a = make_request(4, max_tokens=5)
+    s.add_request(a)
+    run_step(s)  # a prefilled, 1 output token
+    b = make_request(30, max_tokens=2)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [(a.request_id, 1), (b.request_id, 9)]
+
+
+def test_requests_join_and_leave_every_step():
+    s = make_scheduler()
+    a, b = make_request(4, max_tokens=1), make_request(4, max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    assert a.is_finished and not b.is_finished
+    c = make_request(4, max_tokens=1)
+    s.add_request(c)
+    out, _ = run_step(s)
+    assert {x.request.request_id for x in out.scheduled} == {b.request_id, c.request_id}
+
+
+def test_blocks_are_allocated_on_demand_and_freed_at_finish():
+    s = make_scheduler(block_size=4)
+    r = make_request(4, max_tokens=3)
+    s.add_request(r)
+    run_step(s)
+    assert s.kv.num_used_blocks == 1  # 4 prompt tokens, first output token has no KV yet
+    run_step(s)
+    assert s.kv.num_used_blocks == 2  # token 5's KV needs a second block
+    run_step(s)
+    assert r.is_finished and s.kv.num_used_blocks == 0
+
+
+def test_newest_request_is_preempted_and_recomputed_when_blocks_run_out():
+    s = make_scheduler(block_size=4, num_kv_blocks=4, max_model_len=16)
+    old, new = make_request(7, max_tokens=8), make_request(7, max_tokens=8)
+    s.add_request(old)
+    s.add_request(new)
+    run_step(s)  # each holds 2 blocks
+    preempted = []
+    while not old.is_finished:
+        out, _ = run_step(s)
+        preempted += out.preempted_request_ids
+    assert preempted == [new.request_id]
+    assert s.num_preemptions == 1
+    while s.num_unfinished:
+        run_step(s)
+    assert new.output_token_ids == [100] * 8 and new.finish_reason is FinishReason.LENGTH
+    assert s.kv.num_used_blocks == 0
+
+
+def test_external_kv_counts_as_computed_except_the_last_token():
+    s = make_scheduler(block_size=4)
+    r = make_request(8, max_tokens=2)
+    s.add_request(r, ExternalKV(8, [b"x", b"y"]))
+    out, _ = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [1]
+    assert out.kv_loads[0].block_ids == out.scheduled[0].block_ids[:2]
+    assert r.num_cached_tokens == 7
+
+
+def test_decode_request_with_pool_kv_computes_one_token():
+    s = make_scheduler(block_size=4)
+    r = make_request(6, max_tokens=3)
+    r.append_output_token(50)  # first token came from the prefill worker
+    s.add_request(r, ExternalKV(6, [b"a", b"b"]))
+    out, _ = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [1] and r.num_computed_tokens == 7
+    assert r.output_token_ids == [50, 100]
+
+
+def test_abort_frees_blocks_and_marks_request():
+    s = make_scheduler()
+    r = make_request(9, max_tokens=10)
+    s.add_request(r)
+    run_step(s)
+    assert s.kv.num_used_blocks == 3
+    assert s.abort(r.request_id) is r
+    assert r.finish_reason is FinishReason.ABORT and r.status is RequestStatus.FINISHED
+    assert s.kv.num_used_blocks == 0 and s.num_unfinished == 0
+    assert s.abort(r.request_id) is None
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make_scheduler(max_num_seqs=2)
+    for _ in range(3):
+        s.add_request(make_request(4, max_tokens=5))
+    out, _ = run_step(s)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 1
+
+
+def test_request_over_max_model_len_is_refused():
+    s = make_scheduler(max_model_len=16)
+    try:
+        s.add_request(make_request(10, max_tokens=7))
+    except ValueError as err:
+        assert "exceeds max_model_len (16)" in str(err)
+    else:
+        raise AssertionError("expected ValueError")
+    assert s.num_unfinished == 0
+
+
+def test_eos_stops_unless_ignored():
+    s = make_scheduler()
+    a = make_request(4, max_tokens=5)
+    b = make_request(4, max_tokens=2, ignore_eos=True)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, token_id=2)
+    assert a.finish_reason is FinishReason.STOP and a.output_token_ids == [2]
+    assert not b.is_finished
