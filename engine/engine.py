@@ -40,6 +40,10 @@ def make_attention_backend(config: EngineConfig) -> AttentionBackend:
         name = "triton" if config.device.startswith("cuda") else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "triton":
+        from engine.triton_attention import TritonAttentionBackend  # imports triton: only when chosen
+
+        return TritonAttentionBackend()
     raise ValueError(f"attention backend {name!r} is not available in this build")
 
 

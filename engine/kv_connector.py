@@ -3,6 +3,9 @@
 A block's bytes are its ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` slice of the cache
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous, native dtype
 (DESIGN.md §4). How the bytes reach the pool is the worker's business.
+
+On CUDA the staging copy is one Triton kernel (:mod:`engine.kernels.block_copy`); elsewhere torch
+indexing does it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> list[bytes]:
     if not block_ids:
         return []
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    staged = kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    if kv_cache.is_cuda:
+        from engine.kernels.block_copy import gather_blocks
+
+        staged = gather_blocks(kv_cache, ids).cpu()
+    else:
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        staged = kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
     flat = staged.view(len(block_ids), -1).view(torch.uint8)
     return [flat[i].numpy().tobytes() for i in range(len(block_ids))]
 
@@ -39,4 +47,9 @@ def unpack_blocks(kv_cache: torch.Tensor, block_ids: list[int], payloads: list[b
     blob = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     staged = blob.view(kv_cache.dtype).view(len(block_ids), *shape).to(kv_cache.device)
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(2, ids, staged.permute(1, 2, 0, 3, 4, 5))
+    if kv_cache.is_cuda:
+        from engine.kernels.block_copy import scatter_blocks
+
+        scatter_blocks(kv_cache, ids, staged)
+    else:
+        kv_cache.index_copy_(2, ids, staged.permute(1, 2, 0, 3, 4, 5))

@@ -30,3 +30,25 @@ def is_interpreted(kernel) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+def output_like(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Returns ``out`` after checking it matches ``like`` (shape, dtype, device, contiguous last
+    dim), or a new ``torch.empty_like(like)`` when ``out`` is None.
+
+    Raises:
+        ValueError: ``out`` does not match.
+    """
+    if out is None:
+        return torch.empty_like(like)
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"out {out.dtype} {tuple(out.shape)} on {out.device} does not match {like.dtype} {tuple(like.shape)}"
+        )
+    return out
+
+
+def default_block_n(query: torch.Tensor) -> int:
+    """Keys per attention tile: 64, or 32 when one K row is 512+ bytes (fp32, D=128), so that
+    three pipelined K and V tiles stay well inside a Hopper SM's shared memory."""
+    return 32 if query.element_size() * query.shape[-1] >= 512 else 64

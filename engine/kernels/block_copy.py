@@ -59,15 +59,30 @@ def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tens
 
 def _check(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
-        raise ValueError(f"kv_cache must be a contiguous [L, 2, num_blocks, block_size, H_kv, D], got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be a contiguous [L, 2, blocks, bs, H_kv, D], got {tuple(kv_cache.shape)}")
     if block_ids.dim() != 1 or block_ids.device != kv_cache.device:
-        raise ValueError(f"block_ids must be 1-D on {kv_cache.device}, got {tuple(block_ids.shape)} on {block_ids.device}")
+        raise ValueError(f"block_ids must be 1-D on {kv_cache.device}: {tuple(block_ids.shape)} on {block_ids.device}")
     check_launchable(_block_copy_kernel, kv_cache)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Returns a new staging buffer ``[n, num_layers, 2, block_size, H_kv, D]`` (cache dtype and
-    device) holding blocks ``block_ids`` (``[n]`` int64, on the cache's device). Reads only.
+def _staging_shape(kv_cache: torch.Tensor, n: int) -> tuple[int, ...]:
+    return (n, kv_cache.shape[0], 2, *kv_cache.shape[3:])
+
+
+def _check_staging(kv_cache: torch.Tensor, staging: torch.Tensor, n: int) -> None:
+    expected = _staging_shape(kv_cache, n)
+    if tuple(staging.shape) != expected or staging.dtype != kv_cache.dtype or not staging.is_contiguous():
+        raise ValueError(
+            f"staging must be a contiguous {kv_cache.dtype} {expected}, got {staging.dtype} {tuple(staging.shape)}"
+        )
+    if staging.device != kv_cache.device:
+        raise ValueError(f"staging on {staging.device}, cache on {kv_cache.device}")
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns a staging buffer ``[n, num_layers, 2, block_size, H_kv, D]`` (cache dtype and
+    device) holding blocks ``block_ids`` (``[n]`` int64, on the cache's device): ``out`` when
+    given (mutated, every element written), else a new tensor. Reads the cache only.
 
     Raises:
         ValueError: a non-contiguous or mis-shaped cache, or block ids elsewhere.
@@ -75,10 +90,12 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     """
     _check(kv_cache, block_ids)
     n = block_ids.numel()
-    staging = torch.empty((n, kv_cache.shape[0], 2, *kv_cache.shape[3:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    if out is None:
+        out = torch.empty(_staging_shape(kv_cache, n), dtype=kv_cache.dtype, device=kv_cache.device)
+    _check_staging(kv_cache, out, n)
     if n:
-        _launch(kv_cache, staging, block_ids, to_staging=True)
-    return staging
+        _launch(kv_cache, out, block_ids, to_staging=True)
+    return out
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
@@ -93,10 +110,6 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: tor
     """
     _check(kv_cache, block_ids)
     n = block_ids.numel()
-    expected = (n, kv_cache.shape[0], 2, *kv_cache.shape[3:])
-    if tuple(staging.shape) != expected or staging.dtype != kv_cache.dtype or not staging.is_contiguous():
-        raise ValueError(f"staging must be a contiguous {kv_cache.dtype} {expected}, got {staging.dtype} {tuple(staging.shape)}")
-    if staging.device != kv_cache.device:
-        raise ValueError(f"staging on {staging.device}, cache on {kv_cache.device}")
+    _check_staging(kv_cache, staging, n)
     if n:
         _launch(kv_cache, staging, block_ids, to_staging=False)
