@@ -1,0 +1,1 @@
+"""The global router: OpenAI HTTP and gRPC front-ends, routing policies, detokenization."""

@@ -1,0 +1,44 @@
+"""``python -m router``: the Tandem router. Every flag can also come from ``TANDEM_ROUTER_<FLAG>``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+from core.grpc_service import run_until_signalled
+from core.logging_setup import setup_logging
+from core.model_source import DEFAULT_MODEL
+from router.config import RouterConfig
+from router.server import RouterServer
+
+
+def _option(name: str, **kwargs):
+    env = "TANDEM_ROUTER_" + name.lstrip("-").replace("-", "_").upper()
+    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+@click.command()
+@_option("--host", default="127.0.0.1", help="Interface both servers bind.")
+@_option("--http-port", default=8000, type=int, help="OpenAI-compatible HTTP port.")
+@_option("--grpc-port", default=50050, type=int, help="tandem.v1.Router gRPC port.")
+@_option("--redis-url", default="redis://127.0.0.1:6379/0", help="Control-plane Redis (worker registry).")
+@_option("--model", default=DEFAULT_MODEL, help="Bundled model name, .gguf file or HF folder.")
+@_option("--served-model-name", default="", help="Name clients send as `model` (default: the model's).")
+@_option("--max-model-len", default=2048, type=int, help="Context limit in tokens.")
+@_option("--default-max-tokens", default=16, type=int, help="max_tokens when a request omits it.")
+@_option("--request-timeout-s", default=600.0, type=float, help="Deadline of one request's worker calls.")
+@_option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(log_level: str, **flags) -> None:
+    """Runs the router until SIGTERM/SIGINT."""
+    setup_logging("router", log_level)
+    try:
+        config = RouterConfig(**flags)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from err
+    server = RouterServer(config)
+    asyncio.run(run_until_signalled(server.start, server.stop))
+
+
+if __name__ == "__main__":
+    main()

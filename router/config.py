@@ -1,0 +1,63 @@
+"""The router's configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.model_source import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens, which model it serves and its limits.
+
+    Attributes:
+        host: interface both servers bind.
+        http_port: OpenAI-compatible HTTP API port (0 picks a free one).
+        grpc_port: ``tandem.v1.Router`` gRPC port (0 picks a free one).
+        redis_url: control-plane Redis holding the worker registry.
+        model: bundled model name, ``.gguf`` file or Hugging Face folder (tokenizer source).
+        served_model_name: the name clients send as ``model``; empty means the model's own name.
+        max_model_len: context limit in tokens, prompt plus generated tokens.
+        default_max_tokens: ``max_tokens`` when a request leaves it out (clamped to the context).
+        request_timeout_s: deadline of one request's worker calls, prefill through last token.
+        worker_refresh_interval_s: how often the worker view is re-read from Redis.
+        shutdown_grace_s: how long in-flight requests may run on after SIGTERM.
+
+    Raises:
+        ValueError: on any out-of-range value, quoting it.
+    """
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = DEFAULT_MODEL
+    served_model_name: str = ""
+    max_model_len: int = 2048
+    default_max_tokens: int = 16
+    request_timeout_s: float = 600.0
+    worker_refresh_interval_s: float = 0.5
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 1 <= self.default_max_tokens < self.max_model_len:
+            raise ValueError(
+                f"default_max_tokens must be in [1, max_model_len={self.max_model_len}), "
+                f"got {self.default_max_tokens}"
+            )
+        for name in ("request_timeout_s", "worker_refresh_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not self.model:
+            raise ValueError("model must not be empty")

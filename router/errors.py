@@ -1,0 +1,64 @@
+"""The router's one error type and how each kind maps onto HTTP and gRPC.
+
+Every failure the router reports to a client is a :class:`RouterError`; the front-ends only
+translate its :class:`ErrorKind` (and the metrics count rejections by ``kind.value``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+
+class ErrorKind(enum.Enum):
+    """Why a request failed; the value is the ``reason`` label of ``tandem:rejections_total``."""
+
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    NO_WORKER = "no_worker"
+    UNAVAILABLE = "unavailable"
+
+
+# kind -> (HTTP status, OpenAI error type, OpenAI error code, gRPC status code)
+_TRANSPORT = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorKind.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found", grpc.StatusCode.NOT_FOUND),
+    ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "resource_exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorKind.NO_WORKER: (503, "service_unavailable_error", "no_worker", grpc.StatusCode.UNAVAILABLE),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable_error", "unavailable", grpc.StatusCode.UNAVAILABLE),
+}
+
+
+class RouterError(Exception):
+    """A request failed; ``message`` says why with the real numbers, ``param`` names the field."""
+
+    def __init__(self, message: str, kind: ErrorKind, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return _TRANSPORT[self.kind][0]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _TRANSPORT[self.kind][3]
+
+    def to_openai(self) -> dict:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        _, error_type, code, _ = _TRANSPORT[self.kind]
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
+
+
+def kind_from_grpc(code: grpc.StatusCode) -> ErrorKind:
+    """How a worker's gRPC status reaches the client: bad input stays bad input, overload stays
+    overload, everything else means the cluster could not serve the request."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ErrorKind.INVALID_REQUEST
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ErrorKind.RESOURCE_EXHAUSTED
+    return ErrorKind.UNAVAILABLE

@@ -1,0 +1,227 @@
+"""One request through the cluster, shared by both front-ends (DESIGN.md §2, steps 2-6).
+
+``generate`` picks a prefill worker, streams the first token as soon as Prefill answers (TTFT),
+hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
+strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
+cancelled and the pool is told to release the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from core.request import FinishReason
+from core.registry import WorkerInfo
+from router.errors import ErrorKind, RouterError
+from router.metrics import RouterMetrics
+from router.output import OutputProcessor, OutputStep
+from router.routing import InFlightCounter, RoutingPolicy, RoutingRequest
+from router.tokenizer import ModelTokenizer
+from router.validation import ValidatedRequest
+from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients
+from router.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text safe to show, and the tokens accepted with it (text may lag its tokens)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the pool (num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a request."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    ttft_s: float
+
+
+GenerationEvent = TextDelta | Finished
+
+
+@dataclass(frozen=True)
+class RoutingPolicies:
+    """One policy per worker role, and the in-flight counts they share."""
+
+    prefill: RoutingPolicy
+    decode: RoutingPolicy
+    in_flight: InFlightCounter
+
+
+@dataclass(eq=False)
+class _Run:
+    """Mutable state of one request while it is generated."""
+
+    request_id: str
+    request: ValidatedRequest
+    arrival_time_s: float  # time.monotonic()
+    output: OutputProcessor
+    pool_address: str = ""
+    num_cached_tokens: int = 0
+    ttft_s: float = 0.0
+    last_token_time_s: float = 0.0
+    sent_first_token: bool = False
+
+
+class Generation:
+    """Runs requests across the prefill and decode workers the view knows."""
+
+    def __init__(
+        self,
+        view: WorkerView,
+        clients: WorkerClients,
+        tokenizer: ModelTokenizer,
+        metrics: RouterMetrics,
+        policies: RoutingPolicies,
+        timeout_s: float,
+    ):
+        self.view, self.clients, self.tokenizer = view, clients, tokenizer
+        self.metrics, self.policies, self.timeout_s = metrics, policies, timeout_s
+        self._background: set[asyncio.Task] = set()  # pool releases in flight
+
+    async def generate(
+        self, request_id: str, request: ValidatedRequest, arrival_time_s: float
+    ) -> AsyncIterator[GenerationEvent]:
+        """Yields TextDelta events (the first right after prefill), then one Finished.
+
+        ``arrival_time_s`` (time.monotonic()) is when the request reached the router: TTFT,
+        E2E latency and the request timeout count from it.
+
+        Raises:
+            RouterError: no healthy worker, or a worker failed (before or after the first token).
+        """
+        params = request.sampling_params
+        output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, self.tokenizer.decode)
+        run = _Run(request_id, request, arrival_time_s, output)
+        self.metrics.num_requests_running.inc()
+        error: BaseException | None = None
+        try:
+            self._require_workers("prefill")
+            if params.max_tokens > 1:  # fail before prefill rather than after the first token
+                self._require_workers("decode")
+            prefill = await self._prefill(run)
+            first = self._first_token(run, prefill)
+            yield TextDelta(first.text, first.token_ids)
+            if first.finish_reason is None:
+                async with contextlib.aclosing(self._decode(run, prefill)) as steps:
+                    async for step in steps:
+                        if step.text or step.token_ids:
+                            yield TextDelta(step.text, step.token_ids)
+            yield self._finished(run)
+        except BaseException as err:  # cancellation and GeneratorExit included: counted, re-raised
+            error = err
+            raise
+        finally:
+            self.metrics.num_requests_running.dec()
+            self._record_end(run, error)
+            self._release(run)
+
+    def _require_workers(self, role: str) -> list[WorkerInfo]:
+        workers = self.view.workers(role)
+        if not workers:
+            raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
+        return workers
+
+    def _choose(self, role: str, run: _Run) -> WorkerInfo:
+        """Raises RouterError(NO_WORKER) when no worker of ``role`` is live."""
+        policy = self.policies.prefill if role == "prefill" else self.policies.decode
+        worker = policy.choose(self._require_workers(role), RoutingRequest(run.request_id, run.request.prompt_token_ids))
+        self.metrics.routed(policy.name, role)
+        return worker
+
+    def _remaining_s(self, run: _Run) -> float:
+        remaining_s = self.timeout_s - (time.monotonic() - run.arrival_time_s)
+        if remaining_s <= 0:
+            raise RouterError(f"request timed out after {self.timeout_s:g} s", ErrorKind.UNAVAILABLE)
+        return remaining_s
+
+    async def _prefill(self, run: _Run) -> PrefillResult:
+        worker = self._choose("prefill", run)
+        with self.policies.in_flight.track(worker.address):
+            result = await self.clients.prefill(worker.address, run.request_id, run.request, self._remaining_s(run))
+        run.pool_address = result.pool_address
+        run.num_cached_tokens = result.num_cached_tokens
+        return result
+
+    def _first_token(self, run: _Run, prefill: PrefillResult) -> OutputStep:
+        now_s = time.monotonic()
+        run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
+        self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), prefill.num_cached_tokens)
+        return run.output.add_tokens([prefill.first_token_id])
+
+    async def _decode(self, run: _Run, prefill: PrefillResult) -> AsyncIterator[OutputStep]:
+        """Yields one OutputStep per decode message; cancels the stream however it ends."""
+        worker = self._choose("decode", run)
+        with self.policies.in_flight.track(worker.address):
+            stream = self.clients.decode(worker.address, run.request_id, run.request, prefill, self._remaining_s(run))
+            try:
+                async for event in stream:
+                    if isinstance(event, DecodeTokens):
+                        step = run.output.add_tokens(event.token_ids)
+                        self._count_tokens(run, len(step.token_ids))
+                        yield step
+                        if run.output.stopped_by_string:
+                            return  # the decode worker knows no stop strings: cancel it
+                    else:
+                        yield OutputStep(run.output.finish(event.finish_reason), (), run.output.finish_reason)
+                        return
+            finally:
+                stream.cancel()
+
+    def _count_tokens(self, run: _Run, num_tokens: int) -> None:
+        if num_tokens:
+            now_s = time.monotonic()
+            self.metrics.output_tokens(num_tokens, now_s - run.last_token_time_s)
+            run.last_token_time_s = now_s
+
+    def _finished(self, run: _Run) -> Finished:
+        usage = Usage(len(run.request.prompt_token_ids), run.output.num_output_tokens, run.num_cached_tokens)
+        return Finished(run.output.finish_reason, usage, run.ttft_s)
+
+    def _record_end(self, run: _Run, error: BaseException | None) -> None:
+        """Counts the request once: rejected (a RouterError before the first token) or finished
+        (abort when it ended without a finish reason: an error mid-stream, or the client left)."""
+        if isinstance(error, RouterError) and not run.sent_first_token:
+            self.metrics.rejected(error.kind.value)
+            log.info("request rejected: %s", error.message, extra={"request_id": run.request_id})
+            return
+        reason = run.output.finish_reason or FinishReason.ABORT
+        self.metrics.finished(reason.value, time.monotonic() - run.arrival_time_s)
+        log.info(
+            "request finished: %s, %d prompt + %d output tokens",
+            reason.value, len(run.request.prompt_token_ids), run.output.num_output_tokens,
+            extra={"request_id": run.request_id},
+        )
+
+    def _release(self, run: _Run) -> None:
+        """Tells the pool the request is over, in the background: the caller may be cancelled.
+
+        Without a manifest (prefill never answered) every registered pool is told.
+        """
+        addresses = [run.pool_address] if run.pool_address else [w.address for w in self.view.workers("pool")]
+        for address in addresses:
+            task = asyncio.create_task(self.clients.release(address, run.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Waits for pending pool releases (at shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,86 @@
+"""The ``tandem.v1.Router`` gRPC servicer: converts messages and delegates to generation.
+
+Errors end the RPC with a status: bad input INVALID_ARGUMENT, unknown model NOT_FOUND, worker
+overload RESOURCE_EXHAUSTED, no healthy worker or a worker failure UNAVAILABLE (also mid-stream,
+after some deltas were sent). Absent ``temperature`` means greedy here (0), unlike OpenAI's 1.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from core.request import FinishReason
+from router.errors import RouterError
+from router.generation import Finished, Generation, GenerationEvent
+from router.metrics import RouterMetrics
+from router.validation import InvalidRequestError, RequestInput, Validator
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+SERVICE_NAME = "tandem.v1.Router"
+_FINISH_REASONS = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def request_input_from_proto(msg: router_pb2.GenerateRequest) -> RequestInput:
+    """The request's fields as the validator takes them; unset optionals take gRPC defaults."""
+    params = msg.sampling_params
+    prompt = msg.WhichOneof("prompt")
+    return RequestInput(
+        model=msg.model or None,
+        prompt=msg.text if prompt == "text" else None,
+        prompt_token_ids=tuple(msg.token_ids.ids) if prompt == "token_ids" else None,
+        messages=tuple({"role": m.role, "content": m.content} for m in msg.chat.messages) if prompt == "chat" else None,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        temperature=params.temperature if params.HasField("temperature") else 0.0,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        top_k=params.top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def response_to_proto(event: GenerationEvent, request_id: str) -> router_pb2.GenerateResponse:
+    if isinstance(event, Finished):
+        usage = router_pb2.Usage(
+            prompt_tokens=event.usage.prompt_tokens,
+            completion_tokens=event.usage.completion_tokens,
+            cached_tokens=event.usage.cached_tokens,
+        )
+        finished = router_pb2.GenerateFinished(
+            finish_reason=_FINISH_REASONS[event.finish_reason], usage=usage, request_id=request_id, ttft_s=event.ttft_s
+        )
+        return router_pb2.GenerateResponse(finished=finished)
+    return router_pb2.GenerateResponse(delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, validator: Validator, generation: Generation, metrics: RouterMetrics):
+        self.validator, self.generation, self.metrics = validator, generation, metrics
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        arrival_time_s = time.monotonic()
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        try:
+            validated = self.validator.validate(request_input_from_proto(request))
+        except InvalidRequestError as err:
+            self.metrics.rejected(err.kind.value)
+            await context.abort(err.grpc_code, err.message)
+        events = self.generation.generate(request_id, validated, arrival_time_s)
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    yield response_to_proto(event, request_id)
+            except RouterError as err:
+                await context.abort(err.grpc_code, err.message)

@@ -1,0 +1,66 @@
+"""The router's Prometheus metrics (DESIGN.md §9b), named like vLLM's under ``tandem:``.
+
+Each :class:`RouterMetrics` owns its registry, so several routers (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets of vLLM's histograms of the same name, in seconds.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class RouterMetrics:
+    """Counters, gauges and histograms of requests passing through this router.
+
+    Exposed names (prometheus-client appends ``_total`` to counters): see ``__init__``.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft_s = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl_s = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens.", buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e_s = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS_S, registry=r)
+        self.request_success = Counter(
+            "tandem:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", registry=r)
+        self.prefix_cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.rejections = Counter("tandem:rejections", "Requests refused before any token, by reason.", ["reason"], registry=r)
+        self.routing_decisions = Counter(
+            "tandem:routing_decisions", "Workers chosen, by policy and role.", ["policy", "role"], registry=r
+        )
+        self.num_requests_running = Gauge("tandem:num_requests_running", "Requests in generation at this router.", registry=r)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+
+    def routed(self, policy: str, role: str) -> None:
+        self.routing_decisions.labels(policy=policy, role=role).inc()
+
+    def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.ttft_s.observe(ttft_s)
+        self.generation_tokens.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(num_cached_tokens)
+
+    def output_tokens(self, num_tokens: int, elapsed_s: float) -> None:
+        """``num_tokens`` arrived together ``elapsed_s`` after the previous ones (each gets the mean)."""
+        self.generation_tokens.inc(num_tokens)
+        for _ in range(num_tokens):
+            self.itl_s.observe(elapsed_s / num_tokens)
+
+    def finished(self, finish_reason: str, e2e_s: float) -> None:
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e_s.observe(e2e_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input 400 (also
+malformed JSON and wrong types, where FastAPI would say 422), unknown model 404, worker overload
+429, no healthy worker or a worker failure 503. A failure after the first chunk was streamed
+ends the stream with a ``finish_reason: "abort"`` chunk, an ``{"error": ...}`` event and
+``[DONE]``. A client that disconnects cancels its request's worker calls at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router.errors import ErrorKind, RouterError
+from router.generation import Finished, Generation, GenerationEvent
+from router.metrics import RouterMetrics
+from router.openai_models import ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, ResponseShape
+from router.validation import InvalidRequestError, Validator
+from router.worker_view import WorkerView
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; never actually delivered
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work``, cancelling it as soon as the client disconnects.
+
+    Raises:
+        ClientDisconnected: the client left first (``work`` was cancelled and has cleaned up).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _validation_error(err: RequestValidationError) -> InvalidRequestError:
+    """The first pydantic/JSON error as an OpenAI 400, naming the field."""
+    first = err.errors()[0] if err.errors() else {"msg": "invalid request body", "loc": ()}
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return InvalidRequestError(f"malformed JSON body: {detail}", None)
+    fields = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(fields) or None
+    return InvalidRequestError(f"{param or 'body'}: {first['msg']}", param)
+
+
+class OpenAIApi:
+    """Builds the FastAPI app over the shared validator and generation."""
+
+    def __init__(self, validator: Validator, generation: Generation, view: WorkerView, metrics: RouterMetrics):
+        self.validator, self.generation, self.view, self.metrics = validator, generation, view, metrics
+        self.model = validator.served_model_name
+        self.app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
+        self._add_routes()
+
+    def _add_routes(self) -> None:
+        app = self.app
+
+        @app.exception_handler(RouterError)
+        async def _router_error(_: Request, err: RouterError) -> JSONResponse:
+            return JSONResponse(err.to_openai(), status_code=err.http_status)
+
+        @app.exception_handler(RequestValidationError)
+        async def _bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
+            self.metrics.rejected(ErrorKind.INVALID_REQUEST.value)
+            error = _validation_error(err)
+            return JSONResponse(error.to_openai(), status_code=error.http_status)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            return await self._serve(body, CompletionShape, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+            return await self._serve(body, ChatShape, request)
+
+        app.get("/v1/models")(self._models)
+        app.get("/health")(self._health)
+        app.get("/metrics")(self._metrics)
+
+    async def _models(self) -> dict:
+        card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "tandem",
+                "max_model_len": self.validator.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def _health(self) -> JSONResponse:
+        """200 when at least one prefill and one decode worker are live, else 503 saying which is missing."""
+        counts = {role: len(self.view.workers(role)) for role in ("prefill", "decode", "pool")}
+        missing = [role for role in ("prefill", "decode") if counts[role] == 0]
+        if missing:
+            reason = " and ".join(f"no {role} worker is registered" for role in missing)
+            return JSONResponse({"status": "unavailable", "reason": reason, "workers": counts}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": counts})
+
+    async def _metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _serve(
+        self, body: CompletionRequest | ChatCompletionRequest, shape_type: type[ResponseShape], request: Request
+    ) -> Response:
+        """Validates, starts generation and answers as a stream or as one JSON body.
+
+        Raises:
+            RouterError: the request was refused before any token (the handler renders it).
+        """
+        arrival_time_s = time.monotonic()
+        try:
+            validated = self.validator.validate(body.to_input())
+        except InvalidRequestError as err:
+            self.metrics.rejected(err.kind.value)
+            raise
+        shape = shape_type(f"{shape_type.id_prefix}{uuid.uuid4().hex}", self.model, int(time.time()))
+        events = self.generation.generate(shape.request_id, validated, arrival_time_s)
+        try:
+            if body.stream:
+                first = await _unless_disconnected(request, anext(events))
+                stream = self._stream(events, first, shape, body.include_usage)
+                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await _unless_disconnected(request, self._collect(events, shape)))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def _collect(self, events: AsyncIterator[GenerationEvent], shape: ResponseShape) -> dict:
+        texts = []
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Finished):
+                    return shape.response("".join(texts), event)
+                texts.append(event.text)
+        raise RouterError("generation ended without finishing", ErrorKind.UNAVAILABLE)
+
+    async def _stream(
+        self, events: AsyncIterator[GenerationEvent], first: GenerationEvent, shape: ResponseShape, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE chunks: text deltas, a finish chunk, optionally a usage chunk, then ``[DONE]``."""
+        async with contextlib.aclosing(events):
+            sent_any, event = False, first
+            try:
+                while True:
+                    if isinstance(event, Finished):
+                        yield _sse(shape.chunk("", event.finish_reason.value, not sent_any, include_usage))
+                        if include_usage:
+                            yield _sse(shape.usage_chunk(event.usage))
+                        break
+                    if event.text or not sent_any:  # the first chunk goes out at once (TTFT)
+                        yield _sse(shape.chunk(event.text, None, not sent_any, include_usage))
+                        sent_any = True
+                    event = await anext(events)
+            except RouterError as err:
+                yield _sse(shape.chunk("", "abort", not sent_any, include_usage))
+                yield _sse(err.to_openai())
+            yield _sse("[DONE]")

@@ -1,0 +1,95 @@
+"""One request's output as the router builds it: finish checks, detokenization, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from core.request import FinishReason
+from core.sampling_params import SamplingParams
+from router.detokenizer import IncrementalDetokenizer
+from router.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class OutputStep:
+    """What one batch of new tokens produced: text safe to send and the tokens accepted."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+
+class OutputProcessor:
+    """Accepts generated tokens in order and decides when the request ends.
+
+    A token ends the request when it is an EOS token (unless ``ignore_eos``), one of
+    ``stop_token_ids``, or the ``max_tokens``-th token; such a token is still part of the output.
+    A stop string ends it too; its text and everything after is dropped. Tokens arriving after
+    the end are ignored.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        stop: Sequence[str],
+        eos_token_ids: frozenset[int],
+        decode: Callable[[list[int]], str],
+    ):
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(decode)
+        self.stop_matcher = StopStringMatcher(stop)
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._flushed = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.stop_matcher.stopped
+
+    def add_tokens(self, token_ids: Iterable[int]) -> OutputStep:
+        """Appends tokens up to the first that ends the request; returns the new text.
+
+        Mutates ``token_ids`` and ``finish_reason``; once finished, held-back text is flushed.
+        """
+        accepted = []
+        for token_id in token_ids:
+            if self.finish_reason is not None:
+                break
+            accepted.append(token_id)
+            self.token_ids.append(token_id)
+            self.finish_reason = self._check_token(token_id)
+        text = self.stop_matcher.feed(self.detokenizer.add(accepted))
+        if self.stop_matcher.stopped:
+            self.finish_reason = FinishReason.STOP
+        if self.finish_reason is not None:
+            text += self._flush()
+        return OutputStep(text, tuple(accepted), self.finish_reason)
+
+    def finish(self, reason: FinishReason) -> str:
+        """Ends the request for ``reason`` unless it already ended; returns the held-back text."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        return self._flush()
+
+    def _check_token(self, token_id: int) -> FinishReason | None:
+        if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.token_ids) >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _flush(self) -> str:
+        if self._flushed:
+            return ""
+        self._flushed = True
+        text = self.stop_matcher.feed(self.detokenizer.flush())
+        if self.stop_matcher.stopped:
+            self.finish_reason = FinishReason.STOP
+            return text
+        return text + self.stop_matcher.flush()

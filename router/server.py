@@ -1,0 +1,104 @@
+"""The router process: OpenAI HTTP (uvicorn) and gRPC in one asyncio loop, sharing one generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+
+from core.grpc_service import GrpcService
+from core.model_source import resolve_model
+from core.registry import WorkerRegistry
+from router.config import RouterConfig
+from router.generation import Generation, RoutingPolicies
+from router.grpc_api import SERVICE_NAME, RouterServicer
+from router.metrics import RouterMetrics
+from router.openai_api import OpenAIApi
+from router.routing import InFlightCounter, LeastLoadedPolicy
+from router.tokenizer import ModelTokenizer, load_tokenizer
+from router.validation import Validator
+from router.worker_clients import WorkerClients
+from router.worker_view import WorkerView
+from tandem.v1 import router_pb2_grpc
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 30.0
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the router's run loop owns SIGTERM/SIGINT
+        yield
+
+
+class RouterServer:
+    """Owns every piece of a running router; ``start`` then ``stop``.
+
+    After ``start``, ``http_port`` and ``grpc_port`` are the bound ports (useful with port 0).
+    """
+
+    def __init__(self, config: RouterConfig, tokenizer: ModelTokenizer | None = None):
+        self.config = config
+        self.tokenizer = tokenizer  # loaded in start() when not given
+        self.metrics = RouterMetrics()
+        self.http_port = 0
+        self.grpc_port = 0
+
+    async def start(self) -> None:
+        """Loads the tokenizer, starts watching the registry, then both servers.
+
+        Raises:
+            FileNotFoundError: the model cannot be resolved.
+            RuntimeError: a port cannot be bound, or HTTP did not come up.
+        """
+        config = self.config
+        source = resolve_model(config.model, config.served_model_name or None)
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, source)
+        self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens)
+        self.registry = WorkerRegistry(config.redis_url)
+        self.view = WorkerView(self.registry, config.worker_refresh_interval_s)
+        self.clients = WorkerClients()
+        in_flight = InFlightCounter()
+        policies = RoutingPolicies(LeastLoadedPolicy(in_flight), LeastLoadedPolicy(in_flight), in_flight)
+        self.generation = Generation(
+            self.view, self.clients, self.tokenizer, self.metrics, policies, config.request_timeout_s
+        )
+        await self.view.start()
+        await self._start_grpc()
+        await self._start_http()
+        log.info("router serving %r: HTTP on %s:%d, gRPC on %s:%d", source.name,
+                 config.host, self.http_port, config.host, self.grpc_port)
+
+    async def _start_grpc(self) -> None:
+        self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s)
+        servicer = RouterServicer(self.validator, self.generation, self.metrics)
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
+        self.grpc_port = await self.grpc.start()
+
+    async def _start_http(self) -> None:
+        app = OpenAIApi(self.validator, self.generation, self.view, self.metrics).app
+        uv_config = uvicorn.Config(
+            app, host=self.config.host, port=self.config.http_port, log_config=None, access_log=False,
+            lifespan="off", timeout_graceful_shutdown=max(1, int(self.config.shutdown_grace_s)),
+        )
+        sock = uv_config.bind_socket()
+        self.http_port = sock.getsockname()[1]
+        self.uvicorn = _UvicornServer(uv_config)
+        self._http_task = asyncio.create_task(self.uvicorn.serve(sockets=[sock]), name="router-http")
+        deadline_s = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while not self.uvicorn.started:
+            if self._http_task.done() or asyncio.get_running_loop().time() > deadline_s:
+                raise RuntimeError(f"HTTP server did not start on {self.config.host}:{self.http_port}")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stops taking requests, lets in-flight ones finish within the grace period, closes all."""
+        self.uvicorn.should_exit = True
+        await asyncio.gather(self.grpc.stop(), self._http_task, return_exceptions=True)
+        await self.view.stop()
+        await self.generation.drain()
+        await self.clients.close()
+        await self.registry.close()

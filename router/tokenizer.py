@@ -1,0 +1,72 @@
+"""The served model's tokenizer and its end-of-sequence tokens (no model weights, no torch)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from core.model_source import ModelSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """A Hugging Face tokenizer plus what the router needs beside it.
+
+    Attributes:
+        hf: the ``transformers`` tokenizer (encode, decode, chat template).
+        eos_token_ids: tokens that end generation unless ``ignore_eos`` (tokenizer EOS and
+            ``generation_config.json``'s ``eos_token_id``, which may be a list).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+    """
+
+    hf: Any
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, with the tokenizer's own special tokens (BOS)."""
+        return list(self.hf.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered by the model's chat template, ready for the assistant turn.
+
+        Raises:
+            ValueError: the tokenizer has no chat template, or the template rejected the messages.
+        """
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        try:
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        except Exception as err:  # jinja2 TemplateError and friends
+            raise ValueError(f"the chat template rejected the messages: {err}") from err
+        return list(ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer(source: ModelSource) -> ModelTokenizer:
+    """Loads the tokenizer of ``source``: from its converted Hugging Face folder when it exists
+    (~1 s), else straight from the GGUF file (~6 s).
+
+    Raises:
+        OSError: the tokenizer files cannot be read.
+    """
+    from transformers import AutoTokenizer  # heavy import, kept off module import
+
+    folder = source.converted_dir
+    if folder.is_dir():
+        hf = AutoTokenizer.from_pretrained(folder)
+    else:
+        log.info("no converted folder at %s; reading the tokenizer from %s", folder, source.path)
+        hf = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    eos = set() if hf.eos_token_id is None else {int(hf.eos_token_id)}
+    config_path = folder / "generation_config.json"
+    if config_path.is_file():
+        value = json.loads(config_path.read_text()).get("eos_token_id")
+        eos.update(int(v) for v in ([] if value is None else value if isinstance(value, list) else [value]))
+    return ModelTokenizer(hf=hf, eos_token_ids=frozenset(eos), vocab_size=len(hf))

@@ -1,0 +1,151 @@
+"""Turns what a client sent into prompt token ids, SamplingParams and stop strings, or says why not.
+
+Every check names the offending field (``param``) and quotes the real numbers, so a client can
+fix its request from the message alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.sampling_params import SamplingParams
+from router.errors import ErrorKind, RouterError
+from router.tokenizer import ModelTokenizer
+
+
+class InvalidRequestError(RouterError):
+    """The request itself is wrong (HTTP 400 / INVALID_ARGUMENT; unknown model: 404 / NOT_FOUND)."""
+
+    def __init__(self, message: str, param: str | None = None, kind: ErrorKind = ErrorKind.INVALID_REQUEST):
+        super().__init__(message, kind, param)
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """A request as a front-end received it, before any check.
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` and ``messages`` (chat) is set.
+    ``max_tokens`` None means the configured default, clamped to what the context leaves.
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """What generation needs: the prompt as tokens, checked sampling parameters, stop strings."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stop: tuple[str, ...]
+
+
+class Validator:
+    """Checks requests against the served model's name, vocabulary and context limit."""
+
+    def __init__(self, tokenizer: ModelTokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int):
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+
+    def validate(self, request: RequestInput) -> ValidatedRequest:
+        """Tokenizes and checks ``request``.
+
+        Raises:
+            InvalidRequestError: the first problem found, with its ``param``.
+        """
+        if request.model and request.model != self.served_model_name:
+            raise InvalidRequestError(
+                f"model {request.model!r} does not exist; this cluster serves {self.served_model_name!r}",
+                "model",
+                ErrorKind.MODEL_NOT_FOUND,
+            )
+        self._check_sampling(request)
+        prompt_token_ids = self._tokenize(request)
+        prompt_param = "messages" if request.messages is not None else "prompt"
+        max_tokens = self._max_tokens(len(prompt_token_ids), request.max_tokens, prompt_param)
+        params = SamplingParams(
+            temperature=float(request.temperature),
+            top_p=float(request.top_p),
+            top_k=request.top_k,
+            seed=request.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+        )
+        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop))
+
+    def _check_sampling(self, request: RequestInput) -> None:
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens")
+        if not request.temperature >= 0.0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {request.temperature}", "temperature")
+        if not 0.0 < request.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {request.top_p}", "top_p")
+        if request.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (disabled) or positive, got {request.top_k}", "top_k"
+            )
+        if request.seed is not None and not 0 <= request.seed < 2**64:
+            raise InvalidRequestError(f"seed must be in [0, 2**64), got {request.seed}", "seed")
+        if any(not s for s in request.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+        self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+
+    def _tokenize(self, request: RequestInput) -> list[int]:
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidRequestError("messages must not be empty", "messages")
+            try:
+                return self.tokenizer.encode_chat(list(request.messages))
+            except ValueError as err:
+                raise InvalidRequestError(str(err), "messages") from err
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            self._check_token_ids(ids, "prompt")
+        else:
+            ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+        if not ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        return ids
+
+    def _check_token_ids(self, token_ids, param: str) -> None:
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"{param} has token id {token_id}, outside the vocabulary [0, {vocab_size})", param
+                )
+
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+        """The request's max_tokens, checked against (or clamped to) the context left."""
+        limit = self.max_model_len
+        if num_prompt_tokens > limit:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens but the context is {limit}", param)
+        if max_tokens is None:
+            if num_prompt_tokens == limit:
+                raise InvalidRequestError(
+                    f"prompt has {num_prompt_tokens} tokens, which fills the context of {limit}; "
+                    "no room is left to generate",
+                    param,
+                )
+            return min(self.default_max_tokens, limit - num_prompt_tokens)
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} tokens exceed the context of {limit}",
+                "max_tokens",
+            )
+        return max_tokens

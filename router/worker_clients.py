@@ -1,0 +1,153 @@
+"""Calls to the prefill and decode workers and to the KV pool, in domain types.
+
+The only router module that sees worker protobufs: it converts requests, turns responses into
+plain dataclasses and worker gRPC errors into :class:`RouterError`. Cancelling the awaiting task
+(or :meth:`DecodeStream.cancel`) cancels the RPC, and the workers abort on cancellation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from core.grpc_service import aio_channel
+from core.proto_convert import sampling_params_to_proto
+from core.request import FinishReason
+from router.errors import RouterError, kind_from_grpc
+from router.validation import ValidatedRequest
+from tandem.v1 import (
+    common_pb2,
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    kv_pool_pb2,
+    kv_pool_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 5.0
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    num_cached_tokens: int
+    pool_address: str
+    manifest: common_pb2.KVManifest  # handed to the decode worker untouched
+
+
+@dataclass(frozen=True)
+class DecodeTokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodeFinished:
+    finish_reason: FinishReason
+    num_output_tokens: int  # the first token included
+
+
+def _router_error(role: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"the {role} worker did not answer within the request timeout of {timeout_s:g} s"
+    else:
+        message = f"{role} worker failed ({err.code().name}): {err.details()}"
+    return RouterError(message, kind_from_grpc(err.code()))
+
+
+class DecodeStream:
+    """One Decode server stream: iterate for DecodeTokens, then one DecodeFinished."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float):
+        self._call = call
+        self._timeout_s = timeout_s
+
+    async def __aiter__(self) -> AsyncIterator[DecodeTokens | DecodeFinished]:
+        """Raises RouterError on a worker error, or when the stream ends without ``finished``."""
+        try:
+            async for response in self._call:
+                if response.WhichOneof("event") == "tokens":
+                    yield DecodeTokens(tuple(response.tokens.token_ids))
+                elif response.WhichOneof("event") == "finished":
+                    done = response.finished
+                    yield DecodeFinished(_FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT), done.num_output_tokens)
+                    return
+        except grpc.aio.AioRpcError as err:
+            raise _router_error("decode", err, self._timeout_s) from err
+        raise RouterError("decode worker ended the stream without finishing", kind_from_grpc(grpc.StatusCode.UNKNOWN))
+
+    def cancel(self) -> None:
+        """Cancels the RPC (a no-op once it has ended); the decode worker aborts the request."""
+        self._call.cancel()
+
+
+class WorkerClients:
+    """One channel per worker address, opened on first use and closed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = aio_channel(address)
+        return self._channels[address]
+
+    async def prefill(self, address: str, request_id: str, request: ValidatedRequest, timeout_s: float) -> PrefillResult:
+        """Runs Prefill on the worker at ``address``.
+
+        Raises:
+            RouterError: the worker failed; its kind follows the gRPC status.
+        """
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
+        message = prefill_worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(request.sampling_params),
+        )
+        call = stub.Prefill(message, timeout=timeout_s)
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as err:
+            raise _router_error("prefill", err, timeout_s) from err
+        finally:
+            call.cancel()  # no-op when done; cancels the RPC when this task was cancelled
+        return PrefillResult(
+            response.first_token_id, response.num_cached_tokens, response.manifest.pool_address, response.manifest
+        )
+
+    def decode(
+        self, address: str, request_id: str, request: ValidatedRequest, prefill: PrefillResult, timeout_s: float
+    ) -> DecodeStream:
+        """Starts Decode on the worker at ``address``; the caller must iterate or cancel it."""
+        stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
+        message = decode_worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            first_token_id=prefill.first_token_id,
+            sampling_params=sampling_params_to_proto(request.sampling_params),
+            manifest=prefill.manifest,
+        )
+        return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s)
+
+    async def release(self, pool_address: str, request_id: str) -> None:
+        """Asks the pool to free the request's scoped blocks and leases; failures are logged."""
+        stub = kv_pool_pb2_grpc.KVPoolStub(self._channel(pool_address))
+        try:
+            await stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            log.warning("ReleaseRequest at %s failed: %s", pool_address, err.code().name, extra={"request_id": request_id})
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,503 @@
+"""The router as a real server (HTTP + gRPC on 127.0.0.1) against scripted fake workers.
+
+Fake prefill, decode and pool servicers run in this process, registered in a real Redis; each
+test scripts the tokens they return and observes what the router did to them (requests seen,
+cancellations, ReleaseRequest calls). Synchronisation is by events with timeouts, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from core.grpc_service import aio_channel
+from core.model_source import DEFAULT_MODEL, resolve_model
+from core.registry import WorkerInfo, WorkerRegistry
+from router.config import RouterConfig
+from router.server import RouterServer
+from router.tokenizer import load_tokenizer
+from tandem.v1 import (
+    common_pb2,
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    kv_pool_pb2,
+    kv_pool_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+CANCEL_WAIT_S = 1.0  # "well under a second" plus scheduling slack on a shared machine
+MAX_MODEL_LEN = 64
+TEXT = "Hello, world! 👋 世界 is here. The END is near"
+EOS = 2
+
+
+@dataclass
+class Script:
+    """What the fakes do for the next request."""
+
+    first_token_id: int = 0
+    decode_chunks: list[list[int]] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_STOP
+    num_cached_tokens: int = 16
+    prefill_error: grpc.StatusCode | None = None
+    decode_error: grpc.StatusCode | None = None  # after the chunks
+    hang_prefill: bool = False
+    hang_decode: bool = False  # after the chunks
+
+
+class Fakes:
+    """Shared state of the fake workers: the script and what they observed."""
+
+    def __init__(self) -> None:
+        self.script = Script()
+        self.pool_address = ""
+        self.prefill_requests: list[prefill_worker_pb2.PrefillRequest] = []
+        self.decode_requests: list[decode_worker_pb2.DecodeRequest] = []
+        self.prefill_cancelled = asyncio.Event()
+        self.decode_cancelled = asyncio.Event()
+        self.hanging = asyncio.Event()  # a fake is parked in hang(), where it sees cancellation
+        self.released: dict[str, asyncio.Event] = {}
+
+    def reset(self, script: Script) -> None:
+        self.script = script
+        for event in (self.prefill_cancelled, self.decode_cancelled, self.hanging):
+            event.clear()
+
+    async def hang(self, cancelled: asyncio.Event) -> None:
+        """Waits until the router cancels the RPC (grpc.aio cancels the handler's task).
+
+        A cancellation that arrives while a streaming handler is suspended in ``yield`` is not
+        raised in the handler, so tests cancel only once ``hanging`` is set.
+        """
+        self.hanging.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def release_event(self, request_id: str) -> asyncio.Event:
+        return self.released.setdefault(request_id, asyncio.Event())
+
+
+class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, fakes: Fakes):
+        self.fakes = fakes
+
+    async def Prefill(self, request, context):
+        fakes, script = self.fakes, self.fakes.script
+        fakes.prefill_requests.append(request)
+        if script.prefill_error is not None:
+            await context.abort(script.prefill_error, f"fake prefill refuses ({script.prefill_error.name})")
+        if script.hang_prefill:
+            await fakes.hang(fakes.prefill_cancelled)
+        manifest = common_pb2.KVManifest(
+            spec_fingerprint="fake", pool_address=fakes.pool_address, num_tokens=len(request.prompt_token_ids)
+        )
+        return prefill_worker_pb2.PrefillResponse(
+            first_token_id=script.first_token_id, num_cached_tokens=script.num_cached_tokens, manifest=manifest
+        )
+
+
+class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, fakes: Fakes):
+        self.fakes = fakes
+
+    async def Decode(self, request, context):
+        fakes, script = self.fakes, self.fakes.script
+        fakes.decode_requests.append(request)
+        for chunk in script.decode_chunks:
+            yield decode_worker_pb2.DecodeResponse(tokens=decode_worker_pb2.TokenChunk(token_ids=chunk))
+        if script.decode_error is not None:
+            await context.abort(script.decode_error, "fake decode broke")
+        if script.hang_decode:
+            await fakes.hang(fakes.decode_cancelled)
+        num_output_tokens = 1 + sum(len(c) for c in script.decode_chunks)
+        finished = decode_worker_pb2.Finished(finish_reason=script.finish_reason, num_output_tokens=num_output_tokens)
+        yield decode_worker_pb2.DecodeResponse(finished=finished)
+
+
+class FakePool(kv_pool_pb2_grpc.KVPoolServicer):
+    def __init__(self, fakes: Fakes):
+        self.fakes = fakes
+
+    async def ReleaseRequest(self, request, context):
+        self.fakes.release_event(request.request_id).set()
+        return kv_pool_pb2.ReleaseRequestResponse()
+
+
+@dataclass
+class Cluster:
+    router: RouterServer
+    fakes: Fakes
+    registry: WorkerRegistry
+    workers: list[WorkerInfo]
+    tokenizer: object
+    http: httpx.AsyncClient
+
+    async def register(self, roles=("prefill", "decode", "pool")) -> None:
+        for info in self.workers:
+            if info.role in roles:
+                await self.registry.heartbeat(info, ttl_s=600)
+        await self.router.view.refresh()
+
+    async def deregister(self, roles) -> None:
+        for info in self.workers:
+            if info.role in roles:
+                await self.registry.deregister(info.role, info.worker_id)
+        await self.router.view.refresh()
+
+    def script_text(self, text: str = TEXT, finish_token: int | None = EOS, chunk: int = 3, **kwargs) -> Script:
+        """Scripts the fakes to generate ``text`` (then ``finish_token``), ``chunk`` tokens a message."""
+        ids = self.tokenizer.encode(text) + ([finish_token] if finish_token is not None else [])
+        chunks = [ids[i : i + chunk] for i in range(1, len(ids), chunk)]
+        script = Script(first_token_id=ids[0], decode_chunks=chunks, **kwargs)
+        self.fakes.reset(script)
+        return script
+
+    async def assert_released(self, request_id: str) -> None:
+        await asyncio.wait_for(self.fakes.release_event(request_id).wait(), timeout=5.0)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster(redis_url: str):
+    url = redis_url.rsplit("/", 1)[0] + "/3"  # a db of our own in the shared server
+    fakes = Fakes()
+    server = grpc.aio.server()
+    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
+    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(FakeDecode(fakes), server)
+    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    fakes.pool_address = address = f"127.0.0.1:{port}"
+    workers = [WorkerInfo(f"fake-{role}", role, address, {"num_requests_running": 0}) for role in ("prefill", "decode", "pool")]
+    tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
+    config = RouterConfig(http_port=0, grpc_port=0, redis_url=url, max_model_len=MAX_MODEL_LEN, shutdown_grace_s=1.0)
+    router = RouterServer(config, tokenizer=tokenizer)
+    await router.start()
+    registry = WorkerRegistry(url)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}", timeout=10.0) as http:
+        cluster = Cluster(router, fakes, registry, workers, tokenizer, http)
+        await cluster.register()
+        yield cluster
+    await router.stop()
+    await registry.redis.flushdb()
+    await registry.close()
+    await server.stop(0)
+
+
+async def sse_events(response: httpx.Response) -> list:
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_completion_stream_sse_format_usage_and_release(cluster: Cluster) -> None:
+    cluster.script_text()
+    body = {"model": DEFAULT_MODEL, "prompt": "Say hello", "max_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with cluster.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert len({c["id"] for c in events[:-1]}) == 1
+    num_generated = len(cluster.tokenizer.encode(TEXT)) + 1  # + EOS
+    prompt_tokens = len(cluster.tokenizer.encode("Say hello"))
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": num_generated,
+                                    "total_tokens": prompt_tokens + num_generated,
+                                    "prompt_tokens_details": {"cached_tokens": 16}}
+    decode = cluster.fakes.decode_requests[-1]
+    assert decode.first_token_id == cluster.fakes.script.first_token_id
+    assert decode.manifest.pool_address == cluster.fakes.pool_address
+    await cluster.assert_released(chunks[0]["id"])
+
+
+async def test_chat_non_stream(cluster: Cluster) -> None:
+    cluster.script_text("Hi there!")
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 20, "temperature": 0}
+    response = await cluster.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "Hi there!"}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    prompt = list(cluster.fakes.prefill_requests[-1].prompt_token_ids)
+    assert prompt == cluster.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert data["usage"]["prompt_tokens"] == len(prompt)
+    assert data["usage"]["completion_tokens"] == len(cluster.tokenizer.encode("Hi there!")) + 1
+    await cluster.assert_released(data["id"])
+
+
+async def test_chat_stream_starts_with_role(cluster: Cluster) -> None:
+    cluster.script_text("Sure.")
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with cluster.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = await sse_events(response)
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == "Sure."
+    assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert events[-1] == "[DONE]"
+
+
+async def test_max_tokens_one_ends_at_the_first_token(cluster: Cluster) -> None:
+    cluster.script_text()
+    num_decodes = len(cluster.fakes.decode_requests)
+    response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    data = response.json()
+    assert (data["choices"][0]["text"], data["choices"][0]["finish_reason"]) == ("Hello", "length")
+    assert data["usage"]["completion_tokens"] == 1
+    assert len(cluster.fakes.decode_requests) == num_decodes
+    await cluster.assert_released(data["id"])
+
+
+async def test_stop_string_truncates_and_cancels_decode(cluster: Cluster) -> None:
+    cluster.script_text(chunk=2, hang_decode=True)  # the decode stream would never end by itself
+    body = {"prompt": "x", "max_tokens": 40, "stop": ["END"], "stream": True}
+    async with cluster.http.stream("POST", "/v1/completions", json=body) as response:
+        events = await sse_events(response)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == TEXT[: TEXT.index("END")]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    await asyncio.wait_for(cluster.fakes.decode_cancelled.wait(), CANCEL_WAIT_S)
+    await cluster.assert_released(events[0]["id"])
+
+
+async def test_client_disconnect_during_prefill_cancels_it(cluster: Cluster) -> None:
+    cluster.script_text(hang_prefill=True)
+
+    async def client() -> None:
+        async with cluster.http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            await r.aread()
+
+    task = asyncio.create_task(client())
+    await asyncio.wait_for(cluster.fakes.hanging.wait(), 5.0)
+    task.cancel()
+    await asyncio.wait_for(cluster.fakes.prefill_cancelled.wait(), CANCEL_WAIT_S)
+    await cluster.assert_released(cluster.fakes.prefill_requests[-1].request_id)
+
+
+async def test_client_disconnect_during_decode_cancels_it(cluster: Cluster) -> None:
+    cluster.script_text(hang_decode=True)
+    body = {"prompt": "x", "max_tokens": 40, "stream": True}
+    async with cluster.http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.aiter_lines()  # held: a dropped iterator closes the connection when collected
+        async for line in lines:
+            if line.startswith("data: "):
+                break  # got the first token
+        await asyncio.wait_for(cluster.fakes.hanging.wait(), 5.0)
+    # leaving the block closed the connection
+    await asyncio.wait_for(cluster.fakes.decode_cancelled.wait(), CANCEL_WAIT_S)
+    await cluster.assert_released(cluster.fakes.decode_requests[-1].request_id)
+
+
+async def test_non_stream_disconnect_cancels_decode(cluster: Cluster) -> None:
+    cluster.script_text(hang_decode=True)
+    task = asyncio.create_task(cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40}))
+    await asyncio.wait_for(cluster.fakes.hanging.wait(), 5.0)
+    task.cancel()
+    await asyncio.wait_for(cluster.fakes.decode_cancelled.wait(), CANCEL_WAIT_S)
+
+
+LONG = list(range(100, 170))  # 70 token ids
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message", "param"),
+    [
+        ("/v1/completions", {"prompt": ""}, 400, "prompt is empty", "prompt"),
+        ("/v1/completions", {"prompt": LONG}, 400, "prompt has 70 tokens but the context is 64", "prompt"),
+        ("/v1/completions", {"prompt": LONG[:60], "max_tokens": 10}, 400,
+         "prompt has 60 tokens and max_tokens is 10: 70 tokens exceed the context of 64", "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0", "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0, got -1.0", "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported yet", "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400,
+         "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages must not be empty", "messages"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404,
+         f"model 'gpt-4' does not exist; this cluster serves '{DEFAULT_MODEL}'", "model"),
+    ],
+)
+async def test_bad_request_then_good_one(cluster: Cluster, path, body, status, message, param) -> None:
+    response = await cluster.http.post(path, json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert (error["message"], error["param"], error["type"]) == (message, param, "invalid_request_error")
+    await assert_serves(cluster)
+
+
+async def assert_serves(cluster: Cluster) -> None:
+    cluster.script_text("ok")
+    response = await cluster.http.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "ok"
+
+
+async def test_malformed_json_is_400(cluster: Cluster) -> None:
+    response = await cluster.http.post(
+        "/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("malformed JSON body: ")
+    await assert_serves(cluster)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error_type"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
+        (grpc.StatusCode.INTERNAL, 503, "service_unavailable_error"),
+    ],
+)
+async def test_prefill_worker_errors_map_to_status(cluster: Cluster, code, status, error_type) -> None:
+    cluster.script_text(prefill_error=code)
+    response = await cluster.http.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == error_type
+    assert error["message"] == f"prefill worker failed ({code.name}): fake prefill refuses ({code.name})"
+    await cluster.assert_released(cluster.fakes.prefill_requests[-1].request_id)  # broadcast to the pools
+    await assert_serves(cluster)
+
+
+async def test_decode_error_mid_stream_aborts(cluster: Cluster) -> None:
+    cluster.script_text(decode_error=grpc.StatusCode.UNAVAILABLE)
+    async with cluster.http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 40, "stream": True}) as r:
+        assert r.status_code == 200
+        events = await sse_events(r)
+    assert events[-3]["choices"][0]["finish_reason"] == "abort"
+    assert events[-2]["error"]["message"] == "decode worker failed (UNAVAILABLE): fake decode broke"
+    assert events[-1] == "[DONE]"
+    await assert_serves(cluster)
+
+
+async def test_no_workers_is_503_and_health_says_why(cluster: Cluster) -> None:
+    assert (await cluster.http.get("/health")).status_code == 200
+    await cluster.deregister(("prefill", "decode"))
+    try:
+        response = await cluster.http.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "no healthy prefill worker is registered"
+        health = await cluster.http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["reason"] == "no prefill worker is registered and no decode worker is registered"
+    finally:
+        await cluster.register()
+    await assert_serves(cluster)
+
+
+async def test_models_and_metrics(cluster: Cluster) -> None:
+    models = (await cluster.http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL]
+    await assert_serves(cluster)
+    text = (await cluster.http.get("/metrics")).text
+    for name in ("tandem:time_to_first_token_seconds_count", "tandem:inter_token_latency_seconds_count",
+                 "tandem:e2e_request_latency_seconds_count", 'tandem:request_success_total{finished_reason="stop"}',
+                 "tandem:prompt_tokens_total", "tandem:generation_tokens_total", "tandem:prefix_cache_queries_total",
+                 "tandem:prefix_cache_hits_total", 'tandem:rejections_total{reason="invalid_request"}',
+                 "tandem:num_requests_running 0.0"):
+        assert name in text, name
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def grpc_stub(cluster: Cluster):
+    channel = aio_channel(f"127.0.0.1:{cluster.router.grpc_port}")
+    yield router_pb2_grpc.RouterStub(channel), health_pb2_grpc.HealthStub(channel)
+    await channel.close()
+
+
+async def test_grpc_generate(cluster: Cluster, grpc_stub) -> None:
+    stub, health = grpc_stub
+    status = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Router"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    cluster.script_text()
+    request = router_pb2.GenerateRequest(text="Say hello", request_id="grpc-1",
+                                         sampling_params=common_pb2.SamplingParams(max_tokens=40))
+    responses = [r async for r in stub.Generate(request)]
+    assert "".join(r.delta.text for r in responses[:-1]) == TEXT
+    finished = responses[-1].finished
+    assert (finished.finish_reason, finished.request_id) == (common_pb2.FINISH_REASON_STOP, "grpc-1")
+    assert finished.usage.completion_tokens == len(cluster.tokenizer.encode(TEXT)) + 1
+    assert finished.usage.cached_tokens == 16
+    assert cluster.fakes.prefill_requests[-1].sampling_params.temperature == 0.0  # absent means greedy
+    await cluster.assert_released("grpc-1")
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "code", "message"),
+    [
+        ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        ({"text": "x", "sampling_params": common_pb2.SamplingParams(top_p=0)}, grpc.StatusCode.INVALID_ARGUMENT,
+         "top_p must be in (0, 1], got 0.0"),
+        ({"text": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND,
+         f"model 'nope' does not exist; this cluster serves '{DEFAULT_MODEL}'"),
+    ],
+)
+async def test_grpc_bad_request(cluster: Cluster, grpc_stub, request_kwargs, code, message) -> None:
+    stub, _ = grpc_stub
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        [r async for r in stub.Generate(router_pb2.GenerateRequest(**request_kwargs))]
+    assert (info.value.code(), info.value.details()) == (code, message)
+
+
+async def test_grpc_no_workers_is_unavailable(cluster: Cluster, grpc_stub) -> None:
+    stub, _ = grpc_stub
+    await cluster.deregister(("prefill",))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [r async for r in stub.Generate(router_pb2.GenerateRequest(text="x", sampling_params=common_pb2.SamplingParams(max_tokens=1)))]
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker is registered")
+    finally:
+        await cluster.register()
+
+
+async def test_grpc_cancel_cancels_decode(cluster: Cluster, grpc_stub) -> None:
+    stub, _ = grpc_stub
+    cluster.script_text(hang_decode=True)
+    call = stub.Generate(router_pb2.GenerateRequest(text="x", request_id="grpc-cancel",
+                                                    sampling_params=common_pb2.SamplingParams(max_tokens=40)))
+    first = await call.read()
+    assert first.delta.token_ids == [cluster.fakes.script.first_token_id]
+    await asyncio.wait_for(cluster.fakes.hanging.wait(), 5.0)
+    call.cancel()
+    await asyncio.wait_for(cluster.fakes.decode_cancelled.wait(), CANCEL_WAIT_S)
+    await cluster.assert_released("grpc-cancel")
+
+
+async def test_grpc_decode_error_mid_stream(cluster: Cluster, grpc_stub) -> None:
+    stub, _ = grpc_stub
+    cluster.script_text(decode_error=grpc.StatusCode.UNAVAILABLE)
+    call = stub.Generate(router_pb2.GenerateRequest(text="x", sampling_params=common_pb2.SamplingParams(max_tokens=40)))
+    deltas = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in call:
+            deltas.append(response.delta.text)
+    assert "".join(deltas) == TEXT
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE, "decode worker failed (UNAVAILABLE): fake decode broke")

@@ -1,0 +1,54 @@
+"""OpenAI request bodies: unknown fields ignored, vLLM extras honoured, unsupported ones refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.validation import InvalidRequestError
+
+
+def test_completion_fields_and_unknown_ones() -> None:
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "hi", "stop": "\n", "top_k": 5, "ignore_eos": True, "stop_token_ids": [7],
+         "logit_bias": {}, "user": "u", "stream": True, "stream_options": {"include_usage": True}}
+    )
+    request = body.to_input()
+    assert (request.prompt, request.stop, request.top_k, request.ignore_eos, request.stop_token_ids) == (
+        "hi", ("\n",), 5, True, (7,))
+    assert (request.temperature, request.top_p, request.max_tokens) == (1.0, 1.0, None)
+    assert body.include_usage
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
+def test_token_id_prompts(prompt) -> None:
+    assert CompletionRequest(prompt=prompt).to_input().prompt_token_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"prompt": "hi", "n": 2}, "n > 1 is not supported yet", "n"),
+        ({"prompt": "hi", "n": 0}, "n must be >= 1, got 0", "n"),
+        ({"prompt": ["a", "b"]}, "a list of 2 prompts is not supported yet; send one", "prompt"),
+    ],
+)
+def test_unsupported_completion_bodies(body: dict, message: str, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        CompletionRequest.model_validate(body).to_input()
+    assert (info.value.message, info.value.param) == (message, param)
+
+
+def test_chat_content_parts_and_max_completion_tokens() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_tokens": 3, "max_completion_tokens": 9}
+    )
+    request = body.to_input()
+    assert (request.messages, request.max_tokens) == (({"role": "user", "content": "ab"},), 9)
+
+
+def test_chat_image_part_is_refused() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    with pytest.raises(InvalidRequestError, match="only text content parts are supported, got 'image_url'"):
+        body.to_input()

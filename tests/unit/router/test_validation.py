@@ -1,0 +1,101 @@
+"""Every bad input gets one InvalidRequestError with the exact message and param."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.model_source import DEFAULT_MODEL
+from router.errors import ErrorKind
+from router.validation import InvalidRequestError, RequestInput, Validator
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def validator(tokenizer) -> Validator:
+    return Validator(tokenizer, DEFAULT_MODEL, MAX_MODEL_LEN, default_max_tokens=16)
+
+
+def ids(n: int) -> tuple[int, ...]:
+    return tuple(100 + i for i in range(n))
+
+
+@pytest.mark.parametrize(
+    ("request_input", "message", "param"),
+    [
+        (RequestInput(prompt=""), "prompt is empty", "prompt"),
+        (RequestInput(prompt_token_ids=()), "prompt is empty", "prompt"),
+        (RequestInput(prompt_token_ids=ids(70)), "prompt has 70 tokens but the context is 64", "prompt"),
+        (
+            RequestInput(prompt_token_ids=ids(60), max_tokens=10),
+            "prompt has 60 tokens and max_tokens is 10: 70 tokens exceed the context of 64",
+            "max_tokens",
+        ),
+        (
+            RequestInput(prompt_token_ids=ids(64)),
+            "prompt has 64 tokens, which fills the context of 64; no room is left to generate",
+            "prompt",
+        ),
+        (RequestInput(prompt="hi", max_tokens=0), "max_tokens must be >= 1, got 0", "max_tokens"),
+        (RequestInput(prompt="hi", temperature=-0.5), "temperature must be >= 0, got -0.5", "temperature"),
+        (RequestInput(prompt="hi", temperature=float("nan")), "temperature must be >= 0, got nan", "temperature"),
+        (RequestInput(prompt="hi", top_p=0.0), "top_p must be in (0, 1], got 0.0", "top_p"),
+        (RequestInput(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5", "top_p"),
+        (RequestInput(prompt="hi", top_k=-2), "top_k must be -1, 0 (disabled) or positive, got -2", "top_k"),
+        (RequestInput(prompt="hi", seed=-1), "seed must be in [0, 2**64), got -1", "seed"),
+        (RequestInput(prompt="hi", stop=("ok", "")), "stop strings must not be empty", "stop"),
+        (
+            RequestInput(prompt_token_ids=(1, 49152)),
+            "prompt has token id 49152, outside the vocabulary [0, 49152)",
+            "prompt",
+        ),
+        (
+            RequestInput(prompt="hi", stop_token_ids=(-3,)),
+            "stop_token_ids has token id -3, outside the vocabulary [0, 49152)",
+            "stop_token_ids",
+        ),
+        (RequestInput(messages=()), "messages must not be empty", "messages"),
+    ],
+)
+def test_bad_input(validator: Validator, request_input: RequestInput, message: str, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(request_input)
+    assert (info.value.message, info.value.param, info.value.kind) == (message, param, ErrorKind.INVALID_REQUEST)
+    assert info.value.http_status == 400
+
+
+def test_unknown_model_is_not_found(validator: Validator) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(RequestInput(model="gpt-4", prompt="hi"))
+    assert info.value.message == f"model 'gpt-4' does not exist; this cluster serves '{DEFAULT_MODEL}'"
+    assert (info.value.param, info.value.kind, info.value.http_status) == ("model", ErrorKind.MODEL_NOT_FOUND, 404)
+    assert info.value.to_openai()["error"]["code"] == "model_not_found"
+
+
+def test_long_chat_names_messages(validator: Validator) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(RequestInput(messages=({"role": "user", "content": "word " * 80},)))
+    assert info.value.param == "messages"
+    assert info.value.message.startswith("prompt has ") and info.value.message.endswith(" but the context is 64")
+
+
+def test_completion_prompt_is_tokenized_and_params_kept(validator: Validator, tokenizer) -> None:
+    request = validator.validate(
+        RequestInput(model=DEFAULT_MODEL, prompt="Hello world", max_tokens=5, temperature=0.0, top_p=0.9,
+                     top_k=20, seed=7, stop=("\n",), stop_token_ids=(13,), ignore_eos=True)
+    )
+    assert request.prompt_token_ids == tokenizer.encode("Hello world")
+    params = request.sampling_params
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (5, 0.0, 0.9, 20, 7)
+    assert (params.stop_token_ids, params.ignore_eos, request.stop) == ((13,), True, ("\n",))
+
+
+def test_default_max_tokens_is_clamped_to_the_context(validator: Validator) -> None:
+    assert validator.validate(RequestInput(prompt_token_ids=ids(10))).sampling_params.max_tokens == 16
+    assert validator.validate(RequestInput(prompt_token_ids=ids(60))).sampling_params.max_tokens == 4
+
+
+def test_chat_uses_the_template_with_generation_prompt(validator: Validator, tokenizer) -> None:
+    request = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},)))
+    text = tokenizer.hf.decode(request.prompt_token_ids)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
