@@ -56,6 +56,9 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             await self.io.release(manifest.pool_address, request.request_id)
         external = ExternalKV(manifest.num_tokens, payloads)
+        # A cancelled stream parked at `yield` gets no exception in this handler: abort from the
+        # RPC's done callback instead (a no-op once the request finished).
+        context.add_done_callback(lambda _: self.engine.abort(request.request_id))
         try:
             async for output in self.engine.generate(engine_request, external):
                 if output.new_token_ids:

@@ -86,6 +86,7 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopping:
             self._drain_inbox()
+            self._stats = engine.stats()  # aborts free blocks without a step
             if not engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
@@ -131,3 +132,5 @@ class AsyncEngine:
         stream = self._streams.get(output.request_id)
         if stream is not None:
             stream.put_nowait(output)
+            if output.finished:  # the consumer keeps its queue; forget it even if never closed
+                del self._streams[output.request_id]

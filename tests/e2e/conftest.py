@@ -7,7 +7,7 @@ import pytest
 
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
 from tandem.v1 import decode_worker_pb2_grpc, kv_pool_pb2, kv_pool_pb2_grpc, prefill_worker_pb2, prefill_worker_pb2_grpc
-from tests.conftest import wait_until
+from tests.conftest import poll_until
 
 BLOCK_SIZE = 16
 
@@ -64,4 +64,4 @@ def back_to_idle(request):
     yield
     if "probe" in request.fixturenames:
         probe = request.getfixturevalue("probe")
-        wait_until(probe.is_idle, timeout_s=5, message="cluster back to idle")
+        poll_until(probe.is_idle, timeout_s=5, message="cluster back to idle")
