@@ -78,9 +78,12 @@ class AsyncEngine:
             if self._streams.pop(rid, None) is not None and not request.is_finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Aborts at the next step boundary; returns False when no caller awaits the request."""
+        known = request_id in self._streams
         self._inbox.put(("abort", request_id, None))
         self._wakeup.set()
+        return known
 
     def _run(self) -> None:
         engine = self.engine

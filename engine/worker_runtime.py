@@ -22,6 +22,7 @@ from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from tandem.v1 import prefill_worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,21 @@ def load_dict(engine: AsyncEngine) -> dict[str, float]:
         "num_free_blocks": s.num_free_blocks,
         "num_preemptions": s.num_preemptions,
     }
+
+
+def stats_response(engine: AsyncEngine, num_cached_tokens: int = 0) -> prefill_worker_pb2.GetWorkerStatsResponse:
+    """The GetStats reply both workers give."""
+    load = load_dict(engine)
+    return prefill_worker_pb2.GetWorkerStatsResponse(
+        num_requests_running=load["num_requests_running"],
+        num_requests_waiting=load["num_requests_waiting"],
+        num_total_blocks=load["num_total_blocks"],
+        num_used_blocks=load["num_used_blocks"],
+        num_free_blocks=load["num_free_blocks"],
+        num_prefill_tokens=engine.num_prompt_tokens,
+        num_cached_tokens=num_cached_tokens,
+        num_generated_tokens=engine.num_generated_tokens,
+    )
 
 
 def serve_worker(

@@ -13,7 +13,7 @@ from core.request import Request
 from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
 from engine.pool_io import PoolIO
-from engine.worker_runtime import PoolLocator, load_dict
+from engine.worker_runtime import PoolLocator, stats_response
 from tandem.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -76,18 +76,7 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         )
 
     async def Abort(self, request, context):
-        self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse(found=True)
+        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def GetStats(self, request, context):
-        load = load_dict(self.engine)
-        return prefill_worker_pb2.GetWorkerStatsResponse(
-            num_requests_running=load["num_requests_running"],
-            num_requests_waiting=load["num_requests_waiting"],
-            num_total_blocks=load["num_total_blocks"],
-            num_used_blocks=load["num_used_blocks"],
-            num_free_blocks=load["num_free_blocks"],
-            num_prefill_tokens=self.engine.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            num_generated_tokens=self.engine.num_generated_tokens,
-        )
+        return stats_response(self.engine, num_cached_tokens=self.num_cached_tokens)
