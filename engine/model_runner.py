@@ -38,13 +38,9 @@ class ModelRunner:
         ctx = ForwardContext(meta, self.backend, list(self.kv_cache.unbind(0)))
         with forward_context(ctx):
             logits = self.model(input_ids, positions, logits_indices)  # [num_sampling, vocab]
-        sampling = [s for s in out.scheduled if s.samples]
-        tokens = self.sampler.sample(
-            logits,
-            [s.request.sampling_params for s in sampling],
-            [s.request.num_output_tokens for s in sampling],
-        )
-        return ModelRunnerOutput({s.request.request_id: t for s, t in zip(sampling, tokens)})
+        requests = [s.request for s in out.scheduled if s.samples]
+        sampled = self.sampler.sample(logits, requests)
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, sampled)})
 
     def _prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []

@@ -55,10 +55,21 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token; the log-probabilities are filled only when the request asked for them."""
+
+    token_id: int
+    # log-probability of token_id under the (penalised, temperature-free) distribution.
+    logprob: float | None = None
+    # The request's top_logprobs most likely (token_id, logprob) pairs, best first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class ModelRunnerOutput:
-    # request_id -> sampled token id, for requests whose step reached their last token.
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request_id -> sampled token, for requests whose step reached their last token.
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,3 +86,5 @@ class RequestOutput:
     saved_kv: list[bytes] | None = None
     # Set when the engine refused the request (e.g. it cannot fit max_model_len).
     error: str | None = None
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[SampledToken] = field(default_factory=list)

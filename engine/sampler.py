@@ -11,7 +11,8 @@ import struct
 
 import torch
 
-from core.sampling_params import SamplingParams
+from core.request import Request
+from engine.outputs import SampledToken
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -39,22 +40,23 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
-        """Picks one token per row of ``logits`` ([num_seqs, vocab], float32).
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Picks one token per row of ``logits`` ([num_seqs, vocab], float32) for ``requests[i]``.
 
-        ``output_indices[i]`` is how many tokens row ``i``'s request has generated so far.
+        A request's ``num_output_tokens`` is the index of the token being sampled (its seed input).
         """
         logits = logits.cpu()
         greedy = logits.argmax(-1).tolist()
         tokens = []
-        for i, p in enumerate(params):
+        for i, request in enumerate(requests):
+            p = request.sampling_params
             if p.greedy:
-                tokens.append(greedy[i])
+                tokens.append(SampledToken(greedy[i]))
                 continue
             masked = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = masked.softmax(-1)
             gen = self.generator
             if p.seed is not None:
-                gen = torch.Generator().manual_seed(token_seed(p.seed, output_indices[i]))
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+                gen = torch.Generator().manual_seed(token_seed(p.seed, request.num_output_tokens))
+            tokens.append(SampledToken(int(torch.multinomial(probs, 1, generator=gen))))
         return tokens

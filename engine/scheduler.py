@@ -131,19 +131,21 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None:
+            sampled = runner_out.sampled.get(request.request_id)
+            if sampled is None:
                 continue
-            reason = request.append_output_token(token)
+            reason = request.append_output_token(sampled.token_id)
             if reason is None and request.num_tokens >= self.config.max_model_len:
                 request.finish(FinishReason.LENGTH)
             if request.is_finished:
                 self.running.remove(request)
-            outputs.append(
-                RequestOutput(
-                    request.request_id, [token], request.is_finished, request.finish_reason, request.num_cached_tokens
-                )
+            output = RequestOutput(
+                request.request_id, [sampled.token_id], request.is_finished, request.finish_reason,
+                request.num_cached_tokens,
             )
+            if sampled.logprob is not None:
+                output.logprobs.append(sampled)
+            outputs.append(output)
         return outputs
 
     def free(self, request_id: str) -> None:

@@ -7,7 +7,7 @@ import itertools
 from core.request import Request
 from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from engine.scheduler import Scheduler
 
 _ids = itertools.count()
@@ -30,4 +30,4 @@ def make_scheduler(**overrides) -> Scheduler:
 
 def fake_runner_output(out: SchedulerOutput, token_id: int = 100) -> ModelRunnerOutput:
     """Samples ``token_id`` for every request whose step reaches its last token."""
-    return ModelRunnerOutput({s.request.request_id: token_id for s in out.scheduled if s.samples})
+    return ModelRunnerOutput({s.request.request_id: SampledToken(token_id) for s in out.scheduled if s.samples})
