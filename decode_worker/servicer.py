@@ -32,8 +32,10 @@ def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
 
 
 class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
-    """Decode = fetch the manifest's blocks from the pool (off the step loop), release the
-    request in the pool, join the running batch at the next step, stream every new token."""
+    """Disaggregated decode: fetch the manifest's blocks from the pool (off the step loop),
+    release the request in the pool, join the running batch at the next step, stream every new
+    token. Colocated (no manifest): prefill here in chunks mixed into the decode steps
+    (Sarathi-Serve), then decode; every token is streamed, the first included."""
 
     def __init__(self, engine: AsyncEngine, pool: PoolLocator):
         self.engine = engine
@@ -45,17 +47,12 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             engine_request, keys = self._convert(request)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if engine_request.append_output_token(request.first_token_id) is not None:
-            yield _finished(engine_request)  # the first token already ends it
-            return
-        manifest = request.manifest
-        try:
-            payloads = await self.io.fetch(manifest.pool_address, keys)
-        except grpc.RpcError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool fetch failed: {err.details()}")
-        finally:
-            await self.io.release(manifest.pool_address, request.request_id)
-        external = ExternalKV(manifest.num_tokens, payloads)
+        external = None
+        if request.HasField("first_token_id"):  # disaggregated: the prompt's KV is in the pool
+            if engine_request.append_output_token(request.first_token_id) is not None:
+                yield _finished(engine_request)  # the first token already ends it
+                return
+            external = await self._fetch_prompt_kv(request, keys, context)
         # A cancelled stream parked at `yield` gets no exception in this handler: abort from the
         # RPC's done callback instead (a no-op once the request finished).
         context.add_done_callback(lambda _: self.engine.abort(request.request_id))
@@ -68,8 +65,25 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         yield _finished(engine_request)
 
+    async def _fetch_prompt_kv(self, request, keys, context) -> ExternalKV:
+        """Pulls the manifest's blocks (off the step loop), then ends the request in the pool."""
+        manifest = request.manifest
+        try:
+            payloads = await self.io.fetch(manifest.pool_address, keys)
+        except grpc.RpcError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool fetch failed: {err.details()}")
+        finally:
+            await self.io.release(manifest.pool_address, request.request_id)
+        return ExternalKV(manifest.num_tokens, payloads)
+
     def _convert(self, request) -> tuple[Request, list]:
         """Raises ValueError on a malformed request or a manifest of another KV spec."""
+        params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
+        engine_request = Request(request.request_id, list(request.prompt_token_ids), params)
+        if request.HasField("first_token_id") != request.HasField("manifest"):
+            raise ValueError("first_token_id and manifest come together (disaggregated) or not at all (colocated)")
+        if not request.HasField("manifest"):
+            return engine_request, []
         spec = self.engine.engine.spec
         manifest = request.manifest
         if manifest.spec_fingerprint != spec.fingerprint:
@@ -79,8 +93,7 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         keys = [block_key_from_proto(k) for k in manifest.blocks]
         if len(keys) != -(-manifest.num_tokens // spec.block_size):
             raise ValueError(f"manifest lists {len(keys)} blocks for {manifest.num_tokens} tokens")
-        params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
-        return Request(request.request_id, list(request.prompt_token_ids), params), keys
+        return engine_request, keys
 
     async def Abort(self, request, context):
         return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))

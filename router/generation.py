@@ -113,13 +113,13 @@ class Generation:
         self.metrics.num_requests_running.inc()
         error: BaseException | None = None
         try:
-            self._require_workers("prefill")
-            if params.max_tokens > 1:  # fail before prefill rather than after the first token
-                self._require_workers("decode")
-            prefill = await self._prefill(run)
-            first = self._first_token(run, prefill)
-            yield TextDelta(first.text, first.token_ids)
-            if first.finish_reason is None:
+            self._require_workers("decode")  # needed in both modes (unless max_tokens == 1)
+            prefill = None
+            if self.view.workers("prefill"):  # disaggregated; else colocated on a decode worker
+                prefill = await self._prefill(run)
+                first = self._first_token(run, prefill)
+                yield TextDelta(first.text, first.token_ids)
+            if prefill is None or run.output.finish_reason is None:
                 async with contextlib.aclosing(self._decode(run, prefill)) as steps:
                     async for step in steps:
                         if step.text or step.token_ids:
@@ -161,19 +161,32 @@ class Generation:
         return result
 
     def _first_token(self, run: _Run, prefill: PrefillResult) -> OutputStep:
-        now_s = time.monotonic()
-        run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
-        self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), prefill.num_cached_tokens)
+        self._mark_first_token(run, prefill.num_cached_tokens)
         return run.output.add_tokens([prefill.first_token_id])
 
-    async def _decode(self, run: _Run, prefill: PrefillResult) -> AsyncIterator[OutputStep]:
-        """Yields one OutputStep per decode message; cancels the stream however it ends."""
+    def _mark_first_token(self, run: _Run, num_cached_tokens: int) -> None:
+        now_s = time.monotonic()
+        run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
+        self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), num_cached_tokens)
+
+    async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[OutputStep]:
+        """Yields one OutputStep per decode message; cancels the stream however it ends.
+
+        ``prefill`` None is the colocated path: the decode worker prefills and sends every token.
+        """
         worker = self._choose("decode", run)
         with self.policies.in_flight.track(worker.address):
             stream = self.clients.decode(worker.address, run.request_id, run.request, prefill, self._remaining_s(run))
             try:
                 async for event in stream:
                     if isinstance(event, DecodeTokens):
+                        if not run.sent_first_token:
+                            self._mark_first_token(run, 0)
+                            step = run.output.add_tokens(event.token_ids)
+                            yield step
+                            if run.output.stopped_by_string:
+                                return
+                            continue
                         step = run.output.add_tokens(event.token_ids)
                         self._count_tokens(run, len(step.token_ids))
                         yield step

@@ -117,13 +117,16 @@ class OpenAIApi:
         return {"object": "list", "data": [card]}
 
     async def _health(self) -> JSONResponse:
-        """200 when at least one prefill and one decode worker are live, else 503 saying which is missing."""
+        """200 when a decode worker is live (with no prefill worker the cluster runs colocated:
+        decode workers prefill locally), else 503 saying what is missing."""
         counts = {role: len(self.view.workers(role)) for role in ("prefill", "decode", "pool")}
-        missing = [role for role in ("prefill", "decode") if counts[role] == 0]
-        if missing:
-            reason = " and ".join(f"no {role} worker is registered" for role in missing)
-            return JSONResponse({"status": "unavailable", "reason": reason, "workers": counts}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": counts})
+        if counts["decode"] == 0:
+            return JSONResponse(
+                {"status": "unavailable", "reason": "no decode worker is registered", "workers": counts},
+                status_code=503,
+            )
+        mode = "disaggregated" if counts["prefill"] else "colocated"
+        return JSONResponse({"status": "ok", "mode": mode, "workers": counts})
 
     async def _metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -126,17 +126,21 @@ class WorkerClients:
         )
 
     def decode(
-        self, address: str, request_id: str, request: ValidatedRequest, prefill: PrefillResult, timeout_s: float
+        self, address: str, request_id: str, request: ValidatedRequest, prefill: PrefillResult | None, timeout_s: float
     ) -> DecodeStream:
-        """Starts Decode on the worker at ``address``; the caller must iterate or cancel it."""
+        """Starts Decode on the worker at ``address``; the caller must iterate or cancel it.
+
+        Without ``prefill`` the worker runs colocated: it prefills the prompt itself.
+        """
         stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
         message = decode_worker_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=request.prompt_token_ids,
-            first_token_id=prefill.first_token_id,
             sampling_params=sampling_params_to_proto(request.sampling_params),
-            manifest=prefill.manifest,
         )
+        if prefill is not None:
+            message.first_token_id = prefill.first_token_id
+            message.manifest.CopyFrom(prefill.manifest)
         return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s)
 
     async def release(self, pool_address: str, request_id: str) -> None:

@@ -403,10 +403,10 @@ async def test_no_workers_is_503_and_health_says_why(cluster: Cluster) -> None:
     try:
         response = await cluster.http.post("/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503
-        assert response.json()["error"]["message"] == "no healthy prefill worker is registered"
+        assert response.json()["error"]["message"] == "no healthy decode worker is registered"
         health = await cluster.http.get("/health")
         assert health.status_code == 503
-        assert health.json()["reason"] == "no prefill worker is registered and no decode worker is registered"
+        assert health.json()["reason"] == "no decode worker is registered"
     finally:
         await cluster.register()
     await assert_serves(cluster)
@@ -468,11 +468,27 @@ async def test_grpc_bad_request(cluster: Cluster, grpc_stub, request_kwargs, cod
 
 async def test_grpc_no_workers_is_unavailable(cluster: Cluster, grpc_stub) -> None:
     stub, _ = grpc_stub
-    await cluster.deregister(("prefill",))
+    await cluster.deregister(("decode",))
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [r async for r in stub.Generate(router_pb2.GenerateRequest(text="x", sampling_params=common_pb2.SamplingParams(max_tokens=1)))]
-        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker is registered")
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no healthy decode worker is registered")
+    finally:
+        await cluster.register()
+
+
+async def test_without_prefill_workers_the_decode_worker_runs_colocated(cluster: Cluster) -> None:
+    cluster.script_text("Hello world")
+    num_prefills = len(cluster.fakes.prefill_requests)
+    await cluster.deregister(("prefill",))
+    try:
+        health = await cluster.http.get("/health")
+        assert (health.status_code, health.json()["mode"]) == (200, "colocated")
+        response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+        assert response.status_code == 200
+        decode = cluster.fakes.decode_requests[-1]
+        assert not decode.HasField("first_token_id") and not decode.HasField("manifest")
+        assert len(cluster.fakes.prefill_requests) == num_prefills
     finally:
         await cluster.register()
 
