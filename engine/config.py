@@ -8,6 +8,7 @@ from core.kv_cache_spec import DTYPE_BYTES
 from core.model_source import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class EngineConfig:
     # Longest prompt + output.
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Reuse the KV of identical prompt prefixes in this worker's cache (vLLM prefix caching).
+    enable_prefix_caching: bool = True
+    # "continuous": requests join and leave at every step (Orca); "static": a batch is admitted
+    # only when the previous one has completely finished (request-level batching, the baseline).
+    scheduling_policy: str = "continuous"
     attention_backend: str = "auto"
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
@@ -41,6 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -26,10 +26,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Loads external KV, runs one forward over every scheduled token, samples where due.
-
-        Mutates the KV cache (new tokens' K/V, loaded blocks).
+        """Copies blocks (copy-on-write), loads external KV, runs one forward over every scheduled
+        token, samples where due. Mutates the KV cache.
         """
+        for src, dst in out.block_copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         for load in out.kv_loads:
             unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
         if out.is_empty:

@@ -43,6 +43,8 @@ class KVLoad:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
+    # (src, dst) block copies (copy-on-write) to run before the loads and the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests preempted (blocks freed, back to waiting) while building this step.
     preempted_request_ids: list[str] = field(default_factory=list)
 

@@ -1,7 +1,18 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: penalties, min_tokens, greedy, temperature, top-k, top-p, per-request seeds,
+log-probabilities.
 
 A seeded request draws token ``i`` from a generator seeded by ``(seed, i)``, so its text does not
 depend on its batch, nor on which worker (prefill or decode) samples which token.
+
+Each row goes through (vLLM's order)::
+
+    raw logits -> min_tokens mask -> repetition / frequency / presence penalties = processed logits
+    processed -> argmax                                   (greedy)
+    processed -> / temperature -> top-k, top-p -> draw    (sampled)
+
+Log-probabilities are the ``log_softmax`` of the *processed* logits: penalised and masked, but
+before temperature, top-k and top-p. A row that needs no processing skips it (the greedy fast
+path is one batched argmax).
 """
 
 from __future__ import annotations
@@ -36,6 +47,61 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def needs_processing(request: Request) -> bool:
+    """True when the row's logits must be changed (penalties, min_tokens) before sampling."""
+    p = request.sampling_params
+    return p.has_penalties or (request.num_output_tokens < p.min_tokens and bool(request.stop_token_ids))
+
+
+def apply_penalties(
+    logits: torch.Tensor, prompt_token_ids: list[int], output_token_ids: list[int],
+    presence: float, frequency: float, repetition: float,
+) -> torch.Tensor:
+    """vLLM's penalties on ``logits`` ([vocab], float32); returns a new tensor.
+
+    Repetition (over prompt and output tokens): a positive logit is divided by ``repetition``, a
+    negative one multiplied. Then, over output tokens only: ``logit -= frequency * count +
+    presence * (count > 0)``.
+    """
+    logits = logits.clone()
+    vocab = logits.numel()
+    if repetition != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(prompt_token_ids + output_token_ids, dtype=torch.long)] = True
+        scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, scaled, logits)
+    if (presence or frequency) and output_token_ids:
+        counts = torch.bincount(torch.tensor(output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        logits -= frequency * counts.to(logits.dtype) + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """The request's processed logits ([vocab], float32, a new tensor): stop tokens masked to
+    -inf while it is under ``min_tokens``, then penalties."""
+    p = request.sampling_params
+    if request.num_output_tokens < p.min_tokens and request.stop_token_ids:
+        logits = logits.clone()
+        logits[[t for t in request.stop_token_ids if t < logits.numel()]] = float("-inf")
+    if p.has_penalties:
+        logits = apply_penalties(
+            logits, request.prompt_token_ids, request.output_token_ids,
+            p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+        )
+    return logits
+
+
+def with_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> SampledToken:
+    """``token_id`` with its log-probability and the ``num_top`` best (token, logprob) pairs, best
+    first, all from ``log_softmax(logits)`` ([vocab], float32)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top:
+        values, ids = torch.topk(logprobs, num_top)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return SampledToken(token_id, float(logprobs[token_id]), top)
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -43,20 +109,29 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Picks one token per row of ``logits`` ([num_seqs, vocab], float32) for ``requests[i]``.
 
-        A request's ``num_output_tokens`` is the index of the token being sampled (its seed input).
+        A request's ``num_output_tokens`` is the index of the token being sampled (its seed input,
+        and what ``min_tokens`` compares with). Reads, never mutates, ``logits`` and ``requests``.
         """
         logits = logits.cpu()
         greedy = logits.argmax(-1).tolist()
         tokens = []
         for i, request in enumerate(requests):
             p = request.sampling_params
-            if p.greedy:
-                tokens.append(SampledToken(greedy[i]))
-                continue
-            masked = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = masked.softmax(-1)
-            gen = self.generator
-            if p.seed is not None:
-                gen = torch.Generator().manual_seed(token_seed(p.seed, request.num_output_tokens))
-            tokens.append(SampledToken(int(torch.multinomial(probs, 1, generator=gen))))
+            row = logits[i]
+            if needs_processing(request):
+                row = process_logits(row, request)
+                token_id = int(row.argmax()) if p.greedy else self._draw(row, request)
+            else:
+                token_id = greedy[i] if p.greedy else self._draw(row, request)
+            tokens.append(SampledToken(token_id) if p.logprobs is None else with_logprobs(row, token_id, p.logprobs))
         return tokens
+
+    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+        """Draws from ``logits`` ([vocab], float32, processed) at the request's temperature,
+        top-k and top-p; a seeded request uses its own generator for this token index."""
+        p = request.sampling_params
+        masked = apply_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+        gen = self.generator
+        if p.seed is not None:
+            gen = torch.Generator().manual_seed(token_seed(p.seed, request.num_output_tokens))
+        return int(torch.multinomial(masked.softmax(-1), 1, generator=gen))

@@ -12,6 +12,7 @@ from collections import deque
 
 from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
+from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager
 from engine.outputs import ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 
@@ -19,7 +20,8 @@ from engine.outputs import ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput,
 class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.batching = make_batching_policy(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.external_kv: dict[str, ExternalKV] = {}
@@ -87,29 +89,47 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.batching.admission_open(self.running):
+            return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            ext = self.external_kv.get(request.request_id)
-            num_loaded = ext.num_tokens if ext else 0
-            # The last token is always computed: its logits give the next token.
-            num_computed = min(num_loaded, request.num_tokens - 1)
-            n = request.num_tokens - num_computed
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            table = self.kv.allocate_slots(request.request_id, max(num_computed + n, num_loaded))
-            if table is None:
+            admitted = self._admit(request, budget, out)
+            if admitted == 0:
                 break
             self.waiting.popleft()
-            if ext is not None:
-                del self.external_kv[request.request_id]
-                out.kv_loads.append(KVLoad(table.block_ids[: len(ext.payloads)], ext.payloads))
-            request.num_computed_tokens = num_computed
-            request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
-            budget -= n
+            budget -= admitted
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Gives ``request`` its blocks (prefix-cache hits shared, external KV loaded) and
+        schedules its first chunk. Returns the tokens scheduled, 0 if it cannot start now."""
+        bs = self.config.block_size
+        hit = self.kv.find_prefix(request)
+        ext = self.external_kv.get(request.request_id)
+        num_loaded = ext.num_tokens if ext else 0
+        # The last token is always computed: its logits give the next token.
+        num_computed = min(max(hit.num_tokens, num_loaded), request.num_tokens - 1)
+        n = request.num_tokens - num_computed
+        if n > budget and not self.config.enable_chunked_prefill:
+            return 0
+        n = min(n, budget)
+        # A hit covering the last token: that block is rewritten, so it is copied first.
+        cow_last = hit.num_tokens > num_computed and num_computed // bs < len(hit.block_ids)
+        admitted = self.kv.admit(request.request_id, hit, max(num_computed + n, num_loaded), cow_last)
+        if admitted is None:
+            return 0
+        table, copies = admitted
+        out.block_copies += copies
+        if ext is not None:
+            del self.external_kv[request.request_id]
+            first = len(hit.block_ids) - (1 if cow_last else 0)
+            if first < len(ext.payloads):
+                out.kv_loads.append(KVLoad(table.block_ids[first : len(ext.payloads)], ext.payloads[first:]))
+        request.num_computed_tokens = num_computed
+        request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+        return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Frees ``request``'s blocks and puts it first in line to be recomputed."""
@@ -131,6 +151,7 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
             sampled = runner_out.sampled.get(request.request_id)
             if sampled is None:
                 continue

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from core.block_hash import hash_block_chain
 from core.request import FinishReason, RequestStatus
 from engine.outputs import ExternalKV
 from tests.factories import fake_runner_output, make_request, make_scheduler
@@ -65,8 +68,9 @@ def test_blocks_are_allocated_on_demand_and_freed_at_finish():
     assert r.is_finished and s.kv.num_used_blocks == 0
 
 
-def test_newest_request_is_preempted_and_recomputed_when_blocks_run_out():
-    s = make_scheduler(block_size=4, num_kv_blocks=4, max_model_len=16)
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_newest_request_is_preempted_and_recomputed_when_blocks_run_out(caching):
+    s = make_scheduler(block_size=4, num_kv_blocks=4, max_model_len=16, enable_prefix_caching=caching)
     old, new = make_request(7, max_tokens=8), make_request(7, max_tokens=8)
     s.add_request(old)
     s.add_request(new)
@@ -75,8 +79,10 @@ def test_newest_request_is_preempted_and_recomputed_when_blocks_run_out():
     while not old.is_finished:
         out, _ = run_step(s)
         preempted += out.preempted_request_ids
-    assert preempted == [new.request_id]
-    assert s.num_preemptions == 1
+    # Without a prefix cache the victim waits for its whole prompt to fit again; with one, it
+    # comes back on its cached blocks as soon as one is free, and may be preempted again.
+    assert set(preempted) == {new.request_id}
+    assert s.num_preemptions == len(preempted) and (caching or len(preempted) == 1)
     while s.num_unfinished:
         run_step(s)
     assert new.output_token_ids == [100] * 8 and new.finish_reason is FinishReason.LENGTH
@@ -143,3 +149,64 @@ def test_eos_stops_unless_ignored():
     run_step(s, token_id=2)
     assert a.finish_reason is FinishReason.STOP and a.output_token_ids == [2]
     assert not b.is_finished
+
+
+def test_prefix_cache_shares_full_blocks_and_copies_a_fully_cached_last_block():
+    s = make_scheduler(block_size=4)
+    a = make_request(8, max_tokens=1)
+    s.add_request(a)
+    run_step(s)
+    pool = s.kv.block_pool
+    assert pool.num_cached_blocks == 2 and s.kv.num_used_blocks == 0
+    block0, block1 = (pool.lookup(h) for h in hash_block_chain(a.prompt_token_ids, 4))
+    # Same 8-token prompt: both blocks hit; the last token is recomputed into a copy of block 1.
+    b = make_request(8, max_tokens=3)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [1] and b.num_cached_tokens == 7
+    table = s.kv.get(b.request_id).block_ids
+    assert table[0] == block0 and table[1] != block1 and out.block_copies == [(block1, table[1])]
+    assert pool.ref_count(block0) == 1 and pool.ref_count(block1) == 0
+    # A third request starting with the same 4 tokens shares block 0 while b runs.
+    c = make_request(6, max_tokens=1)
+    s.add_request(c)
+    out, _ = run_step(s)
+    c_blocks = next(x.block_ids for x in out.scheduled if x.request is c)
+    assert c_blocks[0] == block0 and c.num_cached_tokens == 4
+    assert [x.num_new_tokens for x in out.scheduled if x.request is c] == [2]
+    while s.num_unfinished:
+        run_step(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_cached_blocks_are_evicted_least_recently_used_only_when_needed():
+    s = make_scheduler(block_size=4, num_kv_blocks=4, max_model_len=16)
+    first, second = make_request(4, max_tokens=1), make_request(5, max_tokens=1)
+    second.prompt_token_ids[:] = [900 + i for i in range(5)]
+    for r in (first, second):
+        s.add_request(r)
+        run_step(s)
+    pool = s.kv.block_pool
+    (first_hash,), (second_hash,) = (hash_block_chain(r.prompt_token_ids, 4) for r in (first, second))
+    assert pool.num_cached_blocks == 2 and pool.num_free_blocks == 4 and pool.num_evictions == 0
+    big = make_request(12, max_tokens=1)
+    big.prompt_token_ids[:] = [500 + i for i in range(12)]
+    s.add_request(big)
+    run_step(s)  # needs 3 blocks: the 2 empty ones, then the least recently freed cached one
+    assert pool.num_evictions == 1
+    assert pool.lookup(first_hash) is None and pool.lookup(second_hash) is not None
+
+
+def test_static_batching_admits_a_new_batch_only_when_the_last_one_finished():
+    s = make_scheduler(scheduling_policy="static")
+    short, long_ = make_request(4, max_tokens=1), make_request(4, max_tokens=4)
+    s.add_request(short)
+    s.add_request(long_)
+    run_step(s)
+    late = make_request(4, max_tokens=1)
+    s.add_request(late)
+    steps_before_late = 0
+    while late.num_computed_tokens == 0:
+        out, _ = run_step(s)
+        steps_before_late += 1
+    assert long_.is_finished and steps_before_late == 4  # 3 more decode steps, then the new batch
