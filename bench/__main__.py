@@ -1,0 +1,3 @@
+from bench.cli import bench
+
+bench(prog_name="python -m bench")

@@ -1,0 +1,157 @@
+"""``tandem bench`` / ``python -m bench``: load-test an OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+import httpx
+from rich.console import Console
+
+from bench import plots, report, roofline
+from bench.arrivals import ARRIVAL_MODES, ArrivalConfig
+from bench.client import ClientConfig
+from bench.metrics import SLO, summarize
+from bench.runner import run
+from bench.synthesis import SynthesisConfig
+from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, BenchRequest, WorkloadConfig, load_workload
+from launcher.prompts import SHAREGPT_DEFAULT
+
+console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: one table row a line
+
+
+def run_once(requests: list[BenchRequest], arrivals: ArrivalConfig, client: ClientConfig, slo: SLO, label: str,
+             settings: dict | None = None, show_progress: bool = True) -> dict:
+    """Runs one load and returns its JSON (label, settings, summary, records)."""
+    result = asyncio.run(run(requests, arrivals, client, show_progress=show_progress, label=label))
+    return report.run_json(label, settings or {}, result, summarize(result.records, result.duration_s, slo))
+
+
+def served_model(url: str) -> str:
+    """The first model GET /v1/models lists. Raises click.ClickException when there is none."""
+    try:
+        models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as err:
+        raise click.ClickException(f"cannot list models at {url}/v1/models ({err}); pass --model") from err
+    if not models:
+        raise click.ClickException(f"{url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+def roofline_inputs(model: str) -> tuple[roofline.ModelFootprint, float] | None:
+    """(footprint, copy bandwidth) for a bundled name or a HF folder; None when its files are not here."""
+    from core.model_source import resolve_model
+
+    try:
+        footprint = roofline.ModelFootprint.from_hf_dir(resolve_model(model).converted_dir)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        console.print(f"[yellow]no roofline[/]: model files for {model!r} not found ({err})")
+        return None
+    return footprint, roofline.copy_bandwidth_bytes_per_s()
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--rates must be numbers separated by commas, got {text!r}") from None
+    if any(r <= 0 for r in rates):
+        raise click.BadParameter(f"--rates must be > 0, got {text!r}")
+    return rates
+
+
+@click.command("bench")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL (without /v1).")
+@click.option("--model", default="", help="Model name to send; default: the first of GET /v1/models.")
+@click.option("--workload", "kind", type=click.Choice(PROMPT_SET_KINDS + TRACE_KINDS), default="sharegpt",
+              show_default=True)
+@click.option("--path", type=click.Path(exists=True, path_type=Path), default=None,
+              help=f"Prompt set or trace file. Default for prompt sets: {SHAREGPT_DEFAULT}.")
+@click.option("--num-requests", default=64, show_default=True, type=int, help="Cap on requests (0: all rows).")
+@click.option("--max-tokens", default=0, type=int,
+              help="Output tokens per request. Prompt sets: default 64; traces: 0 keeps the trace's lengths.")
+@click.option("--ignore-eos", is_flag=True, help="Ask the server to ignore EOS so outputs run to max_tokens.")
+@click.option("--length-scale", default=1.0, show_default=True, type=float,
+              help="Traces: multiply input lengths and the 512-token hash block (e.g. 0.03125 = 1/32).")
+@click.option("--output-scale", default=None, type=float, help="Traces: multiply output lengths (default: length scale).")
+@click.option("--max-total-tokens", default=0, type=int, help="Traces: skip rows longer than this after scaling.")
+@click.option("--arrival", type=click.Choice(ARRIVAL_MODES), default="concurrency", show_default=True)
+@click.option("--concurrency", default=8, show_default=True, type=int)
+@click.option("--rate", default=1.0, show_default=True, type=float, help="Poisson rate (req/s).")
+@click.option("--rates", default="", help="Sweep Poisson rates, e.g. 0.5,1,2 (overrides --arrival).")
+@click.option("--time-scale", default=1.0, show_default=True, type=float, help="Trace arrivals: multiply gaps.")
+@click.option("--max-in-flight", default=0, type=int, help="Trace/Poisson: cap on open requests (0: none).")
+@click.option("--duration", "duration_s", default=0.0, type=float, help="Send no request after this many seconds.")
+@click.option("--slo-ttft-ms", default=2000.0, show_default=True, type=float)
+@click.option("--slo-tbt-ms", default=200.0, show_default=True, type=float)
+@click.option("--output-dir", default="bench-results", show_default=True, type=click.Path(path_type=Path))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--roofline-model", default="SmolLM2-135M-Instruct", show_default=True,
+              help="Bundled name or HF folder whose weights/KV sizes give the decode bound ('' to skip).")
+@click.option("--no-progress", is_flag=True)
+def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int, max_tokens: int, ignore_eos: bool,
+          length_scale: float, output_scale: float | None, max_total_tokens: int, arrival: str, concurrency: int,
+          rate: float, rates: str, time_scale: float, max_in_flight: int, duration_s: float, slo_ttft_ms: float,
+          slo_tbt_ms: float, output_dir: Path, seed: int, roofline_model: str, no_progress: bool) -> None:
+    """Load-test an OpenAI-compatible endpoint with a prompt set or a real trace; write JSON and plots."""
+    if path is None:
+        if kind in TRACE_KINDS:
+            raise click.UsageError(f"--workload {kind} needs --path")
+        path = SHAREGPT_DEFAULT
+    try:
+        workload = WorkloadConfig(kind, path, num_requests, max_tokens or (64 if kind in PROMPT_SET_KINDS else 0),
+                                  max_total_tokens=max_total_tokens,
+                                  synthesis=SynthesisConfig(length_scale, output_scale, seed=seed))
+        client = ClientConfig(url, model or served_model(url), ignore_eos=ignore_eos)
+        slo = SLO(slo_ttft_ms, slo_tbt_ms)
+        base = ArrivalConfig(arrival, time_scale, rate, concurrency, max_in_flight, duration_s, seed)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from err
+    requests = load_workload(workload)
+    if not requests:
+        raise click.ClickException(f"no requests from {path}")
+    settings = {"url": url, "model": client.model, "workload": kind, "path": str(path), "num_requests": len(requests),
+                "ignore_eos": ignore_eos, "length_scale": length_scale, "seed": seed}
+    limit = roofline_inputs(roofline_model) if roofline_model else None
+    if rates:
+        _sweep(requests, base, client, slo, _rates(rates), settings, output_dir, limit, not no_progress)
+    else:
+        _single(requests, base, client, slo, settings, output_dir, limit, not no_progress)
+
+
+def _single(requests, arrivals, client, slo, settings, output_dir: Path, limit, show_progress: bool) -> None:
+    label = f"{settings['workload']} {arrivals.mode}"
+    data = run_once(requests, arrivals, client, slo, label, {**settings, "arrival": vars_of(arrivals)}, show_progress)
+    if limit:
+        data["roofline"] = report.roofline_entry(data["summary"], *limit)
+    console.print(report.summary_table({label: data["summary"]}))
+    if data.get("roofline"):
+        console.print(report.roofline_line(data["roofline"]))
+    out = report.save_json(data, output_dir / "run.json")
+    plots.plot_cdfs(data, output_dir / "latency_cdf.png")
+    plots.plot_tbt_over_time(data, output_dir / "tbt_over_time.png")
+    console.print(f"wrote {out}, latency_cdf.png, tbt_over_time.png in {output_dir}")
+
+
+def _sweep(requests, base, client, slo, rates: list[float], settings, output_dir: Path, limit, show_progress) -> None:
+    points = []
+    for r in rates:
+        arrivals = ArrivalConfig("poisson", base.time_scale, r, base.concurrency, base.max_in_flight, base.duration_s,
+                                 base.seed)
+        data = run_once(requests, arrivals, client, slo, f"rate {r:g}/s", {**settings, "arrival": vars_of(arrivals)},
+                        show_progress)
+        if limit:
+            data["roofline"] = report.roofline_entry(data["summary"], *limit)
+        report.save_json(data, output_dir / f"run_rate_{r:g}.json")
+        points.append({"rate_per_s": r, "summary": data["summary"], "roofline": data.get("roofline")})
+    console.print(report.summary_table({f"rate {p['rate_per_s']:g}/s": p["summary"] for p in points}))
+    out = report.save_json({"settings": settings, "sweep": points}, output_dir / "sweep.json")
+    plots.plot_sweep(points, output_dir / "rate_sweep.png")
+    console.print(f"wrote {out}, rate_sweep.png and run_rate_*.json in {output_dir}")
+
+
+def vars_of(config) -> dict:
+    return dataclasses.asdict(config)
