@@ -95,14 +95,17 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = engine.step()
+                for outputs in engine.step_stream():
+                    self._deliver_all(outputs)
             except Exception:  # a bug must not strand callers: fail every request in flight
                 log.exception("engine step failed")
-                outputs = self._fail_all()
-            for output in outputs:
-                self.num_generated_tokens += len(output.new_token_ids)
-                self._deliver(output)
+                self._deliver_all(self._fail_all())
             self._stats = engine.stats()
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.num_generated_tokens += len(output.new_token_ids)
+            self._deliver(output)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -38,6 +38,8 @@ class EngineConfig:
     # "continuous": requests join and leave at every step (Orca); "static": a batch is admitted
     # only when the previous one has completely finished (request-level batching, the baseline).
     scheduling_policy: str = "continuous"
+    # Decode steps run per scheduling decision (vLLM multi-step); 1 schedules every step.
+    num_scheduler_steps: int = 1
     attention_backend: str = "auto"
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
@@ -51,7 +53,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -111,14 +112,25 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → execute → update → release finished requests' blocks."""
+        """One scheduling decision, run to its end; returns every output it produced."""
+        return [output for outputs in self.step_stream() for output in outputs]
+
+    def step_stream(self) -> Iterator[list[RequestOutput]]:
+        """Schedule once, then execute → update → release for up to ``num_scheduler_steps``
+        forward passes (vLLM multi-step), yielding each pass's outputs as soon as they exist.
+        A request that finishes inside the decision sits the remaining passes out."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        for output in outputs:
-            if output.finished:
-                self._release(output)
-        return outputs
+        for i in range(self.config.num_scheduler_steps):
+            if i:
+                scheduler_output = self.scheduler.continue_decode(scheduler_output)
+                if scheduler_output.is_empty:
+                    return
+            runner_output = self.runner.execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            for output in outputs:
+                if output.finished:
+                    self._release(output)
+            yield outputs
 
     def _release(self, output: RequestOutput) -> None:
         if self.save_kv_on_finish:

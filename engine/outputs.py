@@ -24,11 +24,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    # True when this step reaches the request's last token, so a new token is sampled. Fixed at
+    # scheduling time (the request itself moves on once the step is applied).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        reaches_end = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        object.__setattr__(self, "samples", reaches_end)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted by an earlier one
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            table = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            table = self._allocate_with_lookahead(request, n)
             while table is None:
                 victim = self.running[-1]
                 if victim.request_id in scheduled_ids:
@@ -87,6 +87,37 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= n
         return budget
+
+    def _allocate_with_lookahead(self, request: Request, n: int):
+        """Room for this step's ``n`` tokens and, for a decode under multi-step, the tokens of the
+        decision's later steps (best effort: without room the request sits those steps out)."""
+        needed = request.num_computed_tokens + n
+        lookahead = self._lookahead(request)
+        if n == 1 and lookahead:
+            limit = self.config.max_model_len
+            table = self.kv.allocate_slots(request.request_id, min(needed + lookahead, limit))
+            if table is not None:
+                return table
+        return self.kv.allocate_slots(request.request_id, needed)
+
+    def _lookahead(self, request: Request) -> int:
+        """Tokens a sampling request may still add after this step within one decision."""
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        return min(self.config.num_scheduler_steps - 1, max(0, remaining - 1))
+
+    def continue_decode(self, previous: SchedulerOutput) -> SchedulerOutput:
+        """The next step of a multi-step decision: every request that sampled in ``previous``,
+        is still running and already has room for one more token decodes it. No admission, no
+        allocation, no preemption. Mutates nothing."""
+        out = SchedulerOutput()
+        for item in previous.scheduled:
+            request = item.request
+            if not item.samples or request.status is not RequestStatus.RUNNING:
+                continue
+            table = self.kv.get(request.request_id)
+            if table.capacity_tokens >= request.num_tokens:
+                out.scheduled.append(ScheduledRequest(request, 1, list(table.block_ids)))
+        return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.batching.admission_open(self.running):
@@ -114,7 +145,11 @@ class Scheduler:
         n = min(n, budget)
         # A hit covering the last token: that block is rewritten, so it is copied first.
         cow_last = hit.num_tokens > num_computed and num_computed // bs < len(hit.block_ids)
-        admitted = self.kv.admit(request.request_id, hit, max(num_computed + n, num_loaded), cow_last)
+        total = max(num_computed + n, num_loaded)
+        lookahead = self._lookahead(request) if num_computed + n == request.num_tokens else 0
+        admitted = self.kv.admit(request.request_id, hit, min(total + lookahead, self.config.max_model_len), cow_last)
+        if admitted is None and lookahead:
+            admitted = self.kv.admit(request.request_id, hit, total, cow_last)
         if admitted is None:
             return 0
         table, copies = admitted

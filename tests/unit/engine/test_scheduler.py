@@ -210,3 +210,36 @@ def test_static_batching_admits_a_new_batch_only_when_the_last_one_finished():
         out, _ = run_step(s)
         steps_before_late += 1
     assert long_.is_finished and steps_before_late == 4  # 3 more decode steps, then the new batch
+
+
+def run_decision(scheduler, num_steps, token_id=100):
+    """One multi-step decision, as LLMEngine.step_stream drives it; returns tokens per pass."""
+    out = scheduler.schedule()
+    passes = []
+    for i in range(num_steps):
+        if i:
+            out = scheduler.continue_decode(out)
+            if out.is_empty:
+                break
+        outputs = scheduler.update_from_output(out, fake_runner_output(out, token_id))
+        passes.append({o.request_id: o.new_token_ids for o in outputs})
+        for o in outputs:
+            if o.finished:
+                scheduler.free(o.request_id)
+    return passes
+
+
+def test_multi_step_runs_n_passes_per_decision_and_stops_finished_requests_on_time():
+    s = make_scheduler(block_size=4, num_scheduler_steps=4)
+    short, long_ = make_request(4, max_tokens=3), make_request(4, max_tokens=9)
+    s.add_request(short)
+    s.add_request(long_)
+    first = run_decision(s, 4)  # prefill pass, then 3 decode passes
+    assert len(first) == 4
+    assert [len(p) for p in first] == [2, 2, 2, 1]  # short finishes at its 3rd token
+    assert short.output_token_ids == [100] * 3 and short.finish_reason is FinishReason.LENGTH
+    second = run_decision(s, 4)
+    assert [list(p) for p in second] == [[long_.request_id]] * 4
+    assert long_.num_output_tokens == 8 and s.kv.get(long_.request_id).capacity_tokens >= long_.num_tokens
+    run_decision(s, 4)
+    assert long_.num_output_tokens == 9 and long_.is_finished and s.kv.num_used_blocks == 0
