@@ -71,20 +71,28 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end the request (once past ``min_tokens``): EOS unless ignored, and
+        ``stop_token_ids``."""
+        params = self.sampling_params
+        eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return frozenset((*eos, *params.stop_token_ids))
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> FinishReason | None:
         """Appends a sampled token; finishes the request and returns why if it must stop.
 
-        Mutates ``output_token_ids``, and ``status``/``finish_reason`` when it stops.
+        EOS and stop tokens at output index < ``min_tokens`` do not stop it (the sampler masks
+        them there too). Mutates ``output_token_ids``, and ``status``/``finish_reason`` when it
+        stops.
         """
         self.output_token_ids.append(token_id)
         params = self.sampling_params
         reason = None
-        if not params.ignore_eos and token_id == self.eos_token_id:
-            reason = FinishReason.STOP
-        elif token_id in params.stop_token_ids:
+        if self.num_output_tokens > params.min_tokens and token_id in self.stop_token_ids:
             reason = FinishReason.STOP
         elif self.num_output_tokens >= params.max_tokens:
             reason = FinishReason.LENGTH
