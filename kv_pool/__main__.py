@@ -28,6 +28,14 @@ def _option(flag: str, **kwargs):
 @_option("--node-id", default=_DEFAULTS.node_id, help="Registry id and index value of this node.")
 @_option("--advertise-address", default="", help="HOST:PORT others dial; default host:bound port.")
 @_option("--lease-ttl-s", type=float, default=_DEFAULTS.lease_ttl_s, help="Lease lifetime when a client gives none.")
+@_option("--arena-dir", default=_DEFAULTS.arena_dir,
+         help="Directory (a tmpfs) of the shared-memory DRAM arena file; '' keeps it private.")
+@_option("--nvme-path", default="", help="Directory of the NVMe tier's block file; '' turns the tier off.")
+@_option("--nvme-capacity-bytes", type=int, default=_DEFAULTS.nvme_capacity_bytes, help="Bytes of the NVMe tier.")
+@_option("--put-reservation-ttl-s", type=float, default=_DEFAULTS.put_reservation_ttl_s,
+         help="A peer's reserved, uncommitted blocks are rolled back after this long.")
+@_option("--nixl", default=_DEFAULTS.nixl, type=click.Choice(["auto", "on", "off"]),
+         help="Register the arena with a NIXL (UCX) agent for one-sided peer transfers.")
 @_option("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 turns it off.")
 @_option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(log_level: str, **flags) -> None:

@@ -6,6 +6,12 @@ Life of a block::
                    │                                │
                    └────────── abort ───► gone      └── scoped: freed by release_request / expiry
 
+Bytes live in a DRAM :class:`~kv_pool.arena.Arena` (one shared-memory buffer of block slots).
+With an NVMe tier, LRU eviction *demotes* a content block to NVMe instead of dropping it; a later
+hit reads it back and promotes it to DRAM (the tiers are exclusive). Leases and reservations
+always refer to DRAM blocks, so a peer copying straight out of the arena is safe while it holds
+a lease.
+
 A WRITING block holds its bytes (they count as used) but is invisible to ``lookup`` and ``get``.
 Content-addressed blocks (``BlockKey.block_hash``) are shared by every request and evicted least
 recently used first, never while leased. Request-scoped blocks (``BlockKey.request_id``) are never
@@ -24,9 +30,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from core.block_key import BlockKey
+from kv_pool.arena import Arena
 from kv_pool.block_types import (
     DUPLICATE,
     BlockEvent,
+    BlockLocation,
     BlockState,
     Duplicate,
     PoolFullError,
@@ -36,10 +44,12 @@ from kv_pool.block_types import (
 )
 from kv_pool.leases import LeaseTable
 from kv_pool.lru import LruSet
+from kv_pool.nvme_tier import NvmeTier
 
 __all__ = [
     "DUPLICATE",
     "BlockEvent",
+    "BlockLocation",
     "BlockState",
     "BlockStore",
     "PoolFullError",
@@ -52,8 +62,10 @@ __all__ = [
 @dataclass(eq=False)
 class _Block:
     key: BlockKey
-    data: bytearray  # [block_bytes], uint8
+    offset_bytes: int  # of its slot in the arena
+    num_bytes: int
     reservation: Reservation | None  # set while WRITING
+    checksum: int = 0  # the writer's (core.kv_transfer.checksum), 0 when it gave none
     written_bytes: int = 0
 
 
@@ -61,7 +73,9 @@ class BlockStore:
     """Blocks keyed by :class:`BlockKey` in ``capacity_bytes`` of DRAM.
 
     ``clock`` returns monotonic seconds (inject a fake one in tests); ``default_ttl_s`` is the
-    lifetime given to a request that reserves a scoped block without holding a lease.
+    lifetime given to a request that reserves a scoped block without holding a lease. ``arena``
+    (default: anonymous memory of ``capacity_bytes``) holds the bytes; ``nvme`` is the optional
+    tier below DRAM. The store owns both (``close``).
     """
 
     def __init__(
@@ -70,13 +84,19 @@ class BlockStore:
         default_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[BlockEvent], None] | None = None,
+        arena: Arena | None = None,
+        nvme: NvmeTier | None = None,
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s!r}")
+        if arena is not None and arena.capacity_bytes != capacity_bytes:
+            raise ValueError(f"arena of {arena.capacity_bytes} bytes for capacity_bytes {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.default_ttl_s = default_ttl_s
+        self.arena = arena if arena is not None else Arena(capacity_bytes)
+        self.nvme = nvme
         self._on_event = on_event
         self._blocks: dict[BlockKey, _Block] = {}
         self._evictable = LruSet()  # STORED content-addressed blocks that no lease holds
@@ -84,14 +104,17 @@ class BlockStore:
         self._used_bytes = 0
         self._num_writing = self._num_stored = self._num_scoped = 0
         self._num_evicted = self._num_lookup_hits = self._num_lookups = 0
+        self._num_dram_hits = self._num_dram_misses = self._num_nvme_hits = self._num_nvme_misses = 0
+        self._num_promotions = self._num_demotions = self._num_corrupt = 0
 
     # -- two-phase put ---------------------------------------------------------------------------
 
-    def reserve(self, key: BlockKey, block_bytes: int) -> Reservation | Duplicate:
-        """Reserves ``block_bytes`` for ``key`` in state WRITING, evicting LRU blocks for room.
+    def reserve(self, key: BlockKey, block_bytes: int, checksum: int = 0) -> Reservation | Duplicate:
+        """Reserves an arena slot of ``block_bytes`` for ``key`` in state WRITING, evicting (or
+        demoting) LRU blocks for room. ``checksum`` is the writer's, kept for readers to verify.
 
-        Returns ``DUPLICATE`` (mutating nothing) when ``key`` is already stored or being written:
-        the second writer's put succeeds without a second copy.
+        Returns ``DUPLICATE`` (mutating nothing) when ``key`` is already stored (in any tier) or
+        being written: the second writer's put succeeds without a second copy.
 
         Mutates: block table, used bytes, LRU (evictions); a scoped key extends its request's
         deadline to at least now + ``default_ttl_s``.
@@ -104,11 +127,11 @@ class BlockStore:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes!r}")
         if not key.spec_fingerprint:
             raise ValueError(f"spec_fingerprint must not be empty: {key}")
-        if key in self._blocks:
+        if key in self._blocks or (self.nvme is not None and key in self.nvme):
             return DUPLICATE
-        self._make_room(block_bytes)
-        reservation = Reservation(key, block_bytes)
-        self._blocks[key] = _Block(key, bytearray(block_bytes), reservation)
+        offset = self._make_room(block_bytes)
+        reservation = Reservation(key, block_bytes, offset)
+        self._blocks[key] = _Block(key, offset, block_bytes, reservation, checksum)
         self._used_bytes += block_bytes
         self._num_writing += 1
         if key.is_scoped:
@@ -131,8 +154,15 @@ class BlockStore:
             raise ValueError(f"{block.key}: chunk at offset {offset_bytes}, expected {block.written_bytes}")
         if end > reservation.block_bytes:
             raise ValueError(f"{block.key}: chunk ends at {end}, past block_bytes {reservation.block_bytes}")
-        block.data[offset_bytes:end] = data
+        self.arena.view[block.offset_bytes + offset_bytes : block.offset_bytes + end] = data
         block.written_bytes = end
+
+    def mark_written(self, reservation: Reservation) -> None:
+        """A peer wrote the whole block straight into its arena slot (shm, NIXL).
+
+        Mutates: the block's written count. Raises StaleReservationError.
+        """
+        self._live(reservation).written_bytes = reservation.block_bytes
 
     def commit(self, reservation: Reservation) -> None:
         """Makes the block STORED and visible; a content block becomes evictable unless leased.
@@ -154,7 +184,7 @@ class BlockStore:
             return
         self._num_stored += 1
         if not self._leases.is_leased(block.key):
-            self._evictable.add(block.key, len(block.data))
+            self._evictable.add(block.key, block.num_bytes)
         self._emit("stored", block.key)
 
     def abort(self, reservation: Reservation) -> bool:
@@ -171,19 +201,64 @@ class BlockStore:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def get(self, key: BlockKey) -> memoryview:
-        """Read-only view of a STORED block's bytes, valid even if the block is freed later.
+    def get(self, key: BlockKey) -> bytes:
+        """A copy of a STORED content or scoped block's bytes; an NVMe hit is promoted to DRAM
+        when there is room (else read from NVMe in place).
 
-        Mutates: LRU (the block becomes most recently used).
+        Mutates: LRU (the block becomes most recently used), tiers, hit counters.
 
         Raises:
             KeyError: ``key`` is not stored (unknown, evicted, or still WRITING).
         """
-        block = self._blocks.get(key)
-        if block is None or block.reservation is not None:
-            raise KeyError(key)
+        block = self._find(key)
+        if block is None:
+            if self.nvme is None or key not in self.nvme:
+                raise KeyError(key)
+            return self.nvme.read(key)
         self._evictable.touch(key)
-        return memoryview(block.data).toreadonly()
+        return bytes(self.arena.view[block.offset_bytes : block.offset_bytes + block.num_bytes])
+
+    def checksum(self, key: BlockKey) -> int:
+        """The writer's checksum of a held block (0: none). Mutates nothing. Raises KeyError."""
+        block = self._blocks.get(key)
+        if block is not None:
+            return block.checksum
+        if self.nvme is not None:
+            return self.nvme.checksum(key)
+        raise KeyError(key)
+
+    def locate(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[BlockLocation]:
+        """Leases the longest STORED prefix of ``keys`` to ``request_id`` (promoting NVMe blocks to
+        DRAM) and says where each is in the arena; the slots stay put while the lease lives.
+
+        Mutates: tiers, leases, LRU, hit counters. Raises ValueError as ``lease``.
+        """
+        self.lease([], request_id, ttl_s)  # validates before anything moves
+        found: list[BlockLocation] = []
+        for key in keys:
+            block = self._find(key)
+            if block is None:
+                break
+            # Leased at once: promoting the next block must not demote this one.
+            self.lease([key], request_id, ttl_s)
+            found.append(BlockLocation(block.offset_bytes, block.num_bytes, block.checksum))
+        return found
+
+    def drop_corrupt(self, key: BlockKey) -> bool:
+        """Removes a block whose bytes failed verification, from whichever tier holds it; leases
+        on it are dropped. Returns False when the pool did not hold it (or it is WRITING).
+
+        Mutates: tiers, leases, the corrupt counter; reports "evicted".
+        """
+        block = self._blocks.get(key)
+        if block is not None and block.reservation is None:
+            self._free(block)
+        elif self.nvme is not None and self.nvme.discard(key):
+            self._emit("evicted", key)
+        else:
+            return False
+        self._num_corrupt += 1
+        return True
 
     def block_state(self, key: BlockKey) -> BlockState | None:
         """State of ``key``, or None when the pool does not hold it. Mutates nothing."""
@@ -212,16 +287,15 @@ class BlockStore:
         Raises:
             ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
         """
-        num_hit = self._prefix_len(spec_fingerprint, block_hashes)
-        keys = [BlockKey.content(spec_fingerprint, h) for h in block_hashes[:num_hit]]
-        self.lease(keys, request_id, ttl_s)
-        return num_hit
+        keys = [BlockKey.content(spec_fingerprint, h) for h in block_hashes]
+        return len(self.locate(keys, request_id, ttl_s))
 
     def lease(self, keys: Iterable[BlockKey], request_id: str, ttl_s: float) -> int:
         """Leases every held key (WRITING or STORED) to ``request_id``; returns how many.
 
-        A leased block is never evicted. The request's deadline becomes at least now + ``ttl_s``.
-        Mutates: lease sets, LRU (leased blocks leave it), the request's deadline.
+        A leased block is never evicted. A key on NVMe is promoted to DRAM first (skipped when
+        DRAM has no room). The request's deadline becomes at least now + ``ttl_s``.
+        Mutates: lease sets, LRU (leased blocks leave it), the request's deadline, tiers.
 
         Raises:
             ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
@@ -233,7 +307,7 @@ class BlockStore:
         self._leases.extend(request_id, ttl_s)
         num_leased = 0
         for key in keys:
-            if key not in self._blocks:
+            if key not in self._blocks and self._promote(key) is None:
                 continue
             num_leased += 1
             if self._leases.lease(request_id, key):
@@ -252,7 +326,7 @@ class BlockStore:
         for key in released.unleased_keys:
             block = self._blocks[key]
             if block.reservation is None and not key.is_scoped:
-                self._evictable.add(key, len(block.data))
+                self._evictable.add(key, block.num_bytes)
         for key in released.scoped_keys:
             self._free(self._blocks[key])
         return released.num_leases, len(released.scoped_keys)
@@ -280,7 +354,25 @@ class BlockStore:
             num_evicted_blocks=self._num_evicted,
             num_lookup_hit_blocks=self._num_lookup_hits,
             num_lookup_blocks=self._num_lookups,
+            num_dram_blocks=len(self._blocks),
+            num_dram_hits=self._num_dram_hits,
+            num_dram_misses=self._num_dram_misses,
+            nvme_capacity_bytes=self.nvme.capacity_bytes if self.nvme is not None else 0,
+            nvme_used_bytes=self.nvme.used_bytes if self.nvme is not None else 0,
+            num_nvme_blocks=len(self.nvme) if self.nvme is not None else 0,
+            num_nvme_hits=self._num_nvme_hits,
+            num_nvme_misses=self._num_nvme_misses,
+            num_nvme_evictions=self.nvme.num_evicted_blocks if self.nvme is not None else 0,
+            num_nvme_promotions=self._num_promotions,
+            num_nvme_demotions=self._num_demotions,
+            num_corrupt_blocks=self._num_corrupt,
         )
+
+    def close(self) -> None:
+        """Releases the arena and the NVMe file. The store must not be used afterwards."""
+        self.arena.close()
+        if self.nvme is not None:
+            self.nvme.close()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -292,40 +384,109 @@ class BlockStore:
 
     def _prefix_len(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
         for i, block_hash in enumerate(block_hashes):
-            block = self._blocks.get(BlockKey.content(spec_fingerprint, block_hash))
-            if block is None or block.reservation is not None:
+            if not self._holds(BlockKey.content(spec_fingerprint, block_hash)):
                 return i
         return len(block_hashes)
 
-    def _make_room(self, block_bytes: int) -> None:
-        """Evicts LRU blocks until ``block_bytes`` fit, or raises PoolFullError evicting nothing."""
+    def _holds(self, key: BlockKey) -> bool:
+        """Whether ``key`` is STORED in some tier, counting a hit or miss per tier asked."""
+        block = self._blocks.get(key)
+        if block is not None and block.reservation is None:
+            self._num_dram_hits += 1
+            return True
+        self._num_dram_misses += 1
+        if self.nvme is not None and key in self.nvme:
+            self._num_nvme_hits += 1
+            return True
+        self._num_nvme_misses += self.nvme is not None
+        return False
+
+    def _find(self, key: BlockKey) -> _Block | None:
+        """The STORED DRAM block of ``key``, promoting it from NVMe if it is there; counts hits."""
+        if not self._holds(key):
+            return None
+        return self._blocks.get(key) or self._promote(key)
+
+    def _promote(self, key: BlockKey) -> _Block | None:
+        """Moves ``key`` from NVMe into a DRAM slot as a STORED, evictable block.
+
+        Returns None (and leaves the block on NVMe) when it is not there or DRAM has no room.
+        Mutates: both tiers, LRU, counts; reports "stored".
+        """
+        if self.nvme is None or key not in self.nvme:
+            return None
+        data, checksum = self.nvme.take(key)  # first: making room may demote into NVMe
+        try:
+            offset = self._make_room(len(data))
+        except PoolFullError:
+            for dropped in self.nvme.put(key, data, checksum):
+                self._emit("evicted", dropped)
+            return None
+        self.arena.view[offset : offset + len(data)] = data
+        block = _Block(key, offset, len(data), None, checksum)
+        self._blocks[key] = block
+        self._used_bytes += len(data)
+        self._num_stored += 1
+        self._num_promotions += 1
+        self._evictable.add(key, len(data))
+        self._emit("stored", key)
+        return block
+
+    def _make_room(self, block_bytes: int) -> int:
+        """Evicts LRU blocks until ``block_bytes`` fit; returns the slot's arena offset.
+
+        Raises:
+            PoolFullError: evicting nothing, when the evictable blocks cannot make room.
+        """
         needed_bytes = self._used_bytes + block_bytes - self.capacity_bytes
-        if needed_bytes <= 0:
-            return
         if block_bytes > self.capacity_bytes or needed_bytes > self._evictable.total_bytes:
             raise PoolFullError(
                 f"no room for a {block_bytes}-byte block: {self.capacity_bytes - self._used_bytes} bytes "
                 f"free, {self._evictable.total_bytes} evictable; the rest is leased, scoped or being written"
             )
-        while self._used_bytes + block_bytes > self.capacity_bytes:
-            key = self._evictable.pop_oldest()
-            self._num_evicted += 1
-            self._free(self._blocks[key])
+        while True:
+            offset = self.arena.allocate(block_bytes)
+            if offset is not None:
+                return offset
+            if not self._evictable:  # only with blocks of mixed sizes: free bytes fragmented
+                raise PoolFullError(f"no contiguous room for a {block_bytes}-byte block")
+            self._evict(self._evictable.pop_oldest())
 
-    def _free(self, block: _Block) -> None:
+    def _evict(self, key: BlockKey) -> None:
+        """Demotes an evictable block to NVMe (when there is a tier), else drops it."""
+        block = self._blocks[key]
+        self._num_evicted += 1
+        if self.nvme is None:
+            self._free(block)
+            return
+        data = self.arena.view[block.offset_bytes : block.offset_bytes + block.num_bytes]
+        dropped = self.nvme.put(key, data, block.checksum)
+        self._free(block, emit=False)
+        if key in dropped:  # larger than the whole tier
+            self._emit("evicted", key)
+            dropped.remove(key)
+        else:
+            self._num_demotions += 1
+            self._emit("demoted", key)
+        for other in dropped:
+            self._emit("evicted", other)
+
+    def _free(self, block: _Block, emit: bool = True) -> None:
         """Removes ``block`` in any state, dropping the leases every request holds on it."""
         key = block.key
         self._leases.forget_block(key)
         self._evictable.discard(key)
         del self._blocks[key]
-        self._used_bytes -= len(block.data)
+        self.arena.free(block.offset_bytes, block.num_bytes)
+        self._used_bytes -= block.num_bytes
         if block.reservation is not None:
             self._num_writing -= 1
         elif key.is_scoped:
             self._num_scoped -= 1
         else:
             self._num_stored -= 1
-            self._emit("evicted", key)
+            if emit:
+                self._emit("evicted", key)
 
     def _emit(self, kind: str, key: BlockKey) -> None:
         if self._on_event is not None:

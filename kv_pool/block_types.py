@@ -25,8 +25,13 @@ class BlockState(enum.Enum):
 class BlockEvent:
     """A change of the content-addressed index, reported to ``on_event`` (for the Redis mirror)."""
 
-    kind: str  # "stored" | "evicted"
+    kind: str  # "stored" (in DRAM) | "demoted" (DRAM -> NVMe) | "evicted" (gone from this node)
     key: BlockKey
+
+    @property
+    def tier(self) -> str:
+        """Where the block is after the event ("" when gone)."""
+        return {"stored": "dram", "demoted": "nvme"}.get(self.kind, "")
 
 
 @dataclass(eq=False)
@@ -35,6 +40,16 @@ class Reservation:
 
     key: BlockKey
     block_bytes: int
+    offset_bytes: int = 0  # where the block lives in the DRAM arena (for shm / NIXL writers)
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    """Where a STORED block's bytes are in the DRAM arena, for a peer that copies them itself."""
+
+    offset_bytes: int
+    block_bytes: int
+    checksum: int  # the writer's, 0 when it gave none
 
 
 class Duplicate:
@@ -63,3 +78,18 @@ class PoolStats:
     num_evicted_blocks: int
     num_lookup_hit_blocks: int
     num_lookup_blocks: int
+    # Per tier. hits / misses: blocks looked for (Lookup, leases, reads) found / not found in the
+    # tier (NVMe is only asked after a DRAM miss); promotions: blocks read back from NVMe into
+    # DRAM; demotions: blocks DRAM evicted into NVMe; nvme evictions: dropped from the node.
+    num_dram_blocks: int = 0  # every state
+    num_dram_hits: int = 0
+    num_dram_misses: int = 0
+    nvme_capacity_bytes: int = 0  # 0: no NVMe tier
+    nvme_used_bytes: int = 0
+    num_nvme_blocks: int = 0
+    num_nvme_hits: int = 0
+    num_nvme_misses: int = 0
+    num_nvme_evictions: int = 0
+    num_nvme_promotions: int = 0
+    num_nvme_demotions: int = 0
+    num_corrupt_blocks: int = 0  # dropped because a checksum did not match

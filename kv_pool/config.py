@@ -28,15 +28,24 @@ class PoolConfig:
     expiry_interval_s: float = 0.5  # how often lapsed leases are released
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
+    # DRAM arena file lives here (a tmpfs, so same-host workers can map it); "" = not shareable.
+    arena_dir: str = "/dev/shm"
+    nvme_path: str = ""  # directory of the NVMe tier's block file; "" turns the tier off
+    nvme_capacity_bytes: int = 16 * 1024**3
+    put_reservation_ttl_s: float = 30.0  # a peer's ReserveBlocks not committed by then is rolled back
+    nixl: str = "auto"  # register the arena with a NIXL (UCX) agent: auto (if importable), on, off
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value!r}")
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes!r}")
-        for name in ("lease_ttl_s", "expiry_interval_s", "heartbeat_interval_s"):
+        for name in ("capacity_bytes", "nvme_capacity_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.nixl not in ("auto", "on", "off"):
+            raise ValueError(f"nixl must be auto, on or off, got {self.nixl!r}")
+        for name in ("lease_ttl_s", "expiry_interval_s", "heartbeat_interval_s", "put_reservation_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:

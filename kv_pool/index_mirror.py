@@ -2,9 +2,10 @@
 
 For every block stored or evicted on this node:
 
-- hash ``tandem:kv_index:{spec_fingerprint}``: field = block hash as 16 hex chars, value = node_id
-  (HSET on stored; on evicted, HDEL only if the field still names this node);
-- stream ``tandem:kv_events``: ``{type: stored|evicted, fp, hash, node}``, trimmed to about
+- hash ``tandem:kv_index:{spec_fingerprint}``: field = block hash as 16 hex chars, value =
+  ``{node_id}:{tier}`` with tier ``dram`` or ``nvme`` (HSET on stored and demoted; on evicted,
+  HDEL only if the field still names this node; node ids contain no ``:``);
+- stream ``tandem:kv_events``: ``{type: stored|demoted|evicted, fp, hash, node}``, trimmed to about
   ``stream_maxlen`` entries, so a router can rebuild its prefix view after a restart.
 
 The block store stays synchronous and Redis-free: it calls ``report`` (non-blocking) and a
@@ -27,9 +28,11 @@ log = logging.getLogger(__name__)
 INDEX_KEY_PREFIX = "tandem:kv_index:"
 EVENTS_STREAM = "tandem:kv_events"
 
-# HDEL the field only while it still names this node: another node may have stored it since.
+# HDEL the field only while it still names this node (ARGV[2], with or without ":tier"): another
+# node may have stored it since.
 _HDEL_IF_OWNER = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+if value and (value == ARGV[2] or string.sub(value, 1, string.len(ARGV[2]) + 1) == ARGV[2] .. ':') then
   return redis.call('HDEL', KEYS[1], ARGV[1])
 end
 return 0
@@ -43,6 +46,17 @@ def index_key(spec_fingerprint: str) -> str:
 def hash_field(block_hash: int) -> str:
     """A 64-bit block hash as 16 lower-case hex chars."""
     return f"{block_hash:016x}"
+
+
+def index_value(node_id: str, tier: str) -> str:
+    """What the index says about a block: ``{node_id}:{tier}``."""
+    return f"{node_id}:{tier}"
+
+
+def parse_index_value(value: str) -> tuple[str, str]:
+    """(node_id, tier) of an index value; tier "" for a value without one."""
+    node_id, _, tier = value.partition(":")
+    return node_id, tier
 
 
 class IndexMirror:
@@ -92,7 +106,10 @@ class IndexMirror:
         """
         num_cleared = 0
         async for key in self._redis.scan_iter(match=f"{INDEX_KEY_PREFIX}*", count=100):
-            fields = [f async for f, node in self._redis.hscan_iter(key, count=1000) if node == self.node_id]
+            fields = [
+                f async for f, value in self._redis.hscan_iter(key, count=1000)
+                if parse_index_value(value)[0] == self.node_id
+            ]
             if not fields:
                 continue
             fp = key[len(INDEX_KEY_PREFIX) :]
@@ -130,8 +147,8 @@ class IndexMirror:
             for event in events:
                 key = index_key(event.key.spec_fingerprint)
                 field = hash_field(event.key.block_hash)
-                if event.kind == "stored":
-                    pipe.hset(key, field, self.node_id)
+                if event.tier:
+                    pipe.hset(key, field, index_value(self.node_id, event.tier))
                 else:
                     await self._hdel_if_owner(keys=[key], args=[field, self.node_id], client=pipe)
                 entry = self._entry(event.kind, event.key.spec_fingerprint, field)

@@ -10,6 +10,15 @@ time, so the store needs no metric calls; transfer bytes are counted by the serv
     tandem:pool_lookup_blocks_total                         counter, blocks asked for by Lookup
     tandem:pool_lookup_hit_blocks_total                     counter, of which stored
     tandem:pool_transfer_bytes_total{direction=put|get}     counter, block bytes received / sent
+                                                            (streamed through gRPC only)
+    tandem:pool_tier_blocks{tier=dram|nvme}                 gauge
+    tandem:pool_tier_bytes{tier}                            gauge, bytes held
+    tandem:pool_tier_capacity_bytes{tier}                   gauge
+    tandem:pool_tier_hits_total{tier} / _misses_total{tier} counters, blocks looked for
+    tandem:pool_tier_evictions_total{tier}                  counter (dram: demoted or dropped; nvme: dropped)
+    tandem:pool_tier_promotions_total{tier}                 counter, blocks read back from the tier into DRAM
+    tandem:pool_tier_demotions_total{tier}                  counter, blocks written into the tier by eviction
+    tandem:pool_corrupt_blocks_total                        counter, dropped on a checksum mismatch
 """
 
 from __future__ import annotations
@@ -46,6 +55,35 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "tandem:pool_lookup_hit_blocks", "Blocks found by Lookup.", value=stats.num_lookup_hit_blocks
         )
+        yield from _tier_metrics(stats)
+        yield CounterMetricFamily(
+            "tandem:pool_corrupt_blocks", "Blocks dropped on a checksum mismatch.", value=stats.num_corrupt_blocks
+        )
+
+
+def _tier_metrics(stats: PoolStats) -> Iterator[Metric]:
+    """One family per quantity, one sample per tier (``tier`` label)."""
+    rows = {
+        # name: (kind, help, dram value, nvme value)
+        "blocks": (GaugeMetricFamily, "Blocks held, by tier.", stats.num_dram_blocks, stats.num_nvme_blocks),
+        "bytes": (GaugeMetricFamily, "Bytes held, by tier.", stats.used_bytes, stats.nvme_used_bytes),
+        "capacity_bytes": (GaugeMetricFamily, "Capacity, by tier.", stats.capacity_bytes, stats.nvme_capacity_bytes),
+        "hits": (CounterMetricFamily, "Blocks looked for and found, by tier.", stats.num_dram_hits,
+                 stats.num_nvme_hits),
+        "misses": (CounterMetricFamily, "Blocks looked for and not found, by tier.", stats.num_dram_misses,
+                   stats.num_nvme_misses),
+        "evictions": (CounterMetricFamily, "Blocks evicted, by tier.", stats.num_evicted_blocks,
+                      stats.num_nvme_evictions),
+        "promotions": (CounterMetricFamily, "Blocks promoted out of the tier into DRAM.", 0,
+                       stats.num_nvme_promotions),
+        "demotions": (CounterMetricFamily, "Blocks demoted into the tier.", 0, stats.num_nvme_demotions),
+    }
+    for name, (kind, help_text, dram, nvme) in rows.items():
+        family = kind(f"tandem:pool_tier_{name}", help_text, labels=["tier"])
+        family.add_metric(["dram"], dram)
+        if stats.nvme_capacity_bytes:
+            family.add_metric(["nvme"], nvme)
+        yield family
 
 
 class PoolMetrics:

@@ -28,6 +28,7 @@ class Chunk:
     data: bytes | memoryview
     lease_request_id: str = ""  # read from the first chunk: lease the block to it after commit
     lease_ttl_s: float = 0.0  # 0 means the pool's default
+    checksum: int = 0  # of the whole block, read from the first chunk; 0 means none
 
 
 @dataclass(eq=False)
@@ -97,7 +98,7 @@ class PutSession:
             raise ValueError(f"the first chunk of a block has no key (offset {chunk.offset_bytes})")
         if chunk.offset_bytes != 0:
             raise ValueError(f"{chunk.key}: first chunk at offset {chunk.offset_bytes}, expected 0")
-        reservation = self._store.reserve(chunk.key, chunk.block_bytes)
+        reservation = self._store.reserve(chunk.key, chunk.block_bytes, chunk.checksum)
         ttl_s = chunk.lease_ttl_s or self._default_ttl_s
         self._upload = _Upload(chunk.key, chunk.block_bytes, reservation, chunk.lease_request_id, ttl_s)
         return self._upload

@@ -1,19 +1,25 @@
-"""One pool node as a process: block store, gRPC, Redis index mirror, registry, lease expiry."""
+"""One pool node as a process: block store (DRAM arena + NVMe tier), gRPC, Redis index mirror,
+registry, lease and reservation expiry, and the data plane peers copy through (shm, NIXL)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 
 from core.grpc_service import GrpcService, run_until_signalled
+from core.kv_transfer.host import host_id
 from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
-from kv_pool.block_store import BlockStore
+from kv_pool.arena import Arena
+from kv_pool.block_store import BlockStore, PoolStats
 from kv_pool.config import PoolConfig
 from kv_pool.index_mirror import IndexMirror
 from kv_pool.metrics import PoolMetrics
-from kv_pool.servicer import SERVICE_NAME, KVPoolServicer
+from kv_pool.nvme_tier import NvmeTier
+from kv_pool.peer_puts import PeerPuts
+from kv_pool.servicer import SERVICE_NAME, DataPlane, KVPoolServicer
 from tandem.v1 import kv_pool_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,11 +34,11 @@ class PoolServer:
         self.config = config
         self._registry = WorkerRegistry(config.redis_url)
         self._mirror = IndexMirror(self._registry.redis, config.node_id)
-        self.store = BlockStore(config.capacity_bytes, config.lease_ttl_s, on_event=self._mirror.report)
-        self._metrics = PoolMetrics(self.store.stats)
+        self.store: BlockStore | None = None  # made in start (it creates files)
+        self._peer_puts: PeerPuts | None = None
+        self._nixl = None  # kv_pool.nixl_agent.PoolNixlAgent when NIXL is on
+        self._metrics = PoolMetrics(self._stats)
         self._grpc = GrpcService(config.host, config.port, [SERVICE_NAME])
-        servicer = KVPoolServicer(self.store, self._metrics, config.lease_ttl_s)
-        kv_pool_pb2_grpc.add_KVPoolServicer_to_server(servicer, self._grpc.server)
         self._heartbeat: Heartbeat | None = None
         self._expiry_task: asyncio.Task | None = None
         self.address = ""
@@ -46,6 +52,7 @@ class PoolServer:
             OSError: the metrics port cannot be bound.
         """
         await self._mirror.start()
+        self._serve_store()
         port = await self._grpc.start()
         self.address = self.config.advertise_address or f"{self._advertise_host()}:{port}"
         info = WorkerInfo(worker_id=self.config.node_id, role="pool", address=self.address)
@@ -57,9 +64,10 @@ class PoolServer:
         if self.config.metrics_port:
             self._metrics.serve(self.config.metrics_port, self.config.host)
         log.info(
-            "kv_pool %s listening on %s:%d (advertised %s), capacity %d bytes, metrics port %d",
-            self.config.node_id, self.config.host, port, self.address,
-            self.config.capacity_bytes, self.config.metrics_port,
+            "kv_pool %s listening on %s:%d (advertised %s), DRAM %d bytes, NVMe %s, metrics port %d",
+            self.config.node_id, self.config.host, port, self.address, self.config.capacity_bytes,
+            f"{self.config.nvme_capacity_bytes} bytes in {self.config.nvme_path}" if self.config.nvme_path else "off",
+            self.config.metrics_port,
             extra={"worker_id": self.config.node_id},
         )
 
@@ -75,11 +83,30 @@ class PoolServer:
             self._expiry_task.cancel()
         await self._mirror.stop()
         self._metrics.shutdown()
+        if self.store is not None:
+            self.store.close()
         await self._registry.close()
         log.info("kv_pool %s stopped", self.config.node_id, extra={"worker_id": self.config.node_id})
 
+    def _serve_store(self) -> None:
+        """Creates the arena file, the NVMe tier and the store, and adds the servicer."""
+        c = self.config
+        arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}.arena") if c.arena_dir else ""
+        arena = Arena(c.capacity_bytes, arena_path)
+        nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes) if c.nvme_path else None
+        self.store = BlockStore(c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme)
+        self._peer_puts = PeerPuts(self.store, c.put_reservation_ttl_s)
+        data_plane = DataPlane(host_id=host_id(), arena_path=arena_path, arena_bytes=c.capacity_bytes)
+        servicer = KVPoolServicer(self.store, self._metrics, c.lease_ttl_s, self._peer_puts, data_plane)
+        kv_pool_pb2_grpc.add_KVPoolServicer_to_server(servicer, self._grpc.server)
+
+    def _stats(self) -> PoolStats:
+        if self.store is None:  # not started yet: an empty pool
+            return PoolStats(self.config.capacity_bytes, *[0] * 9)
+        return self.store.stats()
+
     def _load(self) -> dict[str, float]:
-        return dataclasses.asdict(self.store.stats())
+        return dataclasses.asdict(self._stats())
 
     def _advertise_host(self) -> str:
         return socket.gethostname() if self.config.host in WILDCARD_HOSTS else self.config.host
@@ -88,6 +115,9 @@ class PoolServer:
         """Releases lapsed leases every ``expiry_interval_s`` (and the scoped blocks with them)."""
         while True:
             await asyncio.sleep(self.config.expiry_interval_s)
+            num_rolled_back = self._peer_puts.expire()
+            if num_rolled_back:
+                log.warning("rolled back %d peer reservations never committed", num_rolled_back)
             for request_id in self.store.expire():
                 log.info("lease lapsed; request released", extra={"request_id": request_id})
 

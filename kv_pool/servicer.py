@@ -2,6 +2,10 @@
 
 Error codes: malformed input → INVALID_ARGUMENT, pool full → RESOURCE_EXHAUSTED, unknown block
 → NOT_FOUND, a scoped block whose request was released mid-upload → ABORTED.
+
+Bytes move either through PutBlocks / GetBlocks (streamed) or, for peers that copy them
+themselves (shared memory, NIXL), through LocateBlocks (read under a lease) and ReserveBlocks →
+write → CommitBlocks (two-phase put with arena offsets).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,6 +21,7 @@ from core.pool_client import MAX_CHUNK_BYTES
 from core.proto_convert import block_key_from_proto
 from kv_pool.block_store import BlockStore, PoolFullError, StaleReservationError
 from kv_pool.metrics import PoolMetrics
+from kv_pool.peer_puts import PeerPuts
 from kv_pool.put_session import Chunk, PutSession
 from tandem.v1 import kv_pool_pb2, kv_pool_pb2_grpc
 
@@ -33,16 +39,33 @@ def _chunk_from_proto(msg: kv_pool_pb2.PutBlocksRequest) -> Chunk:
         data=msg.data,
         lease_request_id=msg.lease_request_id,
         lease_ttl_s=msg.lease_ttl_ms / 1000,
+        checksum=msg.checksum,
     )
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """What GetDataPlane tells peers (field names mirror ``GetDataPlaneResponse``)."""
+
+    host_id: str = ""
+    arena_path: str = ""  # "" when the arena is not a shareable file
+    arena_bytes: int = 0
+    nixl_agent_name: str = ""
+    nixl_agent_metadata: bytes = b""
 
 
 class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
     """Serves one block store; ``default_ttl_s`` applies when a request gives ``ttl_ms`` 0."""
 
-    def __init__(self, store: BlockStore, metrics: PoolMetrics, default_ttl_s: float):
+    def __init__(
+        self, store: BlockStore, metrics: PoolMetrics, default_ttl_s: float,
+        peer_puts: PeerPuts | None = None, data_plane: DataPlane = DataPlane(),
+    ):
         self._store = store
         self._metrics = metrics
         self._default_ttl_s = default_ttl_s
+        self._peer_puts = peer_puts if peer_puts is not None else PeerPuts(store, 30.0)
+        self._data_plane = data_plane
 
     async def Lookup(self, request, context):
         await _require(context, request.spec_fingerprint, "spec_fingerprint")
@@ -77,23 +100,24 @@ class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
         )
 
     async def GetBlocks(self, request, context) -> AsyncIterator[kv_pool_pb2.GetBlocksResponse]:
-        views = []
+        blocks = []
         for key_msg in request.keys:
             try:
                 key = block_key_from_proto(key_msg)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
-                # A view keeps the bytes alive: the stream is consistent even if a block is evicted.
-                views.append(self._store.get(key))
+                # Copies: the stream is consistent even if a block is evicted meanwhile.
+                blocks.append((self._store.get(key), self._store.checksum(key)))
             except KeyError:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"block {key} is not stored in this pool")
-        for key_index, view in enumerate(views):
+        for key_index, (data, checksum) in enumerate(blocks):
+            view = memoryview(data)
             for offset in range(0, len(view), MAX_CHUNK_BYTES):
-                data = bytes(view[offset : offset + MAX_CHUNK_BYTES])
-                self._metrics.count_get_bytes(len(data))
+                chunk = bytes(view[offset : offset + MAX_CHUNK_BYTES])
+                self._metrics.count_get_bytes(len(chunk))
                 yield kv_pool_pb2.GetBlocksResponse(
-                    key_index=key_index, block_bytes=len(view), offset_bytes=offset, data=data
+                    key_index=key_index, block_bytes=len(view), offset_bytes=offset, data=chunk, checksum=checksum
                 )
 
     async def ReleaseRequest(self, request, context):
@@ -107,6 +131,55 @@ class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
     async def GetStats(self, request, context):
         stats = self._store.stats()
         return kv_pool_pb2.GetPoolStatsResponse(**dataclasses.asdict(stats))
+
+    async def GetDataPlane(self, request, context):
+        return kv_pool_pb2.GetDataPlaneResponse(**dataclasses.asdict(self._data_plane))
+
+    async def LocateBlocks(self, request, context):
+        await _require(context, request.request_id, "request_id")
+        try:
+            keys = [block_key_from_proto(k) for k in request.keys]
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ttl_s = request.ttl_ms / 1000 or self._default_ttl_s
+        locations = self._store.locate(keys, request.request_id, ttl_s)
+        return kv_pool_pb2.LocateBlocksResponse(
+            locations=[kv_pool_pb2.BlockLocation(**dataclasses.asdict(loc)) for loc in locations]
+        )
+
+    async def ReserveBlocks(self, request, context):
+        try:
+            keys = [block_key_from_proto(k) for k in request.keys]
+            ttl_s = request.lease_ttl_ms / 1000 or self._default_ttl_s
+            reserved = self._peer_puts.reserve(
+                keys, request.block_bytes, list(request.checksums), request.lease_request_id, ttl_s
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PoolFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return kv_pool_pb2.ReserveBlocksResponse(
+            blocks=[kv_pool_pb2.ReservedBlock(**dataclasses.asdict(r)) for r in reserved]
+        )
+
+    async def CommitBlocks(self, request, context):
+        if request.abort:
+            self._peer_puts.abort(request.reservation_ids)
+            return kv_pool_pb2.CommitBlocksResponse(num_committed_blocks=0)
+        num_committed = self._peer_puts.commit(request.reservation_ids)
+        return kv_pool_pb2.CommitBlocksResponse(num_committed_blocks=num_committed)
+
+    async def ReportCorruptBlocks(self, request, context):
+        num_dropped = 0
+        for key_msg in request.keys:
+            try:
+                key = block_key_from_proto(key_msg)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if self._store.drop_corrupt(key):
+                num_dropped += 1
+                log.warning("dropped block %s: a reader found it corrupt (checksum mismatch)", key)
+        return kv_pool_pb2.ReportCorruptBlocksResponse(num_dropped_blocks=num_dropped)
 
 
 async def _require(context: grpc.aio.ServicerContext, value: str, name: str) -> None:

@@ -254,7 +254,7 @@ def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_por
         client.get_blocks([BlockKey.content(fp, 1)])  # 1 becomes most recently used
         client.put_blocks((BlockKey.content(fp, h), block(h, node_blocks)) for h in (5, 6))  # evicts 2, 3
         assert client.lookup(fp, [1, 2, 3, 4, 5, 6]) == 1 and client.lookup(fp, [4, 5, 6]) == 3
-        expected = {hash_field(h): pool.node_id for h in (1, 4, 5, 6)} | {"00000000000000ff": "other-node"}
+        expected = {hash_field(h): f"{pool.node_id}:dram" for h in (1, 4, 5, 6)} | {"00000000000000ff": "other-node"}
         wait_until(lambda: rdb.hgetall(index_key(fp)) == expected, message="index == committed minus evicted")
         events = [(e["type"], int(e["hash"], 16)) for _, e in rdb.xrange(EVENTS_STREAM) if e["fp"] == fp]
         assert events == [("evicted", 0xFE)] + [("stored", h) for h in (1, 2, 3, 4)] + [
@@ -278,7 +278,7 @@ def test_sigterm_exits_zero_and_deregisters(start_pool, rdb, fp, wait_until):
     pool = start_pool(MIB)
     with PoolClient(pool.address, timeout_s=30) as client:
         client.put_blocks([(BlockKey.content(fp, 1), block(1, 4 * KIB))])
-    wait_until(lambda: rdb.hget(index_key(fp), hash_field(1)) == pool.node_id, message="block indexed")
+    wait_until(lambda: rdb.hget(index_key(fp), hash_field(1)) == f"{pool.node_id}:dram", message="block indexed")
     assert rdb.exists(worker_key("pool", pool.node_id))
     assert pool.stop() == 0, pool.logs()
     assert not rdb.exists(worker_key("pool", pool.node_id))

@@ -64,6 +64,31 @@ class KVPoolStub:
                 request_serializer=tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsResponse.FromString,
                 _registered_method=True)
+        self.GetDataPlane = channel.unary_unary(
+                '/tandem.v1.KVPool/GetDataPlane',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneResponse.FromString,
+                _registered_method=True)
+        self.LocateBlocks = channel.unary_unary(
+                '/tandem.v1.KVPool/LocateBlocks',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReserveBlocks = channel.unary_unary(
+                '/tandem.v1.KVPool/ReserveBlocks',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksResponse.FromString,
+                _registered_method=True)
+        self.CommitBlocks = channel.unary_unary(
+                '/tandem.v1.KVPool/CommitBlocks',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReportCorruptBlocks = channel.unary_unary(
+                '/tandem.v1.KVPool/ReportCorruptBlocks',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -112,6 +137,45 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDataPlane(self, request, context):
+        """The data plane of peers that copy block bytes themselves (shared memory,
+        NIXL) instead of streaming them through PutBlocks / GetBlocks.
+        Where this node's DRAM arena is and how to reach it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LocateBlocks(self, request, context):
+        """Leases the longest stored prefix of keys to a request and says where each
+        block is in the arena; the bytes stay put while the lease lives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveBlocks(self, request, context):
+        """Reserves arena slots (two-phase put, first phase) for blocks the peer
+        writes itself; CommitBlocks makes them visible or rolls them back. A
+        reservation not committed within its ttl is rolled back by the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCorruptBlocks(self, request, context):
+        """Drops blocks whose bytes a reader found not to match their checksum.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +208,31 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsResponse.SerializeToString,
+            ),
+            'GetDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataPlane,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneResponse.SerializeToString,
+            ),
+            'LocateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateBlocks,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksResponse.SerializeToString,
+            ),
+            'ReserveBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveBlocks,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksResponse.SerializeToString,
+            ),
+            'CommitBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBlocks,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksResponse.SerializeToString,
+            ),
+            'ReportCorruptBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorruptBlocks,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +397,141 @@ class KVPool:
             '/tandem.v1.KVPool/GetStats',
             tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsRequest.SerializeToString,
             tandem_dot_v1_dot_kv__pool__pb2.GetPoolStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/GetDataPlane',
+            tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.GetDataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/LocateBlocks',
+            tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.LocateBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/ReserveBlocks',
+            tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.ReserveBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/CommitBlocks',
+            tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.CommitBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorruptBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/ReportCorruptBlocks',
+            tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

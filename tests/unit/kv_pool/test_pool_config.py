@@ -17,6 +17,9 @@ from kv_pool.config import PoolConfig
         ({"redis_url": "http://x"}, "'http://x'"),
         ({"advertise_address": "pool-0"}, "HOST:PORT, got 'pool-0'"),
         ({"heartbeat_ttl_s": 1.0}, "heartbeat_ttl_s must exceed"),
+        ({"nvme_capacity_bytes": -1}, "nvme_capacity_bytes must be > 0, got -1"),
+        ({"nixl": "maybe"}, "nixl must be auto, on or off, got 'maybe'"),
+        ({"put_reservation_ttl_s": 0.0}, "put_reservation_ttl_s must be > 0, got 0.0"),
     ],
 )
 def test_bad_values_are_rejected(overrides, message):
