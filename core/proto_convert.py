@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from core.block_key import BlockKey
 from core.sampling_params import SamplingParams
 from tandem.v1 import common_pb2
@@ -21,6 +23,11 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, default_temperatu
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_tokens=msg.min_tokens,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -32,10 +39,32 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def token_logprob_to_proto(
+    token_id: int, logprob: float, top_logprobs: Sequence[tuple[int, float]] = ()
+) -> common_pb2.TokenLogprob:
+    """A sampled token's log-probability (engine ``SampledToken`` fields) as the wire message."""
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top_logprobs],
+    )
+
+
+def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """``(token_id, logprob, top_logprobs)`` of a wire message."""
+    return msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs)
 
 
 def block_key_to_proto(key: BlockKey) -> common_pb2.BlockKey:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from core.proto_convert import block_key_from_proto, sampling_params_from_proto
+from core.proto_convert import block_key_from_proto, sampling_params_from_proto, token_logprob_to_proto
 from core.request import FinishReason, Request
 from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
@@ -59,7 +59,8 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         try:
             async for output in self.engine.generate(engine_request, external):
                 if output.new_token_ids:
-                    tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids)
+                    logprobs = [token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs) for s in output.logprobs]
+                    tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids, logprobs=logprobs)
                     yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from core.proto_convert import block_key_to_proto, sampling_params_from_proto
+from core.proto_convert import block_key_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from core.request import Request
 from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
@@ -68,12 +68,16 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             blocks=[block_key_to_proto(k) for k in keys],
             num_tokens=request.num_prompt_tokens,
         )
-        return prefill_worker_pb2.PrefillResponse(
+        response = prefill_worker_pb2.PrefillResponse(
             first_token_id=output.new_token_ids[0],
             num_cached_tokens=output.num_cached_tokens,
             manifest=manifest,
             prefill_time_s=time.monotonic() - started,
         )
+        if output.logprobs:
+            first = output.logprobs[0]
+            response.first_token_logprob.CopyFrom(token_logprob_to_proto(first.token_id, first.logprob, first.top_logprobs))
+        return response
 
     async def Abort(self, request, context):
         return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
