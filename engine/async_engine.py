@@ -97,6 +97,7 @@ class AsyncEngine:
             try:
                 for outputs in engine.step_stream():
                     self._deliver_all(outputs)
+                    self._drain_inbox()  # joins and aborts take effect at the next pass
             except Exception:  # a bug must not strand callers: fail every request in flight
                 log.exception("engine step failed")
                 self._deliver_all(self._fail_all())

@@ -40,6 +40,9 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     # Decode steps run per scheduling decision (vLLM multi-step); 1 schedules every step.
     num_scheduler_steps: int = 1
+    # Prepare step k+1 (admission, allocation, input tensors) while step k runs (SGLang's
+    # overlap scheduler); tokens sampled by step k are patched in when it completes.
+    enable_overlap: bool = False
     attention_backend: str = "auto"
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0

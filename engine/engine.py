@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from engine.kv_connector import pack_blocks
 from engine.loader import ensure_hf_dir
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import ExternalKV, RequestOutput
+from engine.outputs import ExternalKV, RequestOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -79,6 +80,7 @@ class LLMEngine:
             device=config.device,
         )
         self.scheduler = Scheduler(config)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
 
     @classmethod
@@ -112,25 +114,71 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision, run to its end; returns every output it produced."""
+        """Runs passes until none can be scheduled; returns every output they produced."""
         return [output for outputs in self.step_stream() for output in outputs]
 
     def step_stream(self) -> Iterator[list[RequestOutput]]:
-        """Schedule once, then execute → update → release for up to ``num_scheduler_steps``
-        forward passes (vLLM multi-step), yielding each pass's outputs as soon as they exist.
-        A request that finishes inside the decision sits the remaining passes out."""
-        scheduler_output = self.scheduler.schedule()
-        for i in range(self.config.num_scheduler_steps):
-            if i:
-                scheduler_output = self.scheduler.continue_decode(scheduler_output)
-                if scheduler_output.is_empty:
-                    return
-            runner_output = self.runner.execute(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            for output in outputs:
-                if output.finished:
-                    self._release(output)
+        """Runs steps while there is work, yielding each forward pass's outputs as soon as they
+        exist; the caller may add or abort requests between yields.
+
+        One scheduling decision covers ``num_scheduler_steps`` passes (vLLM multi-step); a
+        request that finishes inside the decision sits the remaining passes out. With
+        ``enable_overlap`` the next pass is scheduled and prepared while the current one runs
+        (SGLang's overlap scheduler). Returns when a pass would be empty.
+        """
+        if self.config.enable_overlap:
+            yield from self._overlapped_steps()
+            return
+        out, substep = self.scheduler.schedule(), 0
+        while not out.is_empty:
+            runner_output = self.runner.execute(out)
+            yield self._finish(self.scheduler.update_from_output(out, runner_output))
+            out, substep = self._next_step(out, substep)
+
+    def _next_step(self, out: SchedulerOutput, substep: int) -> tuple[SchedulerOutput, int]:
+        """The pass after ``out``: the decision's next decode pass, or a new decision."""
+        if substep + 1 < self.config.num_scheduler_steps:
+            following = self.scheduler.continue_decode(out)
+            if not following.is_empty:
+                return following, substep + 1
+        return self.scheduler.schedule(), 0
+
+    def _overlapped_steps(self) -> Iterator[list[RequestOutput]]:
+        """Pipeline: launch k → commit k's computed tokens → schedule and prepare k+1 → wait for k
+        → resolve k's tokens → patch them into k+1 → launch k+1 → yield k's outputs."""
+        out, substep = self.scheduler.schedule(), 0
+        if out.is_empty:
+            return
+        running = self._executor.submit(self.runner.run, self.runner.prepare(out))
+        while True:
+            self.scheduler.commit_scheduled(out)
+            following, substep = self._next_step(out, substep)
+            prepared = self.runner.prepare(following)
+            runner_output = running.result()
+            outputs = self._finish(self.scheduler.resolve_sampled(out, runner_output))
+            if any(o.finished for o in outputs) and self._drop_finished(following):
+                prepared = self.runner.prepare(following)  # rare: a stop token ended a request
+            prepared.patch({rid: t.token_id for rid, t in runner_output.sampled.items()})
+            if following.is_empty:
+                yield outputs
+                return
+            running = self._executor.submit(self.runner.run, prepared)
             yield outputs
+            out = following
+
+    @staticmethod
+    def _drop_finished(out: SchedulerOutput) -> bool:
+        """Removes finished requests from a prepared-ahead step; True if any was removed."""
+        kept = [item for item in out.scheduled if not item.request.is_finished]
+        dropped = len(kept) != len(out.scheduled)
+        out.scheduled[:] = kept
+        return dropped
+
+    def _finish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for output in outputs:
+            if output.finished:
+                self._release(output)
+        return outputs
 
     def _release(self, output: RequestOutput) -> None:
         if self.save_kv_on_finish:

@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import copy
+import time
+from dataclasses import dataclass, field
+
 import torch
 
+from core.request import Request
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 from engine.kv_connector import unpack_blocks
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built ahead of time. ``input_ids`` stays a Python list until run() so
+    placeholders can be patched cheaply."""
+
+    out: SchedulerOutput
+    input_ids: list[int] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [num_tokens], int64
+    meta: AttentionMetadata | None = None
+    logits_indices: torch.Tensor | None = None  # [num_sampling], int64
+    # Copies of the sampling requests as of preparation (the live ones move on concurrently).
+    sampling_requests: list[Request] = field(default_factory=list)
+    # (index into input_ids, request_id) whose token comes from the previous step.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
+
+    def patch(self, sampled: dict[str, int]) -> None:
+        """Fills placeholders with the tokens the previous step sampled. Mutates this step."""
+        for index, request_id in self.placeholders:
+            self.input_ids[index] = sampled[request_id]
+        for snap in self.sampling_requests:
+            if snap.output_token_ids and snap.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                snap.output_token_ids[-1] = sampled[snap.request_id]
+        self.placeholders = []
 
 
 class ModelRunner:
@@ -23,25 +53,56 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
+        # Seconds spent in forward + sampling (the "device busy" time).
+        self.busy_time_s = 0.0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """prepare + run in one go (the non-overlapped path)."""
+        return self.run(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """Builds the step's input tensors and sampling snapshots from the requests. CPU only;
+        reads the requests, never the KV cache, so it can run while the previous step executes.
+
+        Tokens not known yet (``PLACEHOLDER_TOKEN_ID``, sampled by the step still running) are
+        listed in ``placeholders`` for :meth:`PreparedStep.patch`.
+        """
+        if out.is_empty:
+            return PreparedStep(out)
+        input_ids, positions, meta, logits_indices = self._prepare_inputs(out)
+        placeholders = [
+            (i, item.request.request_id)
+            for i, item in zip(meta.query_start_loc[1:].tolist(), out.scheduled)
+            if input_ids[i - 1] == PLACEHOLDER_TOKEN_ID
+        ]
+        snapshots = []
+        for item in out.scheduled:
+            if item.samples:
+                snap = copy.copy(item.request)
+                snap.output_token_ids = list(item.request.output_token_ids)
+                snapshots.append(snap)
+        return PreparedStep(out, input_ids, positions, meta, logits_indices, snapshots,
+                            [(i - 1, rid) for i, rid in placeholders])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def run(self, step: PreparedStep) -> ModelRunnerOutput:
         """Copies blocks (copy-on-write), loads external KV, runs one forward over every scheduled
-        token, samples where due. Mutates the KV cache.
-        """
+        token, samples where due. Mutates the KV cache; touches no request (overlap-safe)."""
+        out = step.out
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         for load in out.kv_loads:
             unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
         if out.is_empty:
             return ModelRunnerOutput()
-        input_ids, positions, meta, logits_indices = self._prepare_inputs(out)
-        ctx = ForwardContext(meta, self.backend, list(self.kv_cache.unbind(0)))
+        started = time.perf_counter()
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        ctx = ForwardContext(step.meta, self.backend, list(self.kv_cache.unbind(0)))
         with forward_context(ctx):
-            logits = self.model(input_ids, positions, logits_indices)  # [num_sampling, vocab]
-        requests = [s.request for s in out.scheduled if s.samples]
-        sampled = self.sampler.sample(logits, requests)
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, sampled)})
+            logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_sampling, vocab]
+        sampled = self.sampler.sample(logits, step.sampling_requests)
+        self.busy_time_s += time.perf_counter() - started
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling_requests, sampled)})
 
     def _prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []
@@ -74,7 +135,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return (
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            input_ids,
             torch.tensor(positions, dtype=torch.long, device=self.device),
             meta,
             torch.tensor(logits_indices, dtype=torch.long, device=self.device),

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from core.request import FinishReason, Request
 
 
+PLACEHOLDER_TOKEN_ID = -1  # a token being sampled by a step still running (overlap scheduling)
+
+
 @dataclass(frozen=True)
 class ExternalKV:
     """KV of a request's first ``num_tokens`` tokens, fetched from outside (the pool) before the

@@ -1,27 +1,48 @@
 """Moves a request's KV blocks between a worker and the KV pool (the KV connector's transport side).
 
-Blocking calls on core.pool_client.PoolClient, run in worker threads so the event loop and the
-engine's step loop never wait on the network.
+How the bytes move is a :mod:`core.kv_transfer` backend chosen per pool node (``--kv-transfer``);
+this module adds what every backend shares: checksums computed on write and verified on read
+(DESIGN.md §4), with a corrupt block reported to the pool (which drops it) and the read cut
+before it, so the caller recomputes that part instead of using wrong KV. Blocking backend calls
+run in worker threads so the event loop and the engine's step loop never wait on the network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import Sequence
 
 from core.block_hash import hash_block_chain
 from core.block_key import BlockKey
 from core.kv_cache_spec import KVCacheSpec
+from core.kv_transfer.backend import ReadBlock, TransferBackend
+from core.kv_transfer.checksum import block_checksum, matches, verify_enabled
+from core.kv_transfer.select import connect
 from core.pool_client import PoolClient
+
+log = logging.getLogger(__name__)
 
 
 class PoolIO:
-    """One PoolClient per pool address, shared by all requests of a worker."""
+    """One client and one transfer backend per pool address, shared by all requests of a worker.
 
-    def __init__(self, spec: KVCacheSpec, lease_ttl_s: float = 60.0):
+    ``transfer``: auto, grpc, shm or nixl (see ``core.kv_transfer.select``); ``verify_checksums``
+    defaults to the environment (``TANDEM_KV_VERIFY_CHECKSUMS``, on unless "0").
+    """
+
+    def __init__(
+        self, spec: KVCacheSpec, lease_ttl_s: float = 60.0, transfer: str = "auto",
+        verify_checksums: bool | None = None,
+    ):
         self.spec = spec
         self.lease_ttl_s = lease_ttl_s
+        self.transfer = transfer
+        self.verify_checksums = verify_enabled() if verify_checksums is None else verify_checksums
+        self.num_corrupt_blocks = 0  # blocks this worker found corrupt and reported
         self._clients: dict[str, PoolClient] = {}
+        self._backends: dict[str, TransferBackend] = {}
         self._lock = threading.Lock()
 
     def client(self, address: str) -> PoolClient:
@@ -29,6 +50,17 @@ class PoolIO:
             if address not in self._clients:
                 self._clients[address] = PoolClient(address)
             return self._clients[address]
+
+    def backend(self, address: str) -> TransferBackend:
+        """The transfer backend for ``address``, chosen on first use (blocking: GetDataPlane)."""
+        with self._lock:
+            backend = self._backends.get(address)
+        if backend is None:
+            backend = connect(self.transfer, self.client(address))
+            log.info("kv transfer to pool %s: %s", address, backend.name)
+            with self._lock:
+                backend = self._backends.setdefault(address, backend)
+        return backend
 
     def prompt_keys(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], list[BlockKey]]:
         """Hash chain of the prompt's full blocks, and one key per prompt block (tail scoped)."""
@@ -40,23 +72,48 @@ class PoolIO:
         return hashes, keys
 
     async def load_cached_prefix(self, address: str, request_id: str, hashes: list[int]) -> list[bytes]:
-        """Leases the longest stored prefix of ``hashes`` for the request and fetches it."""
-        client = self.client(address)
-        n = await asyncio.to_thread(client.acquire_lease, self.spec.fingerprint, hashes, request_id, self.lease_ttl_s)
-        if n == 0:
+        """Leases the longest stored prefix of ``hashes`` for the request and fetches its verified
+        part (a corrupt block and everything after it are left to recompute)."""
+        if not hashes:
             return []
-        keys = [BlockKey.content(self.spec.fingerprint, h) for h in hashes[:n]]
-        return await asyncio.to_thread(client.get_blocks, keys)
+        keys = [BlockKey.content(self.spec.fingerprint, h) for h in hashes]
+        return await self.fetch(address, keys, request_id)
 
     async def store(self, address: str, request_id: str, keys: list[BlockKey], payloads: list[bytes], skip: int) -> None:
-        """Writes blocks ``skip..`` (those not loaded from the pool), leased to the request."""
-        items = list(zip(keys[skip:], payloads[skip:]))
-        client = self.client(address)
-        await asyncio.to_thread(client.put_blocks, items, request_id, self.lease_ttl_s)
+        """Writes blocks ``skip..`` (those not loaded from the pool), with checksums, leased to the request."""
+        keys, payloads = keys[skip:], payloads[skip:]
+        if not keys:
+            return
+        await asyncio.to_thread(self._store, address, request_id, keys, payloads)
 
-    async def fetch(self, address: str, keys: list[BlockKey]) -> list[bytes]:
-        return await asyncio.to_thread(self.client(address).get_blocks, keys)
+    async def fetch(self, address: str, keys: list[BlockKey], request_id: str) -> list[bytes]:
+        """Leases the longest stored prefix of ``keys`` to the request and returns its verified
+        part, in order: fewer than ``keys`` when a block is missing or corrupt."""
+        return await asyncio.to_thread(self._fetch, address, keys, request_id)
 
     async def release(self, address: str, request_id: str) -> None:
         """Ends the request in the pool: drops its leases and scoped blocks. Idempotent."""
         await asyncio.to_thread(self.client(address).release_request, request_id)
+
+    def _store(self, address: str, request_id: str, keys: list[BlockKey], payloads: list[bytes]) -> None:
+        checksums = [block_checksum(p) for p in payloads]
+        self.backend(address).write(keys, payloads, checksums, request_id, self.lease_ttl_s)
+
+    def _fetch(self, address: str, keys: list[BlockKey], request_id: str) -> list[bytes]:
+        blocks = self.backend(address).read(keys, request_id, self.lease_ttl_s)
+        num_good = self._num_verified(blocks)
+        if num_good < len(blocks):
+            bad = keys[num_good]
+            self.num_corrupt_blocks += 1
+            log.warning("block %s from pool %s failed its checksum: dropped there, recomputing from block %d",
+                        bad, address, num_good, extra={"request_id": request_id})
+            self.client(address).report_corrupt([bad])
+        return [b.data for b in blocks[:num_good]]
+
+    def _num_verified(self, blocks: Sequence[ReadBlock]) -> int:
+        if not self.verify_checksums:
+            return len(blocks)
+        for i, block in enumerate(blocks):
+            if not matches(block.data, block.checksum):
+                return i
+        return len(blocks)

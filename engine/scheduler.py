@@ -14,7 +14,7 @@ from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager
-from engine.outputs import ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -177,24 +177,49 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
-        """Advances ``num_computed_tokens``, appends sampled tokens, finishes requests that stop.
+        """commit_scheduled + resolve_sampled, for a step whose tokens are already known."""
+        self.commit_scheduled(out)
+        return self.resolve_sampled(out, runner_out)
 
-        Finished requests leave ``running`` but keep their blocks until :meth:`free` (so the
-        engine can save their KV first).
+    def commit_scheduled(self, out: SchedulerOutput) -> None:
+        """Phase 1 of applying a step, valid before its tokens are known (overlap scheduling):
+        advances ``num_computed_tokens``, indexes newly full blocks, appends a placeholder for
+        each token being sampled, and takes requests that will stop on length out of ``running``.
+        """
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while its step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            if not item.samples:
+                continue
+            request.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+            at_length = (request.num_output_tokens >= request.sampling_params.max_tokens
+                         or request.num_tokens >= self.config.max_model_len)
+            if at_length and request in self.running:
+                self.running.remove(request)
+
+    def resolve_sampled(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """Phase 2: replaces placeholders with the sampled tokens and finishes requests that stop.
+
+        Finished requests leave ``running`` (or ``waiting``, if preempted meanwhile) but keep
+        their blocks until :meth:`free` (so the engine can save their KV first).
         """
         outputs = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request)
             sampled = runner_out.sampled.get(request.request_id)
-            if sampled is None:
+            if sampled is None or request.is_finished:
                 continue
+            request.output_token_ids.pop()  # the placeholder
             reason = request.append_output_token(sampled.token_id)
             if reason is None and request.num_tokens >= self.config.max_model_len:
                 request.finish(FinishReason.LENGTH)
             if request.is_finished:
-                self.running.remove(request)
+                for queue in (self.running, self.waiting):
+                    if request in queue:
+                        queue.remove(request)
             output = RequestOutput(
                 request.request_id, [sampled.token_id], request.is_finished, request.finish_reason,
                 request.num_cached_tokens,

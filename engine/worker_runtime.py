@@ -39,6 +39,7 @@ class WorkerConfig:
     worker_id: str
     advertise_address: str  # empty: host:bound_port
     metrics_port: int
+    kv_transfer: str = "auto"  # how KV bytes reach the pool: auto, grpc, shm, nixl (core.kv_transfer)
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
 
@@ -76,6 +77,9 @@ def worker_options(default_port: int):
             click.option("--worker-id", default="", help="Default: <role>-<hostname>-<pid>."),
             click.option("--advertise-address", default="", help="Address others dial (default: host:port)."),
             click.option("--metrics-port", default=0, type=int, help="Prometheus port (0: off)."),
+            click.option("--kv-transfer", default="auto", show_default=True,
+                         type=click.Choice(["auto", "grpc", "shm", "nixl"]),
+                         help="KV transfer to the pool; auto: shm on the pool's host, else nixl, else grpc."),
             click.option("--log-level", default="INFO", show_default=True),
         ]
         for option in reversed(options):
@@ -98,16 +102,19 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         worker_id=kwargs["worker_id"] or f"{role}-{socket.gethostname()}-{os.getpid()}",
         advertise_address=kwargs["advertise_address"],
         metrics_port=kwargs["metrics_port"],
+        kv_transfer=kwargs["kv_transfer"],
     )
     return worker, engine_config, kwargs["log_level"]
 
 
 class PoolLocator:
-    """The KV pool's address: fixed by flag, else the first live pool in the registry (cached 1 s)."""
+    """The KV pool's address: fixed by flag, else the first live pool in the registry (cached 1 s);
+    and how to move KV bytes to it (``kv_transfer``)."""
 
-    def __init__(self, registry: WorkerRegistry, fixed_address: str = ""):
+    def __init__(self, registry: WorkerRegistry, fixed_address: str = "", kv_transfer: str = "auto"):
         self.registry = registry
         self.fixed_address = fixed_address
+        self.kv_transfer = kv_transfer
         self._cached: tuple[float, str] = (0.0, "")
 
     async def address(self) -> str:
@@ -182,7 +189,7 @@ def serve_worker(
         async_engine = AsyncEngine(engine)
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
-        add_servicer(service, async_engine, PoolLocator(registry, worker.pool_address))
+        add_servicer(service, async_engine, PoolLocator(registry, worker.pool_address, worker.kv_transfer))
         heartbeat: Heartbeat | None = None
 
         async def start() -> None:
