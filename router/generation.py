@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from core.request import FinishReason
 from core.registry import WorkerInfo
 from router.errors import ErrorKind, RouterError
+from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
 from router.routing import InFlightCounter, RoutingPolicy, RoutingRequest
@@ -35,6 +36,12 @@ class TextDelta:
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids when the request asked for them
+
+
+def _delta(step: OutputStep, logprobs: tuple[TokenLogprob, ...]) -> TextDelta:
+    """The step's text and accepted tokens, with the logprobs of those tokens only."""
+    return TextDelta(step.text, step.token_ids, logprobs[: len(step.token_ids)])
 
 
 @dataclass(frozen=True)
@@ -117,13 +124,12 @@ class Generation:
             prefill = None
             if self.view.workers("prefill"):  # disaggregated; else colocated on a decode worker
                 prefill = await self._prefill(run)
-                first = self._first_token(run, prefill)
-                yield TextDelta(first.text, first.token_ids)
+                yield self._first_token(run, prefill)
             if prefill is None or run.output.finish_reason is None:
-                async with contextlib.aclosing(self._decode(run, prefill)) as steps:
-                    async for step in steps:
-                        if step.text or step.token_ids:
-                            yield TextDelta(step.text, step.token_ids)
+                async with contextlib.aclosing(self._decode(run, prefill)) as deltas:
+                    async for delta in deltas:
+                        if delta.text or delta.token_ids:
+                            yield delta
             yield self._finished(run)
         except BaseException as err:  # cancellation and GeneratorExit included: counted, re-raised
             error = err
@@ -160,17 +166,18 @@ class Generation:
         run.num_cached_tokens = result.num_cached_tokens
         return result
 
-    def _first_token(self, run: _Run, prefill: PrefillResult) -> OutputStep:
+    def _first_token(self, run: _Run, prefill: PrefillResult) -> TextDelta:
         self._mark_first_token(run, prefill.num_cached_tokens)
-        return run.output.add_tokens([prefill.first_token_id])
+        logprobs = () if prefill.first_token_logprob is None else (prefill.first_token_logprob,)
+        return _delta(run.output.add_tokens([prefill.first_token_id]), logprobs)
 
     def _mark_first_token(self, run: _Run, num_cached_tokens: int) -> None:
         now_s = time.monotonic()
         run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
         self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), num_cached_tokens)
 
-    async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[OutputStep]:
-        """Yields one OutputStep per decode message; cancels the stream however it ends.
+    async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[TextDelta]:
+        """Yields one TextDelta per decode message; cancels the stream however it ends.
 
         ``prefill`` None is the colocated path: the decode worker prefills and sends every token.
         """
@@ -180,20 +187,17 @@ class Generation:
             try:
                 async for event in stream:
                     if isinstance(event, DecodeTokens):
-                        if not run.sent_first_token:
+                        first = not run.sent_first_token
+                        if first:
                             self._mark_first_token(run, 0)
-                            step = run.output.add_tokens(event.token_ids)
-                            yield step
-                            if run.output.stopped_by_string:
-                                return
-                            continue
                         step = run.output.add_tokens(event.token_ids)
-                        self._count_tokens(run, len(step.token_ids))
-                        yield step
+                        if not first:
+                            self._count_tokens(run, len(step.token_ids))
+                        yield _delta(step, event.logprobs)
                         if run.output.stopped_by_string:
                             return  # the decode worker knows no stop strings: cancel it
                     else:
-                        yield OutputStep(run.output.finish(event.finish_reason), (), run.output.finish_reason)
+                        yield TextDelta(run.output.finish(event.finish_reason), ())
                         return
             finally:
                 stream.cancel()

@@ -3,6 +3,7 @@
 Errors end the RPC with a status: bad input INVALID_ARGUMENT, unknown model NOT_FOUND, worker
 overload RESOURCE_EXHAUSTED, no healthy worker or a worker failure UNAVAILABLE (also mid-stream,
 after some deltas were sent). Absent ``temperature`` means greedy here (0), unlike OpenAI's 1.0.
+With ``n`` > 1 the choices' events interleave, each carrying its ``index``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import grpc
 
 from core.request import FinishReason
 from router.errors import RouterError
-from router.generation import Finished, Generation, GenerationEvent
+from core.proto_convert import token_logprob_to_proto
+from router.choices import ChoiceEvent, generate_choices
+from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
 from router.validation import InvalidRequestError, RequestInput, Validator
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -46,10 +49,17 @@ def request_input_from_proto(msg: router_pb2.GenerateRequest) -> RequestInput:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        n=msg.n or 1,
     )
 
 
-def response_to_proto(event: GenerationEvent, request_id: str) -> router_pb2.GenerateResponse:
+def response_to_proto(choice: ChoiceEvent, request_id: str) -> router_pb2.GenerateResponse:
+    event = choice.event
     if isinstance(event, Finished):
         usage = router_pb2.Usage(
             prompt_tokens=event.usage.prompt_tokens,
@@ -57,10 +67,13 @@ def response_to_proto(event: GenerationEvent, request_id: str) -> router_pb2.Gen
             cached_tokens=event.usage.cached_tokens,
         )
         finished = router_pb2.GenerateFinished(
-            finish_reason=_FINISH_REASONS[event.finish_reason], usage=usage, request_id=request_id, ttft_s=event.ttft_s
+            finish_reason=_FINISH_REASONS[event.finish_reason], usage=usage, request_id=request_id, ttft_s=event.ttft_s,
+            index=choice.index,
         )
         return router_pb2.GenerateResponse(finished=finished)
-    return router_pb2.GenerateResponse(delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
+    logprobs = [token_logprob_to_proto(lp.token_id, lp.logprob, lp.top_logprobs) for lp in event.logprobs]
+    delta = router_pb2.TextDelta(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=choice.index)
+    return router_pb2.GenerateResponse(delta=delta)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -77,7 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             await context.abort(err.grpc_code, err.message)
-        events = self.generation.generate(request_id, validated, arrival_time_s)
+        events = generate_choices(self.generation, request_id, validated, arrival_time_s)
         async with contextlib.aclosing(events):
             try:
                 async for event in events:

@@ -23,9 +23,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import ErrorKind, RouterError
-from router.generation import Finished, Generation, GenerationEvent
+from router.choices import ChoiceEvent, generate_choices, total_usage
+from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
-from router.openai_models import ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, ResponseShape
+from router.openai_models import (
+    ChatCompletionRequest,
+    ChatShape,
+    ChoiceResult,
+    CompletionRequest,
+    CompletionShape,
+    ResponseShape,
+)
 from router.validation import InvalidRequestError, Validator
 from router.worker_view import WorkerView
 
@@ -82,6 +90,7 @@ class OpenAIApi:
 
     def __init__(self, validator: Validator, generation: Generation, view: WorkerView, metrics: RouterMetrics):
         self.validator, self.generation, self.view, self.metrics = validator, generation, view, metrics
+        self.token_text = validator.tokenizer.token_text
         self.model = validator.served_model_name
         self.app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
         self._add_routes()
@@ -145,8 +154,9 @@ class OpenAIApi:
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             raise
-        shape = shape_type(f"{shape_type.id_prefix}{uuid.uuid4().hex}", self.model, int(time.time()))
-        events = self.generation.generate(shape.request_id, validated, arrival_time_s)
+        token_text = self.token_text if validated.sampling_params.logprobs is not None else None
+        shape = shape_type(f"{shape_type.id_prefix}{uuid.uuid4().hex}", self.model, int(time.time()), token_text)
+        events = generate_choices(self.generation, shape.request_id, validated, arrival_time_s)
         try:
             if body.stream:
                 first = await _unless_disconnected(request, anext(events))
@@ -156,33 +166,50 @@ class OpenAIApi:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    async def _collect(self, events: AsyncIterator[GenerationEvent], shape: ResponseShape) -> dict:
-        texts = []
+    async def _collect(self, events: AsyncIterator[ChoiceEvent], shape: ResponseShape) -> dict:
+        """Gathers every choice; answers once the last one finished."""
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list] = {}
+        finished: dict[int, Finished] = {}
         async with contextlib.aclosing(events):
-            async for event in events:
+            async for choice in events:
+                i, event = choice.index, choice.event
                 if isinstance(event, Finished):
-                    return shape.response("".join(texts), event)
-                texts.append(event.text)
-        raise RouterError("generation ended without finishing", ErrorKind.UNAVAILABLE)
+                    finished[i] = event
+                    continue
+                texts.setdefault(i, []).append(event.text)
+                logprobs.setdefault(i, []).extend(event.logprobs)
+        if not finished:
+            raise RouterError("generation ended without finishing", ErrorKind.UNAVAILABLE)
+        choices = [
+            ChoiceResult(i, "".join(texts.get(i, [])), finished[i].finish_reason.value, tuple(logprobs.get(i, [])))
+            for i in sorted(finished)
+        ]
+        return shape.response(choices, total_usage([finished[i].usage for i in sorted(finished)]))
 
     async def _stream(
-        self, events: AsyncIterator[GenerationEvent], first: GenerationEvent, shape: ResponseShape, include_usage: bool
+        self, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent, shape: ResponseShape, include_usage: bool
     ) -> AsyncIterator[str]:
-        """SSE chunks: text deltas, a finish chunk, optionally a usage chunk, then ``[DONE]``."""
+        """SSE chunks: each choice's text deltas (with its index) and finish chunk, then
+        optionally one usage chunk for all choices, then ``[DONE]``."""
         async with contextlib.aclosing(events):
-            sent_any, event = False, first
+            started: set[int] = set()  # choices whose first chunk went out
+            usages = []
+            choice: ChoiceEvent | None = first
             try:
-                while True:
+                while choice is not None:
+                    i, event = choice.index, choice.event
                     if isinstance(event, Finished):
-                        yield _sse(shape.chunk("", event.finish_reason.value, not sent_any, include_usage))
-                        if include_usage:
-                            yield _sse(shape.usage_chunk(event.usage))
-                        break
-                    if event.text or not sent_any:  # the first chunk goes out at once (TTFT)
-                        yield _sse(shape.chunk(event.text, None, not sent_any, include_usage))
-                        sent_any = True
-                    event = await anext(events)
+                        yield _sse(shape.chunk(i, "", event.finish_reason.value, i not in started, include_usage))
+                        started.add(i)
+                        usages.append(event.usage)
+                    elif event.text or event.logprobs or i not in started:  # a first chunk goes out at once
+                        yield _sse(shape.chunk(i, event.text, None, i not in started, include_usage, event.logprobs))
+                        started.add(i)
+                    choice = await anext(events, None)
+                if include_usage and usages:
+                    yield _sse(shape.usage_chunk(total_usage(usages)))
             except RouterError as err:
-                yield _sse(shape.chunk("", "abort", not sent_any, include_usage))
+                yield _sse(shape.chunk(0, "", "abort", 0 not in started, include_usage))
                 yield _sse(err.to_openai())
             yield _sse("[DONE]")

@@ -1,17 +1,22 @@
 """OpenAI API shapes: pydantic request bodies and the JSON of responses and stream chunks.
 
 Request models accept and ignore unknown OpenAI fields; vLLM's extra fields (``top_k``,
-``ignore_eos``, ``stop_token_ids``) are honoured. Only ``n == 1`` and a single prompt are
-supported.
+``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) are honoured. One
+prompt per request; ``n`` choices of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from router.generation import Finished, Usage
+from collections.abc import Callable
+
+from router.generation import Usage
+from router.logprobs import LogprobsFormatter, TokenLogprob
+from core.sampling_params import MAX_TOP_LOGPROBS
 from router.validation import InvalidRequestError, RequestInput
 
 
@@ -34,6 +39,10 @@ class _SamplingFields(_OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None  # absent or null: 0
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # absent or null: 1 (disabled)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -41,12 +50,7 @@ class _SamplingFields(_OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _input(self, max_tokens: int | None, **prompt: Any) -> RequestInput:
-        """Raises InvalidRequestError for ``n`` other than 1."""
-        if self.n > 1:
-            raise InvalidRequestError("n > 1 is not supported yet", "n")
-        if self.n < 1:
-            raise InvalidRequestError(f"n must be >= 1, got {self.n}", "n")
+    def _input(self, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> RequestInput:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return RequestInput(
             model=self.model,
@@ -58,12 +62,19 @@ class _SamplingFields(_OpenAIModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+            n=self.n,
             **prompt,
         )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the k best tokens' logprobs per position (0: the sampled one's)
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for several prompts in one request."""
@@ -73,8 +84,8 @@ class CompletionRequest(_SamplingFields):
                 raise InvalidRequestError(f"a list of {len(prompt)} prompts is not supported yet; send one", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._input(self.max_tokens, prompt=prompt)
-        return self._input(self.max_tokens, prompt_token_ids=tuple(prompt))
+            return self._input(self.max_tokens, self.logprobs, prompt=prompt)
+        return self._input(self.max_tokens, self.logprobs, prompt_token_ids=tuple(prompt))
 
 
 class ContentPart(_OpenAIModel):
@@ -99,11 +110,21 @@ class ChatMessage(_OpenAIModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: the k best tokens per position
 
     def to_input(self) -> RequestInput:
+        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20]."""
         messages = tuple({"role": m.role, "content": m.text()} for m in self.messages)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._input(max_tokens, messages=messages)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._input(max_tokens, logprobs, messages=messages)
 
 
 def usage_json(usage: Usage) -> dict:
@@ -115,37 +136,72 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 class ResponseShape:
-    """How one endpoint's responses look; subclasses fill in the choice objects."""
+    """How one endpoint's responses look; subclasses fill in the choice objects.
+
+    With ``token_text`` (renders a token id) the choices carry logprobs; without it
+    ``"logprobs": null``.
+    """
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, request_id: str, model: str, created_s: int):
+    def __init__(self, request_id: str, model: str, created_s: int, token_text: Callable[[int], str] | None = None):
         self.request_id, self.model, self.created_s = request_id, model, created_s
+        self.token_text = token_text
+        self._formatters: dict[int, LogprobsFormatter] = {}  # choice index -> its formatter
 
     def _envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created_s, "model": self.model,
                 "choices": choices, **extra}
 
-    def response(self, text: str, finished: Finished) -> dict:
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> dict:
         """The non-streaming body."""
-        choice = self.final_choice(text, finished.finish_reason.value)
-        return self._envelope(self.object_name, [choice], usage=usage_json(finished.usage))
+        body = [
+            self.final_choice(c.index, c.text, c.finish_reason, self._logprobs(c.index, c.logprobs)) for c in choices
+        ]
+        return self._envelope(self.object_name, body, usage=usage_json(usage))
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool, include_usage: bool) -> dict:
-        """One streamed chunk; ``usage`` is null on every chunk but the last when asked for."""
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None, first: bool, include_usage: bool,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> dict:
+        """One streamed chunk of choice ``index``; ``usage`` is null on every chunk but the last
+        when asked for; ``first`` marks the choice's first chunk."""
         extra = {"usage": None} if include_usage else {}
-        return self._envelope(self.chunk_object_name, [self.delta_choice(text, finish_reason, first)], **extra)
+        rendered = self._logprobs(index, logprobs) if logprobs else None  # a chunk without tokens: null
+        choice = self.delta_choice(index, text, finish_reason, first, rendered)
+        return self._envelope(self.chunk_object_name, [choice], **extra)
 
     def usage_chunk(self, usage: Usage) -> dict:
         return self._envelope(self.chunk_object_name, [], usage=usage_json(usage))
 
-    def final_choice(self, text: str, finish_reason: str) -> dict:
+    def _logprobs(self, index: int, logprobs: tuple[TokenLogprob, ...]) -> dict | None:
+        if self.token_text is None:
+            return None
+        formatter = self._formatters.setdefault(index, LogprobsFormatter(self.token_text))
+        return self.format_logprobs(formatter, logprobs)
+
+    def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
+    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+    ) -> dict:
         raise NotImplementedError
 
 
@@ -153,11 +209,16 @@ class CompletionShape(ResponseShape):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def final_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
+        return formatter.completion(logprobs)
 
-    def delta_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta_choice(
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+    ) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class ChatShape(ResponseShape):
@@ -165,10 +226,15 @@ class ChatShape(ResponseShape):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def final_choice(self, text: str, finish_reason: str) -> dict:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
+        return formatter.chat(logprobs)
 
-    def delta_choice(self, text: str, finish_reason: str | None, first: bool) -> dict:
+    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta_choice(
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+    ) -> dict:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -23,8 +23,9 @@ class OutputStep:
 class OutputProcessor:
     """Accepts generated tokens in order and decides when the request ends.
 
-    A token ends the request when it is an EOS token (unless ``ignore_eos``), one of
-    ``stop_token_ids``, or the ``max_tokens``-th token; such a token is still part of the output.
+    A token ends the request when it is an EOS token (unless ``ignore_eos``) or one of
+    ``stop_token_ids`` at an output index >= ``min_tokens``, or the ``max_tokens``-th token; such a
+    token is still part of the output.
     A stop string ends it too; its text and everything after is dropped. Tokens arriving after
     the end are ignored.
     """
@@ -78,7 +79,8 @@ class OutputProcessor:
         return self._flush()
 
     def _check_token(self, token_id: int) -> FinishReason | None:
-        if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
+        past_min = len(self.token_ids) > self.params.min_tokens
+        if past_min and (token_id in self.eos_token_ids or token_id in self.params.stop_token_ids):
             return FinishReason.STOP
         if len(self.token_ids) >= self.params.max_tokens:
             return FinishReason.LENGTH

@@ -48,6 +48,11 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprobs, special tokens included (``<|im_end|>``); a token that
+        holds part of a UTF-8 character renders as U+FFFD."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
 
 def load_tokenizer(source: ModelSource) -> ModelTokenizer:
     """Loads the tokenizer of ``source``: from its converted Hugging Face folder when it exists

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.sampling_params import SamplingParams
+from core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from router.errors import ErrorKind, RouterError
 from router.tokenizer import ModelTokenizer
 
@@ -26,6 +26,7 @@ class RequestInput:
 
     Exactly one of ``prompt`` (text), ``prompt_token_ids`` and ``messages`` (chat) is set.
     ``max_tokens`` None means the configured default, clamped to what the context leaves.
+    ``logprobs`` None returns none; k returns the sampled token's and the k best tokens'.
     """
 
     model: str | None = None
@@ -40,15 +41,26 @@ class RequestInput:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
+
+
+MAX_N = 64  # choices per request: each is a sub-request on the workers
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    """What generation needs: the prompt as tokens, checked sampling parameters, stop strings."""
+    """What generation needs: the prompt as tokens, checked sampling parameters, stop strings,
+    and how many choices to generate."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stop: tuple[str, ...]
+    n: int = 1
 
 
 class Validator:
@@ -76,6 +88,10 @@ class Validator:
         prompt_token_ids = self._tokenize(request)
         prompt_param = "messages" if request.messages is not None else "prompt"
         max_tokens = self._max_tokens(len(prompt_token_ids), request.max_tokens, prompt_param)
+        if request.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+            )
         params = SamplingParams(
             temperature=float(request.temperature),
             top_p=float(request.top_p),
@@ -84,8 +100,13 @@ class Validator:
             max_tokens=max_tokens,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            presence_penalty=float(request.presence_penalty),
+            frequency_penalty=float(request.frequency_penalty),
+            repetition_penalty=float(request.repetition_penalty),
+            logprobs=request.logprobs,
         )
-        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop))
+        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n)
 
     def _check_sampling(self, request: RequestInput) -> None:
         if request.max_tokens is not None and request.max_tokens < 1:
@@ -100,9 +121,29 @@ class Validator:
             )
         if request.seed is not None and not 0 <= request.seed < 2**64:
             raise InvalidRequestError(f"seed must be in [0, 2**64), got {request.seed}", "seed")
+        self._check_extras(request)
         if any(not s for s in request.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
         self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+
+    def _check_extras(self, request: RequestInput) -> None:
+        """min_tokens, penalties, logprobs and n (OpenAI's ranges)."""
+        if request.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {request.min_tokens}", "min_tokens")
+        for param in ("presence_penalty", "frequency_penalty"):
+            value = getattr(request, param)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{param} must be in [-2, 2], got {value}", param)
+        if not request.repetition_penalty > 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {request.repetition_penalty}", "repetition_penalty"
+            )
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}", "logprobs"
+            )
+        if not 1 <= request.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {request.n}", "n")
 
     def _tokenize(self, request: RequestInput) -> list[int]:
         if request.messages is not None:

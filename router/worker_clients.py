@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import grpc
 
 from core.grpc_service import aio_channel
-from core.proto_convert import sampling_params_to_proto
+from core.proto_convert import sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import RouterError, kind_from_grpc
+from router.logprobs import TokenLogprob
 from router.validation import ValidatedRequest
 from tandem.v1 import (
     common_pb2,
@@ -44,11 +45,17 @@ class PrefillResult:
     num_cached_tokens: int
     pool_address: str
     manifest: common_pb2.KVManifest  # handed to the decode worker untouched
+    first_token_logprob: TokenLogprob | None = None  # set when the request asked for logprobs
 
 
 @dataclass(frozen=True)
 class DecodeTokens:
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids, or empty
+
+
+def logprobs_from_proto(messages) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(*token_logprob_from_proto(m)) for m in messages)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,8 @@ class DecodeStream:
         try:
             async for response in self._call:
                 if response.WhichOneof("event") == "tokens":
-                    yield DecodeTokens(tuple(response.tokens.token_ids))
+                    tokens = response.tokens
+                    yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs))
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
                     yield DecodeFinished(_FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT), done.num_output_tokens)
@@ -121,8 +129,12 @@ class WorkerClients:
             raise _router_error("prefill", err, timeout_s) from err
         finally:
             call.cancel()  # no-op when done; cancels the RPC when this task was cancelled
+        first_logprob = None
+        if response.HasField("first_token_logprob"):
+            (first_logprob,) = logprobs_from_proto([response.first_token_logprob])
         return PrefillResult(
-            response.first_token_id, response.num_cached_tokens, response.manifest.pool_address, response.manifest
+            response.first_token_id, response.num_cached_tokens, response.manifest.pool_address, response.manifest,
+            first_logprob,
         )
 
     def decode(

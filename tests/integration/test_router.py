@@ -93,6 +93,14 @@ class Fakes:
         return self.released.setdefault(request_id, asyncio.Event())
 
 
+def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams) -> common_pb2.TokenLogprob:
+    """Position p's logprob is -(p + 1) / 10; its top list repeats the token ``logprobs`` times
+    with falling values (enough to check shapes and order)."""
+    value = -(position + 1) / 10
+    top = [common_pb2.TopLogprob(token_id=token_id + k, logprob=value - k) for k in range(params.logprobs)]
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=value, top_logprobs=top)
+
+
 class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, fakes: Fakes):
         self.fakes = fakes
@@ -107,9 +115,12 @@ class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         manifest = common_pb2.KVManifest(
             spec_fingerprint="fake", pool_address=fakes.pool_address, num_tokens=len(request.prompt_token_ids)
         )
-        return prefill_worker_pb2.PrefillResponse(
+        response = prefill_worker_pb2.PrefillResponse(
             first_token_id=script.first_token_id, num_cached_tokens=script.num_cached_tokens, manifest=manifest
         )
+        if request.sampling_params.HasField("logprobs"):
+            response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params))
+        return response
 
 
 class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
@@ -119,8 +130,12 @@ class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request, context):
         fakes, script = self.fakes, self.fakes.script
         fakes.decode_requests.append(request)
+        position, params = 1, request.sampling_params
         for chunk in script.decode_chunks:
-            yield decode_worker_pb2.DecodeResponse(tokens=decode_worker_pb2.TokenChunk(token_ids=chunk))
+            logprobs = [fake_logprob(t, position + k, params) for k, t in enumerate(chunk)]
+            position += len(chunk)
+            tokens = decode_worker_pb2.TokenChunk(token_ids=chunk, logprobs=logprobs if params.HasField("logprobs") else [])
+            yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         if script.decode_error is not None:
             await context.abort(script.decode_error, "fake decode broke")
         if script.hang_decode:
@@ -333,7 +348,12 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0", "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0, got -1.0", "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported yet", "n"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be in [1, 64], got 0", "n"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2], got 3.0",
+         "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 30}, 400, "logprobs must be in [0, 20], got 30", "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "top_logprobs requires logprobs to be true", "top_logprobs"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400,
          "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
@@ -517,3 +537,101 @@ async def test_grpc_decode_error_mid_stream(cluster: Cluster, grpc_stub) -> None
     assert "".join(deltas) == TEXT
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.UNAVAILABLE, "decode worker failed (UNAVAILABLE): fake decode broke")
+
+
+def expected_logprobs(cluster: Cluster, text: str = TEXT) -> list[float]:
+    """What the fakes send for ``text`` then EOS: -(p + 1) / 10 at position p (float32 on the wire)."""
+    num_tokens = len(cluster.tokenizer.encode(text)) + 1
+    return [pytest.approx(-(p + 1) / 10, abs=1e-6) for p in range(num_tokens)]
+
+
+async def test_completion_logprobs_and_sampling_extras_reach_the_workers(cluster: Cluster) -> None:
+    cluster.script_text()
+    body = {"prompt": "x", "max_tokens": 40, "logprobs": 2, "min_tokens": 3, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "repetition_penalty": 1.25}
+    response = await cluster.http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    ids = cluster.tokenizer.encode(TEXT) + [EOS]
+    assert logprobs["tokens"] == [cluster.tokenizer.token_text(t) for t in ids]
+    assert logprobs["token_logprobs"] == expected_logprobs(cluster)
+    assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
+    # The top dict: the two best (the token itself first in the fakes), best value first.
+    assert list(logprobs["top_logprobs"][0].values()) == [pytest.approx(-0.1), pytest.approx(-1.1)]
+    for sent in (cluster.fakes.prefill_requests[-1], cluster.fakes.decode_requests[-1]):
+        params = sent.sampling_params
+        assert (params.logprobs, params.min_tokens, params.presence_penalty) == (2, 3, 0.5)
+        assert (params.frequency_penalty, params.repetition_penalty) == (-0.5, 1.25)
+
+
+async def test_chat_stream_logprobs_follow_the_tokens(cluster: Cluster) -> None:
+    cluster.script_text()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True, "logprobs": True,
+            "top_logprobs": 1}
+    async with cluster.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]"
+    choices = [e["choices"][0] for e in events[:-1]]
+    content = [entry for c in choices if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert [entry["logprob"] for entry in content] == expected_logprobs(cluster)
+    assert all([top["token"] for top in entry["top_logprobs"]] == [entry["token"]] for entry in content)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == TEXT
+    assert events[-2]["choices"][0]["logprobs"] is None  # the finish chunk carries no tokens
+
+
+async def test_no_logprobs_unless_asked(cluster: Cluster) -> None:
+    cluster.script_text()
+    data = (await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40})).json()
+    assert data["choices"][0]["logprobs"] is None
+    assert not cluster.fakes.prefill_requests[-1].sampling_params.HasField("logprobs")
+
+
+async def test_n_choices_fan_out_with_offset_seeds_and_summed_usage(cluster: Cluster) -> None:
+    cluster.script_text("Hi there")
+    num_prefills = len(cluster.fakes.prefill_requests)
+    body = {"prompt": "Say hi", "max_tokens": 20, "n": 3, "seed": 41, "temperature": 0.7}
+    data = (await cluster.http.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert {c["text"] for c in data["choices"]} == {"Hi there"}
+    prefills = cluster.fakes.prefill_requests[num_prefills:]
+    assert prefills[0].request_id == data["id"] + "-0"  # choice 0 prefills first, the others after it
+    assert sorted(p.request_id for p in prefills) == [f"{data['id']}-{i}" for i in range(3)]
+    assert sorted(p.sampling_params.seed for p in prefills) == [41, 42, 43]
+    num_generated = len(cluster.tokenizer.encode("Hi there")) + 1
+    assert data["usage"]["completion_tokens"] == 3 * num_generated
+    assert data["usage"]["prompt_tokens"] == len(cluster.tokenizer.encode("Say hi"))
+    for i in range(3):
+        await cluster.assert_released(f"{data['id']}-{i}")
+
+
+async def test_n_choices_stream_with_their_index(cluster: Cluster) -> None:
+    cluster.script_text()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with cluster.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = await sse_events(response)
+    chunks, usage_chunk = events[:-2], events[-2]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in mine) == TEXT
+        assert [c["finish_reason"] for c in mine][-1] == "stop"
+    assert usage_chunk["usage"]["completion_tokens"] == 2 * (len(cluster.tokenizer.encode(TEXT)) + 1)
+
+
+async def test_grpc_n_and_logprobs(cluster: Cluster, grpc_stub) -> None:
+    stub, _ = grpc_stub
+    cluster.script_text()
+    params = common_pb2.SamplingParams(max_tokens=40, logprobs=0, seed=5, temperature=1.0)
+    request = router_pb2.GenerateRequest(text="x", request_id="grpc-n", n=2, sampling_params=params)
+    responses = [r async for r in stub.Generate(request)]
+    for index in (0, 1):
+        deltas = [r.delta for r in responses if r.WhichOneof("event") == "delta" and r.delta.index == index]
+        assert "".join(d.text for d in deltas) == TEXT
+        assert [lp.logprob for d in deltas for lp in d.logprobs] == expected_logprobs(cluster)
+        assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+    finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
+    assert sorted(f.index for f in finished) == [0, 1]
+    assert {f.request_id for f in finished} == {"grpc-n"}
+    await cluster.assert_released("grpc-n-0")
+    await cluster.assert_released("grpc-n-1")

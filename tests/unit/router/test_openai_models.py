@@ -28,8 +28,6 @@ def test_token_id_prompts(prompt) -> None:
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
-        ({"prompt": "hi", "n": 2}, "n > 1 is not supported yet", "n"),
-        ({"prompt": "hi", "n": 0}, "n must be >= 1, got 0", "n"),
         ({"prompt": ["a", "b"]}, "a list of 2 prompts is not supported yet; send one", "prompt"),
     ],
 )
@@ -52,3 +50,37 @@ def test_chat_image_part_is_refused() -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     with pytest.raises(InvalidRequestError, match="only text content parts are supported, got 'image_url'"):
         body.to_input()
+
+
+def test_sampling_extras_and_completion_logprobs() -> None:
+    request = CompletionRequest.model_validate(
+        {"prompt": "hi", "n": 3, "logprobs": 2, "min_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": None,
+         "repetition_penalty": 1.2}
+    ).to_input()
+    assert (request.n, request.logprobs, request.min_tokens) == (3, 2, 4)
+    assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty) == (0.5, 0.0, 1.2)
+    plain = CompletionRequest(prompt="hi").to_input()
+    assert (plain.logprobs, plain.repetition_penalty, plain.n) == (None, 1.0, 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "logprobs"),
+    [({}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": False}, None)],
+)
+def test_chat_logprobs_flag_and_top_logprobs(body: dict, logprobs: int | None) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert ChatCompletionRequest.model_validate({"messages": messages, **body}).to_input().logprobs == logprobs
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs requires logprobs to be true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20], got 21"),
+    ],
+)
+def test_chat_top_logprobs_refused(body: dict, message: str) -> None:
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+    with pytest.raises(InvalidRequestError) as info:
+        request.to_input()
+    assert (info.value.message, info.value.param) == (message, "top_logprobs")

@@ -51,3 +51,11 @@ def test_worker_finish_flushes_held_text_once() -> None:
     assert out.finish(FinishReason.LENGTH) == "x"
     assert out.finish(FinishReason.STOP) == ""
     assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_min_tokens_defers_eos_and_stop_tokens() -> None:
+    out = make(max_tokens=10, min_tokens=3, stop_token_ids=(ord("!"),))
+    step = out.add_tokens([EOS, ord("!"), ord("a"), EOS, ord("b")])
+    assert (step.token_ids, step.finish_reason) == ((EOS, ord("!"), ord("a"), EOS), FinishReason.STOP)
+    out = make(max_tokens=10, min_tokens=2)
+    assert out.add_tokens([ord("a"), EOS]).finish_reason is None  # index 1 < min_tokens

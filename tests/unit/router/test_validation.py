@@ -55,6 +55,19 @@ def ids(n: int) -> tuple[int, ...]:
             "stop_token_ids",
         ),
         (RequestInput(messages=()), "messages must not be empty", "messages"),
+        (RequestInput(prompt="hi", min_tokens=-1), "min_tokens must be >= 0, got -1", "min_tokens"),
+        (RequestInput(prompt="hi", max_tokens=3, min_tokens=4), "min_tokens (4) must not exceed max_tokens (3)",
+         "min_tokens"),
+        (RequestInput(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5",
+         "presence_penalty"),
+        (RequestInput(prompt="hi", frequency_penalty=-2.1), "frequency_penalty must be in [-2, 2], got -2.1",
+         "frequency_penalty"),
+        (RequestInput(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0",
+         "repetition_penalty"),
+        (RequestInput(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21", "logprobs"),
+        (RequestInput(prompt="hi", logprobs=-1), "logprobs must be in [0, 20], got -1", "logprobs"),
+        (RequestInput(prompt="hi", n=0), "n must be in [1, 64], got 0", "n"),
+        (RequestInput(prompt="hi", n=65), "n must be in [1, 64], got 65", "n"),
     ],
 )
 def test_bad_input(validator: Validator, request_input: RequestInput, message: str, param: str) -> None:
@@ -99,3 +112,13 @@ def test_chat_uses_the_template_with_generation_prompt(validator: Validator, tok
     request = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},)))
     text = tokenizer.hf.decode(request.prompt_token_ids)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sampling_extras_reach_the_params(validator: Validator) -> None:
+    request = validator.validate(
+        RequestInput(prompt="hi", max_tokens=8, min_tokens=8, presence_penalty=-2.0, frequency_penalty=2.0,
+                     repetition_penalty=1.3, logprobs=0, n=4)
+    )
+    params = request.sampling_params
+    assert (params.min_tokens, params.presence_penalty, params.frequency_penalty) == (8, -2.0, 2.0)
+    assert (params.repetition_penalty, params.logprobs, request.n) == (1.3, 0, 4)

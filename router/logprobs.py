@@ -1,0 +1,73 @@
+"""Token log-probabilities in the router, and their two OpenAI JSON shapes.
+
+Completions (legacy)::
+
+    {"tokens": ["Hello", ","], "token_logprobs": [-0.1, -2.3],
+     "top_logprobs": [{"Hello": -0.1, "Hi": -2.5}, ...], "text_offset": [0, 5]}
+
+Chat::
+
+    {"content": [{"token": "Hello", "logprob": -0.1, "bytes": [72, ...],
+                  "top_logprobs": [{"token": "Hello", "logprob": -0.1, "bytes": [...]}, ...]}, ...]}
+
+A masked token's logprob is -inf, which JSON cannot carry: it is clamped to -9999.0 (as vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the request's ``top_logprobs`` best alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+def _clamp(logprob: float) -> float:
+    return max(float(logprob), MIN_LOGPROB)
+
+
+class LogprobsFormatter:
+    """Renders one choice's logprobs, chunk by chunk; keeps the completion text offset.
+
+    ``token_text`` renders one token id as text (special tokens included).
+    """
+
+    def __init__(self, token_text: Callable[[int], str]):
+        self.token_text = token_text
+        self.text_offset = 0  # characters of token text rendered so far (completions)
+
+    def completion(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        """The legacy ``logprobs`` object; ``top_logprobs`` includes the sampled token, as vLLM.
+
+        Mutates ``text_offset``.
+        """
+        tokens, offsets, tops = [], [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+            top = {self.token_text(t): _clamp(v) for t, v in lp.top_logprobs}
+            top.setdefault(text, _clamp(lp.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_clamp(lp.logprob) for lp in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        """The chat ``logprobs`` object: ``{"content": [...]}``."""
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top_logprobs]}
+            for lp in logprobs
+        ]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
