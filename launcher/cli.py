@@ -43,23 +43,41 @@ def main() -> None:
                    "if present, else built-in prompts.")
 @click.option("--num-prompts", default=8, show_default=True, type=int)
 @click.option("--max-tokens", default=64, show_default=True, type=int)
-def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path, **kwargs) -> None:
-    """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine."""
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Place the services as Ray actors (workers get a GPU each where the cluster has GPUs).")
+@click.option("--address", default=None,
+              help="With --ray: address of an existing Ray cluster (e.g. auto, HOST:6379). Default: a local Ray.")
+def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
+       use_ray: bool, address: str | None, **kwargs) -> None:
+    """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
+    (or, with --ray, the same services as Ray actors)."""
+    if address and not use_ray:
+        raise click.UsageError("--address needs --ray")
     config = ClusterConfig(log_dir=log_dir, **kwargs)
     source = resolve_model(config.model)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
-    cluster = LocalCluster(config)
+    if use_ray:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise click.ClickException("--ray needs ray: pip install 'tandem-serve[ray]'") from None
+        from launcher.ray_cluster import RayCluster
+
+        cluster = RayCluster(config, address=address)
+    else:
+        cluster = LocalCluster(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         with console.status("starting services") as status:
             cluster.start(on_progress=lambda msg: status.update(msg))
+        where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
         console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
-                      f"Redis {cluster.redis_url}  logs {config.log_dir}")
+                      f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
         if demo:
             if prompts_path is None and SHAREGPT_DEFAULT.exists():
                 prompts_path = SHAREGPT_DEFAULT
@@ -75,13 +93,19 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print("stopped")
 
 
-def _check_alive(cluster: LocalCluster) -> None:
+def _check_alive(cluster) -> None:
+    if not isinstance(cluster, LocalCluster):  # RayCluster
+        dead = cluster.dead_service()
+        if dead:
+            service, why = dead
+            raise click.ClickException(f"{service.name} {why}; see {service.log_path} on {service.node_ip}")
+        return
     for service in cluster.services:
         if service.process.poll() is not None:
             raise click.ClickException(f"{service.name} exited ({service.process.returncode}); see {service.log_path}")
 
 
-async def _demo(cluster: LocalCluster, model: str, prompts: list[str], max_tokens: int):
+async def _demo(cluster, model: str, prompts: list[str], max_tokens: int):
     from launcher.demo import run_demo
 
     return await run_demo(cluster.http_url, model, prompts, max_tokens)

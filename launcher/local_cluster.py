@@ -93,16 +93,47 @@ def _http_ready(url: str) -> Callable[[], bool]:
     return check
 
 
-def _redis_ready(port: int) -> Callable[[], bool]:
+def _redis_ready(port: int, host: str = "127.0.0.1") -> Callable[[], bool]:
     def check() -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            with socket.create_connection((host, port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
 
     return check
+
+
+SERVICE_PACKAGES = {"kv_pool": "kv_pool", "prefill": "prefill_worker", "decode": "decode_worker", "router": "router"}
+
+
+def worker_threads(cores: int) -> dict[str, int]:
+    """CPU threads of the prefill and decode workers when they share ``cores`` cores."""
+    return {"prefill": max(1, cores // 2), "decode": max(1, cores - cores // 2)}
+
+
+def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,
+                 pool_address: str = "", num_threads: int = 1) -> list[str]:
+    """``python -m <package> <flags>`` of one service (role: kv_pool, prefill, decode, router).
+
+    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``). Shared by the local and
+    the Ray launcher, so both start the services with the same flags.
+    """
+    common = [python, "-m", SERVICE_PACKAGES[role], "--host", host, "--redis-url", redis_url]
+    if role == "kv_pool":
+        return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes)]
+    if role == "router":
+        return [*common, "--http-port", str(c.http_port), "--grpc-port", str(port),
+                "--model", c.model, "--max-model-len", str(c.max_model_len)]
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"unknown service role {role!r}")
+    return [
+        *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
+        "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+        "--max-model-len", str(c.max_model_len), "--pool-address", pool_address,
+        *c.extra_worker_args, "--port", str(port), "--num-threads", str(num_threads),
+    ]
 
 
 class LocalCluster:
@@ -137,51 +168,49 @@ class LocalCluster:
         c = self.config
         py = sys.executable
         if not self.redis_url:
-            binary = shutil.which("redis-server")
-            if binary is None:
-                raise FileNotFoundError(
-                    "redis-server not found: install it (Debian/Ubuntu: apt-get install -y redis-server) "
-                    "or pass --redis-url redis://HOST:PORT/0"
-                )
-            port = free_port()
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
-            argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            self._wait(self._spawn("redis", argv, _redis_ready(port)), on_progress, timeout_s)
+            self.start_redis(on_progress, timeout_s)
         pool_port, prefill_port, decode_port = free_port(), free_port(), free_port()
         self.addresses = {name: f"{c.host}:{port}" for name, port in
                           (("kv_pool", pool_port), ("prefill", prefill_port), ("decode", decode_port))}
-        common = ["--host", c.host, "--redis-url", self.redis_url]
-        pool = self._spawn(
-            "kv_pool",
-            [py, "-m", "kv_pool", *common, "--port", str(pool_port), "--capacity-bytes", str(c.pool_capacity_bytes)],
-            _grpc_ready(f"{c.host}:{pool_port}"),
-        )
+        pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, pool_port, self.redis_url),
+                           _grpc_ready(self.addresses["kv_pool"]))
         self._wait(pool, on_progress, timeout_s)
-        cores = c.num_threads or os.cpu_count() or 2
-        prefill_threads, decode_threads = max(1, cores // 2), max(1, cores - cores // 2)
-        engine_args = [
-            "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
-            "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-            "--max-model-len", str(c.max_model_len), "--pool-address", f"{c.host}:{pool_port}",
-            *c.extra_worker_args,
-        ]
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
+        threads = worker_threads(c.num_threads or os.cpu_count() or 2)
         workers = [
-            self._spawn(role, [py, "-m", f"{role}_worker", *common, *engine_args, "--port", str(port),
-                               "--num-threads", str(threads)],
-                        _grpc_ready(f"{c.host}:{port}"),
-                        env={"OMP_NUM_THREADS": str(threads)})
-            for role, port, threads in (("prefill", prefill_port, prefill_threads), ("decode", decode_port, decode_threads))
+            self._spawn(role, service_argv(c, role, py, c.host, port, self.redis_url,
+                                           pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
+                        _grpc_ready(self.addresses[role]), env={"OMP_NUM_THREADS": str(threads[role])})
+            for role, port in (("prefill", prefill_port), ("decode", decode_port))
         ]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
-        router = self._spawn(
-            "router",
-            [py, "-m", "router", *common, "--http-port", str(c.http_port), "--grpc-port", str(c.grpc_port),
-             "--model", c.model, "--max-model-len", str(c.max_model_len)],
-            _http_ready(f"{self.http_url}/health"),
-        )
+        router = self._spawn("router", service_argv(c, "router", py, c.host, c.grpc_port, self.redis_url),
+                             _http_ready(f"{self.http_url}/health"))
         self._wait(router, on_progress, timeout_s)
+
+    def start_redis(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0,
+                    bind: str = "127.0.0.1") -> None:
+        """Starts a private, non-persistent redis-server listening on ``bind``; sets ``redis_url``.
+
+        Raises:
+            FileNotFoundError: redis-server is not installed.
+            RuntimeError: it exited or did not answer PING in time.
+        """
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError(
+                "redis-server not found: install it (Debian/Ubuntu: apt-get install -y redis-server) "
+                "or pass --redis-url redis://HOST:PORT/0"
+            )
+        port = free_port()
+        self.redis_url = f"redis://{bind}:{port}/0"
+        argv = [binary, "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no"]
+        if bind not in ("127.0.0.1", "localhost", "::1"):
+            # Protected mode refuses every non-loopback client of a password-less Redis; other
+            # nodes must reach this one (a private network is assumed; else use --redis-url).
+            argv += ["--protected-mode", "no"]
+        self._wait(self._spawn("redis", argv, _redis_ready(port, bind)), on_progress, timeout_s)
 
     def _wait(self, service: Service, on_progress: Callable[[str], None], timeout_s: float) -> None:
         on_progress(f"starting {service.name}")
