@@ -40,7 +40,7 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: AsyncEngine, pool: PoolLocator):
         self.engine = engine
         self.pool = pool
-        self.io = PoolIO(engine.engine.spec)
+        self.io = PoolIO(engine.engine.spec, transfer=pool.kv_transfer)
 
     async def Decode(self, request, context):
         try:
@@ -66,16 +66,33 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         yield _finished(engine_request)
 
-    async def _fetch_prompt_kv(self, request, keys, context) -> ExternalKV:
-        """Pulls the manifest's blocks (off the step loop), then ends the request in the pool."""
+    async def _fetch_prompt_kv(self, request, keys, context) -> ExternalKV | None:
+        """Pulls the manifest's blocks (off the step loop), then ends the request in the pool.
+
+        Whatever the pool cannot give (it died, a block is gone or fails its checksum) is
+        recomputed here: the engine prefills what the returned ExternalKV does not cover.
+        """
         manifest = request.manifest
+        rid = request.request_id
+        payloads: list[bytes] = []
         try:
-            payloads = await self.io.fetch(manifest.pool_address, keys)
-        except grpc.RpcError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool fetch failed: {err.details()}")
+            payloads = await self.io.fetch(manifest.pool_address, keys, rid)
+        except (grpc.RpcError, OSError) as err:
+            log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": rid})
         finally:
-            await self.io.release(manifest.pool_address, request.request_id)
-        return ExternalKV(manifest.num_tokens, payloads)
+            try:
+                await self.io.release(manifest.pool_address, rid)
+            except grpc.RpcError:  # a dead pool holds nothing of ours any more
+                log.warning("KV pool release failed", extra={"request_id": rid})
+        return self._external_kv(manifest.num_tokens, keys, payloads)
+
+    def _external_kv(self, num_tokens: int, keys: list, payloads: list[bytes]) -> ExternalKV | None:
+        """The fetched KV; when the pool gave only a prefix (a block missing or corrupt), the
+        verified full blocks, and the engine prefills the rest locally."""
+        if len(payloads) == len(keys):
+            return ExternalKV(num_tokens, payloads)
+        log.warning("pool gave %d of %d blocks; recomputing the rest", len(payloads), len(keys))
+        return ExternalKV(len(payloads) * self.engine.engine.spec.block_size, payloads) if payloads else None
 
     def _convert(self, request) -> tuple[Request, list]:
         """Raises ValueError on a malformed request or a manifest of another KV spec."""

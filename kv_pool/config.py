@@ -33,7 +33,9 @@ class PoolConfig:
     nvme_path: str = ""  # directory of the NVMe tier's block file; "" turns the tier off
     nvme_capacity_bytes: int = 16 * 1024**3
     put_reservation_ttl_s: float = 30.0  # a peer's ReserveBlocks not committed by then is rolled back
-    nixl: str = "auto"  # register the arena with a NIXL (UCX) agent: auto (if importable), on, off
+    # Register the arena with a NIXL (UCX) agent: on, off, auto (if importable). Off by default:
+    # its progress thread costs ~0.2 core while idle, and same-host workers use shared memory.
+    nixl: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
+import importlib.util
 import logging
 import os
 import socket
@@ -83,6 +85,8 @@ class PoolServer:
             self._expiry_task.cancel()
         await self._mirror.stop()
         self._metrics.shutdown()
+        if self._nixl is not None:
+            self._nixl.close()
         if self.store is not None:
             self.store.close()
         await self._registry.close()
@@ -91,12 +95,24 @@ class PoolServer:
     def _serve_store(self) -> None:
         """Creates the arena file, the NVMe tier and the store, and adds the servicer."""
         c = self.config
-        arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}.arena") if c.arena_dir else ""
+        arena_path = ""
+        if c.arena_dir:
+            _remove_dead_arenas(c.arena_dir)
+            # The pid keeps two pools with one node id on a host (two test clusters) apart.
+            arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}-{os.getpid()}.arena")
         arena = Arena(c.capacity_bytes, arena_path)
         nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes) if c.nvme_path else None
         self.store = BlockStore(c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme)
         self._peer_puts = PeerPuts(self.store, c.put_reservation_ttl_s)
         data_plane = DataPlane(host_id=host_id(), arena_path=arena_path, arena_bytes=c.capacity_bytes)
+        if c.nixl == "on" or (c.nixl == "auto" and importlib.util.find_spec("nixl") is not None):
+            from kv_pool.nixl_agent import PoolNixlAgent  # imports nixl, which imports torch
+
+            self._nixl = PoolNixlAgent(f"tandem-pool-{c.node_id}-{os.getpid()}", arena)
+            data_plane = dataclasses.replace(
+                data_plane, nixl_agent_name=self._nixl.name, nixl_agent_metadata=self._nixl.metadata,
+                nixl_arena_address=self._nixl.arena_address,
+            )
         servicer = KVPoolServicer(self.store, self._metrics, c.lease_ttl_s, self._peer_puts, data_plane)
         kv_pool_pb2_grpc.add_KVPoolServicer_to_server(servicer, self._grpc.server)
 
@@ -120,6 +136,19 @@ class PoolServer:
                 log.warning("rolled back %d peer reservations never committed", num_rolled_back)
             for request_id in self.store.expire():
                 log.info("lease lapsed; request released", extra={"request_id": request_id})
+
+
+def _remove_dead_arenas(arena_dir: str) -> None:
+    """Deletes arena files of pool processes that no longer run (killed with -9): a tmpfs file
+    keeps its memory until unlinked."""
+    for path in glob.glob(os.path.join(arena_dir, "tandem-kv-*-*.arena")):
+        pid = path.rsplit("-", 1)[1].removesuffix(".arena")
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(path)
+                log.info("removed the arena file of dead pool process %s: %s", pid, path)
+            except OSError:
+                pass
 
 
 async def serve(config: PoolConfig) -> None:

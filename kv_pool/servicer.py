@@ -52,6 +52,7 @@ class DataPlane:
     arena_bytes: int = 0
     nixl_agent_name: str = ""
     nixl_agent_metadata: bytes = b""
+    nixl_arena_address: int = 0
 
 
 class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):

@@ -27,7 +27,7 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, pool: PoolLocator):
         self.engine = engine
         self.pool = pool
-        self.io = PoolIO(engine.engine.spec)
+        self.io = PoolIO(engine.engine.spec, transfer=pool.kv_transfer)
         self.num_cached_tokens = 0
 
     async def Prefill(self, request, context):

@@ -156,18 +156,20 @@ class GetDataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDataPlaneResponse(_message.Message):
-    __slots__ = ("host_id", "arena_path", "arena_bytes", "nixl_agent_name", "nixl_agent_metadata")
+    __slots__ = ("host_id", "arena_path", "arena_bytes", "nixl_agent_name", "nixl_agent_metadata", "nixl_arena_address")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_ARENA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     arena_path: str
     arena_bytes: int
     nixl_agent_name: str
     nixl_agent_metadata: bytes
-    def __init__(self, host_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ...) -> None: ...
+    nixl_arena_address: int
+    def __init__(self, host_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., nixl_agent_name: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., nixl_arena_address: _Optional[int] = ...) -> None: ...
 
 class LocateBlocksRequest(_message.Message):
     __slots__ = ("keys", "request_id", "ttl_ms")

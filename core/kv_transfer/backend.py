@@ -1,0 +1,56 @@
+"""The one interface every KV transfer backend implements (gRPC, shared memory, NIXL).
+
+Both directions keep the pool's ownership rules (DESIGN.md §5): a read leases the blocks to the
+request before any byte moves (the pool cannot evict or reuse their slots mid-copy), a write is
+a two-phase put (nothing is visible until the pool commits it). Backends move bytes and report
+the writer's checksums; verifying them is the caller's business (``engine.pool_io``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from core.block_key import BlockKey
+from core.pool_client import BlockBytes, PoolClient
+
+
+@dataclass(frozen=True)
+class ReadBlock:
+    data: bytes | bytearray  # [block_bytes], uint8; the caller's own copy
+    checksum: int  # the writer's, 0: none
+
+
+class TransferBackend(abc.ABC):
+    """Moves blocks between this process and one pool node (``client``'s)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, client: PoolClient):
+        self.client = client
+
+    @abc.abstractmethod
+    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+        """Leases the longest stored prefix of ``keys`` to ``request_id`` (until it is released or
+        ``ttl_s`` lapses) and copies it out; returns one block per leased key, in order.
+
+        Raises:
+            grpc.RpcError: the pool failed. OSError: the data plane failed.
+        """
+
+    @abc.abstractmethod
+    def write(
+        self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],
+        request_id: str, ttl_s: float,
+    ) -> tuple[int, int]:
+        """Stores blocks two-phase, each leased to ``request_id`` afterwards (when given);
+        returns (committed, duplicates). ``checksums``: one per block, or empty.
+
+        Raises:
+            grpc.RpcError: RESOURCE_EXHAUSTED when the pool is full; others when it failed.
+        """
+
+    def close(self) -> None:
+        """Releases what the backend holds besides the client (mappings, agents)."""

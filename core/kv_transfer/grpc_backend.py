@@ -1,0 +1,26 @@
+"""Bytes streamed through the pool's gRPC service: works from anywhere the pool is reachable."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from core.block_key import BlockKey
+from core.kv_transfer.backend import ReadBlock, TransferBackend
+from core.pool_client import BlockBytes
+
+
+class GrpcBackend(TransferBackend):
+    name = "grpc"
+
+    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+        num_held = len(self.client.locate_blocks(keys, request_id, ttl_s))  # leases first
+        if num_held == 0:
+            return []
+        blocks = self.client.get_blocks_with_checksums(keys[:num_held])
+        return [ReadBlock(data, checksum) for data, checksum in blocks]
+
+    def write(
+        self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],
+        request_id: str, ttl_s: float,
+    ) -> tuple[int, int]:
+        return self.client.put_blocks(zip(keys, payloads), request_id, ttl_s, checksums)

@@ -1,0 +1,120 @@
+"""Transfer backends against a real pool process: byte-identical round trips, leases held by
+reads, two-phase writes, and a corrupted block caught by its checksum."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+
+import grpc
+import pytest
+
+from core.block_key import BlockKey
+from core.kv_cache_spec import KVCacheSpec
+from core.kv_transfer.checksum import block_checksum
+from core.kv_transfer.select import connect
+from core.pool_client import PoolClient
+from engine.pool_io import PoolIO
+from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, fp, start_pool  # noqa: F401
+
+BLOCK = SMOLLM_BLOCK_BYTES
+
+
+@pytest.fixture(scope="module")
+def pool(start_pool):
+    return start_pool(16 * BLOCK, "--nixl", "on")
+
+
+@pytest.fixture
+def client(pool):
+    with PoolClient(pool.address, timeout_s=30) as client:
+        yield client
+        stats = client.stats()  # every scenario leaves the pool idle
+        assert [stats[k] for k in ("num_writing_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases")] == [
+            0, 0, 0, 0], stats
+
+
+@pytest.mark.parametrize("mode", ["grpc", "shm", "nixl"])
+def test_backend_round_trip_leases_and_dedups(client, fp, mode):
+    backend = connect(mode, client)
+    assert backend.name == mode
+    keys = [BlockKey.content(fp, h) for h in (1, 2, 3)] + [BlockKey.scoped(fp, "req-w", 3)]
+    data = [block(h, BLOCK) for h in range(4)]
+    checksums = [block_checksum(d) for d in data]
+    assert backend.write(keys, data, checksums, "req-w", 30) == (4, 0)
+    assert backend.write(keys[:2], data[:2], checksums[:2], "", 30) == (0, 2)  # duplicates: no copy
+    assert client.stats()["num_leased_blocks"] == 4
+
+    missing = BlockKey.content(fp, 99)
+    blocks = backend.read([*keys[:3], missing, keys[3]], "req-r", 30)  # the stored prefix only
+    assert [b.data for b in blocks] == data[:3]
+    assert [b.checksum for b in blocks] == checksums[:3]
+    assert client.stats()["num_leases"] == 2
+    client.release_request("req-w")  # frees the scoped block
+    client.release_request("req-r")
+    assert client.lookup(fp, [1, 2, 3]) == 3
+    backend.close()
+
+
+def test_aborted_reservation_is_never_visible(client, fp):
+    key = BlockKey.content(fp, 7)
+    [r] = client.reserve_blocks([key], BLOCK)
+    assert client.lookup(fp, [7]) == 0
+    client.commit_blocks([r.reservation_id], abort=True)
+    assert client.commit_blocks([r.reservation_id]) == 0 and client.lookup(fp, [7]) == 0
+    assert client.stats()["num_writing_blocks"] == 0
+
+
+def test_shm_write_that_fails_midway_rolls_back(client, fp):
+    backend = connect("shm", client)
+    keys = [BlockKey.content(fp, h) for h in (1, 2)]
+    with pytest.raises(ValueError, match="one size"):
+        backend.write(keys, [b"x" * BLOCK, b"y" * 10], [], "", 30)
+
+    real_mapping = backend._mapping
+
+    class DiesOnSecondCopy:
+        def __init__(self):
+            self.view, self.num_copies = real_mapping(), 0
+
+        def __setitem__(self, index, value):
+            self.num_copies += 1
+            if self.num_copies == 2:
+                raise RuntimeError("worker died mid-copy")
+            self.view[index] = value
+
+    backend._mapping = DiesOnSecondCopy
+    with pytest.raises(RuntimeError, match="mid-copy"):
+        backend.write(keys, [block(1, BLOCK), block(2, BLOCK)], [], "", 30)
+    assert client.lookup(fp, [1]) == 0 and client.stats()["num_writing_blocks"] == 0
+    backend.close()
+
+
+@pytest.mark.parametrize("mode", ["grpc", "shm", "nixl"])
+def test_corrupted_block_is_detected_dropped_and_cut(client, pool, fp, mode):
+    spec = KVCacheSpec("m", "r", "float32", 1, 1, 4, 16)
+    io = PoolIO(spec, lease_ttl_s=30, transfer=mode, verify_checksums=True)
+    keys = [BlockKey.content(fp, h) for h in (1, 2, 3)]
+    data = [block(h, BLOCK) for h in (1, 2, 3)]
+    asyncio.run(io.store(pool.address, "req-w", keys, data, skip=0))
+    [_, loc, _] = client.locate_blocks(keys, "req-w", 30)
+    client.release_request("req-w")
+    with open(client.data_plane().arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
+        arena[loc.offset_bytes + 100] ^= 0xFF  # a bit flip in the pool's DRAM
+
+    corrupt_before = client.stats()["num_corrupt_blocks"]
+    assert asyncio.run(io.fetch(pool.address, keys, "req-r")) == data[:1]  # cut before the bad block
+    assert client.stats()["num_corrupt_blocks"] == corrupt_before + 1 and io.num_corrupt_blocks == 1
+    assert client.lookup(fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
+    asyncio.run(io.store(pool.address, "req-r", keys, data, skip=1))  # the recompute writes it again
+    assert asyncio.run(io.fetch(pool.address, keys, "req-r")) == data
+    client.release_request("req-r")
+
+
+def test_unknown_or_unreachable_mode_is_refused(client):
+    with pytest.raises(ValueError, match="must be one of"):
+        connect("carrier-pigeon", client)
+    with PoolClient("127.0.0.1:1", timeout_s=1) as dead, pytest.raises(grpc.RpcError):
+        connect("auto", dead)
+    assert os.path.exists("/dev/shm")
