@@ -16,10 +16,14 @@ MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4  # fp32 engine vs fp32 HF
 
 
+def make_engine(**overrides) -> LLMEngine:
+    config = dict(block_size=16, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=512)
+    return LLMEngine.from_config(EngineConfig(**{**config, **overrides}))
+
+
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    config = EngineConfig(block_size=16, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=512)
-    return LLMEngine.from_config(config)
+    return make_engine()
 
 
 def run_all(engine: LLMEngine, requests: list[Request]) -> dict[str, list]:
@@ -50,7 +54,12 @@ def test_greedy_logprobs_equal_hf_log_softmax(engine: LLMEngine) -> None:
         assert [v for _, v in s.top_logprobs] == pytest.approx(top_values.tolist(), abs=LOGPROB_TOLERANCE)
 
 
-def test_seeded_penalised_request_is_identical_alone_and_in_a_busy_batch(engine: LLMEngine) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap-multistep"])
+def test_seeded_penalised_request_is_identical_alone_and_in_a_busy_batch(engine: LLMEngine, overlap: bool) -> None:
+    """Alone on the plain engine; busy on the plain one, or on one with overlap and multi-step
+    decode, where the penalties must see real tokens, never the placeholders of the step still
+    running."""
+    busy_engine = make_engine(enable_overlap=True, num_scheduler_steps=4) if overlap else engine
     prompt = reference.chat_ids(reference.PROMPTS[1])
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=MAX_TOKENS, presence_penalty=0.4,
                             frequency_penalty=0.3, repetition_penalty=1.2, logprobs=1)
@@ -58,7 +67,7 @@ def test_seeded_penalised_request_is_identical_alone_and_in_a_busy_batch(engine:
     others = [Request(f"o{i}", reference.chat_ids(p), SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS,
                                                                       repetition_penalty=1.1))
               for i, p in enumerate(reference.PROMPTS[3:7])]
-    busy = run_all(engine, [*others, Request("s1", prompt, params)])["s1"]
+    busy = run_all(busy_engine, [*others, Request("s1", prompt, params)])["s1"]
 
     def tokens(outputs):
         return [t for o in outputs for t in o.new_token_ids]
