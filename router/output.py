@@ -26,8 +26,10 @@ class OutputProcessor:
     A token ends the request when it is an EOS token (unless ``ignore_eos``) or one of
     ``stop_token_ids`` at an output index >= ``min_tokens``, or the ``max_tokens``-th token; such a
     token is still part of the output.
-    A stop string ends it too; its text and everything after is dropped. Tokens arriving after
-    the end are ignored.
+    A stop string ends it too; its text and everything after is dropped. Like vLLM, stop strings
+    are looked for only once ``min_tokens`` tokens were generated (checked per batch of tokens:
+    text of a batch that ends at or below ``min_tokens`` is sent unfiltered). Tokens arriving
+    after the end are ignored.
     """
 
     def __init__(
@@ -65,7 +67,9 @@ class OutputProcessor:
             accepted.append(token_id)
             self.token_ids.append(token_id)
             self.finish_reason = self._check_token(token_id)
-        text = self.stop_matcher.feed(self.detokenizer.add(accepted))
+        text = self.detokenizer.add(accepted)
+        if len(self.token_ids) > self.params.min_tokens:
+            text = self.stop_matcher.feed(text)
         if self.stop_matcher.stopped:
             self.finish_reason = FinishReason.STOP
         if self.finish_reason is not None:

@@ -59,3 +59,10 @@ def test_min_tokens_defers_eos_and_stop_tokens() -> None:
     assert (step.token_ids, step.finish_reason) == ((EOS, ord("!"), ord("a"), EOS), FinishReason.STOP)
     out = make(max_tokens=10, min_tokens=2)
     assert out.add_tokens([ord("a"), EOS]).finish_reason is None  # index 1 < min_tokens
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    out = make(stop=("ab",), max_tokens=20, min_tokens=2)
+    assert (out.add_tokens(list(b"ab")).text, out.finish_reason) == ("ab", None)
+    step = out.add_tokens(list(b"cab"))
+    assert (step.text, step.finish_reason) == ("c", FinishReason.STOP)
