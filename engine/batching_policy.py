@@ -9,6 +9,8 @@ from core.request import Request
 
 class BatchingPolicy(Protocol):
     name: str
+    # Admit every waiting request that fits at once, even past this step's token budget.
+    admits_whole_batch: bool
 
     def admission_open(self, running: list[Request]) -> bool:
         """True when waiting requests may be admitted at this step."""
@@ -19,6 +21,7 @@ class ContinuousBatching:
     """Iteration-level scheduling (Orca, OSDI'22): requests join at every step."""
 
     name = "continuous"
+    admits_whole_batch = False
 
     def admission_open(self, running: list[Request]) -> bool:
         return True
@@ -30,6 +33,7 @@ class StaticBatching:
     continuous batching improves on)."""
 
     name = "static"
+    admits_whole_batch = True
 
     def admission_open(self, running: list[Request]) -> bool:
         return not running

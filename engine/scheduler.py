@@ -122,17 +122,19 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.batching.admission_open(self.running):
             return
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            admitted = self._admit(request, budget, out)
-            if admitted == 0:
+        whole_batch = self.batching.admits_whole_batch
+        while self.waiting and (budget > 0 or whole_batch) and len(self.running) < self.config.max_num_seqs:
+            scheduled = self._admit(self.waiting[0], budget, out)
+            if scheduled is None:
                 break
             self.waiting.popleft()
-            budget -= admitted
+            budget -= scheduled
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Gives ``request`` its blocks (prefix-cache hits shared, external KV loaded) and
-        schedules its first chunk. Returns the tokens scheduled, 0 if it cannot start now."""
+        schedules its first chunk (none when the budget is spent: a static batch admits all its
+        requests at once and prefills them over the next steps). Returns the tokens scheduled, None
+        if it cannot start now."""
         bs = self.config.block_size
         hit = self.kv.find_prefix(request)
         ext = self.external_kv.get(request.request_id)
@@ -140,8 +142,8 @@ class Scheduler:
         # The last token is always computed: its logits give the next token.
         num_computed = min(max(hit.num_tokens, num_loaded), request.num_tokens - 1)
         n = request.num_tokens - num_computed
-        if n > budget and not self.config.enable_chunked_prefill:
-            return 0
+        if n > budget and not self.config.enable_chunked_prefill and budget > 0:
+            return None
         n = min(n, budget)
         # A hit covering the last token: that block is rewritten, so it is copied first.
         cow_last = hit.num_tokens > num_computed and num_computed // bs < len(hit.block_ids)
@@ -151,7 +153,7 @@ class Scheduler:
         if admitted is None and lookahead:
             admitted = self.kv.admit(request.request_id, hit, total, cow_last)
         if admitted is None:
-            return 0
+            return None
         table, copies = admitted
         out.block_copies += copies
         if ext is not None:
@@ -163,7 +165,8 @@ class Scheduler:
         request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+        if n:
+            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
         return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
