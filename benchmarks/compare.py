@@ -28,6 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere: the repo root
+# Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine a spinning torch pool
+# next to other work made HF generate() 5x slower here. Set before torch loads; `tandem up`
+# inherits it, so every row runs under the same policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench import report, roofline  # noqa: E402
 from bench.arrivals import ArrivalConfig  # noqa: E402
