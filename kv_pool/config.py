@@ -30,6 +30,7 @@ class PoolConfig:
     heartbeat_ttl_s: float = 3.0
     # DRAM arena file lives here (a tmpfs, so same-host workers can map it); "" = not shareable.
     arena_dir: str = "/dev/shm"
+    arena_prefault: bool = False  # commit the whole arena at start (pinned-memory behaviour)
     nvme_path: str = ""  # directory of the NVMe tier's block file; "" turns the tier off
     nvme_capacity_bytes: int = 16 * 1024**3
     put_reservation_ttl_s: float = 30.0  # a peer's ReserveBlocks not committed by then is rolled back

@@ -100,7 +100,7 @@ class PoolServer:
             _remove_dead_arenas(c.arena_dir)
             # The pid keeps two pools with one node id on a host (two test clusters) apart.
             arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}-{os.getpid()}.arena")
-        arena = Arena(c.capacity_bytes, arena_path)
+        arena = Arena(c.capacity_bytes, arena_path, prefault=c.arena_prefault)
         nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes) if c.nvme_path else None
         self.store = BlockStore(c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme)
         self._peer_puts = PeerPuts(self.store, c.put_reservation_ttl_s)

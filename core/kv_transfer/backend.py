@@ -19,8 +19,20 @@ from core.pool_client import BlockBytes, PoolClient
 
 @dataclass(frozen=True)
 class ReadBlock:
-    data: bytes | bytearray  # [block_bytes], uint8; the caller's own copy
+    data: bytes | memoryview  # [block_bytes], uint8; the caller's own copy (or a view of ``out``)
     checksum: int  # the writer's, 0: none
+
+
+def place(out: memoryview | None, offset: int, data: bytes | memoryview) -> bytes | memoryview:
+    """``data`` as the caller's copy: copied into ``out`` at ``offset`` (returning that view),
+    or into a new ``bytes``. Raises ValueError when ``out`` is too small."""
+    if out is None:
+        return bytes(data)
+    end = offset + len(data)
+    if end > len(out):
+        raise ValueError(f"read buffer of {len(out)} bytes is too small for {end}")
+    out[offset:end] = data
+    return out[offset:end]
 
 
 class TransferBackend(abc.ABC):
@@ -32,9 +44,15 @@ class TransferBackend(abc.ABC):
         self.client = client
 
     @abc.abstractmethod
-    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+    def read(
+        self, keys: Sequence[BlockKey], request_id: str, ttl_s: float, out: memoryview | None = None
+    ) -> list[ReadBlock]:
         """Leases the longest stored prefix of ``keys`` to ``request_id`` (until it is released or
         ``ttl_s`` lapses) and copies it out; returns one block per leased key, in order.
+
+        ``out``: a writable byte buffer the blocks are copied into back to back (each
+        ``ReadBlock.data`` is then a view of it); without it each block is a new ``bytes``.
+        Copying into memory that is already faulted in is what reaches memcpy speed.
 
         Raises:
             grpc.RpcError: the pool failed. OSError: the data plane failed.

@@ -5,19 +5,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from core.block_key import BlockKey
-from core.kv_transfer.backend import ReadBlock, TransferBackend
+from core.kv_transfer.backend import ReadBlock, TransferBackend, place
 from core.pool_client import BlockBytes
 
 
 class GrpcBackend(TransferBackend):
     name = "grpc"
 
-    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+    def read(
+        self, keys: Sequence[BlockKey], request_id: str, ttl_s: float, out: memoryview | None = None
+    ) -> list[ReadBlock]:
         num_held = len(self.client.locate_blocks(keys, request_id, ttl_s))  # leases first
         if num_held == 0:
             return []
         blocks = self.client.get_blocks_with_checksums(keys[:num_held])
-        return [ReadBlock(data, checksum) for data, checksum in blocks]
+        if out is None:
+            return [ReadBlock(data, checksum) for data, checksum in blocks]
+        offsets = [0]
+        for data, _ in blocks:
+            offsets.append(offsets[-1] + len(data))
+        return [ReadBlock(place(out, o, data), checksum) for o, (data, checksum) in zip(offsets, blocks)]
 
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],

@@ -20,7 +20,7 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from core.block_key import BlockKey
-from core.kv_transfer.backend import ReadBlock, TransferBackend
+from core.kv_transfer.backend import ReadBlock, TransferBackend, place
 from core.pool_client import BlockBytes, DataPlane, PoolClient
 
 log = logging.getLogger(__name__)
@@ -44,17 +44,22 @@ class NixlBackend(TransferBackend):
         self._registered = None
         self._ensure_staging(staging_bytes)
 
-    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+    def read(
+        self, keys: Sequence[BlockKey], request_id: str, ttl_s: float, out: memoryview | None = None
+    ) -> list[ReadBlock]:
         locations = self.client.locate_blocks(keys, request_id, ttl_s)  # leased: slots stay put
         if not locations:
             return []
-        out: list[ReadBlock] = []
+        blocks: list[ReadBlock] = []
+        offset = 0
         with self._lock:
             for batch in self._batches([loc.block_bytes for loc in locations]):
                 spans = self._transfer("READ", [(locations[i].offset_bytes, n) for i, n in batch])
-                out += [ReadBlock(self._staging[s : s + n].tobytes(), locations[i].checksum)
-                        for (i, n), s in zip(batch, spans)]
-        return out
+                staging = memoryview(self._staging)
+                for (i, n), s in zip(batch, spans):
+                    blocks.append(ReadBlock(place(out, offset, staging[s : s + n]), locations[i].checksum))
+                    offset += n
+        return blocks
 
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],

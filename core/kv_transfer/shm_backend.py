@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from core.block_key import BlockKey
-from core.kv_transfer.backend import ReadBlock, TransferBackend
+from core.kv_transfer.backend import ReadBlock, TransferBackend, place
 from core.kv_transfer.host import host_id
 from core.pool_client import BlockBytes, PoolClient
 
@@ -44,15 +44,19 @@ class ShmBackend(TransferBackend):
             return False
         return os.access(plane.arena_path, os.R_OK | os.W_OK)
 
-    def read(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+    def read(
+        self, keys: Sequence[BlockKey], request_id: str, ttl_s: float, out: memoryview | None = None
+    ) -> list[ReadBlock]:
         locations = self.client.locate_blocks(keys, request_id, ttl_s)  # leased: slots stay put
         if not locations:
             return []
         view = self._mapping()
-        return [
-            ReadBlock(bytes(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes]), loc.checksum)
-            for loc in locations
-        ]
+        blocks, offset = [], 0
+        for loc in locations:
+            data = place(out, offset, view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes])
+            blocks.append(ReadBlock(data, loc.checksum))
+            offset += loc.block_bytes
+        return blocks
 
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import multiprocessing
 import os
 
 import grpc
@@ -35,8 +36,23 @@ def client(pool):
             0, 0, 0, 0], stats
 
 
+def isolated(mode: str, fn, *args) -> None:
+    """Runs ``fn(*args)`` here, or for nixl in a fresh interpreter: NIXL's native libraries
+    abort the process when grpc_tools' protoc (the proto drift test) was loaded first."""
+    if mode != "nixl":
+        fn(*args)
+        return
+    with multiprocessing.get_context("spawn").Pool(1) as child:
+        child.apply(fn, args)
+
+
 @pytest.mark.parametrize("mode", ["grpc", "shm", "nixl"])
-def test_backend_round_trip_leases_and_dedups(client, fp, mode):
+def test_backend_round_trip_leases_and_dedups(pool, client, fp, mode):
+    isolated(mode, _round_trip, pool.address, fp, mode)
+
+
+def _round_trip(address: str, fp: str, mode: str) -> None:
+    client = PoolClient(address, timeout_s=30)
     backend = connect(mode, client)
     assert backend.name == mode
     keys = [BlockKey.content(fp, h) for h in (1, 2, 3)] + [BlockKey.scoped(fp, "req-w", 3)]
@@ -55,6 +71,7 @@ def test_backend_round_trip_leases_and_dedups(client, fp, mode):
     client.release_request("req-r")
     assert client.lookup(fp, [1, 2, 3]) == 3
     backend.close()
+    client.close()
 
 
 def test_aborted_reservation_is_never_visible(client, fp):
@@ -92,24 +109,30 @@ def test_shm_write_that_fails_midway_rolls_back(client, fp):
 
 
 @pytest.mark.parametrize("mode", ["grpc", "shm", "nixl"])
-def test_corrupted_block_is_detected_dropped_and_cut(client, pool, fp, mode):
+def test_corrupted_block_is_detected_dropped_and_cut(pool, client, fp, mode):
+    isolated(mode, _corruption, pool.address, fp, mode)
+
+
+def _corruption(address: str, fp: str, mode: str) -> None:
+    client = PoolClient(address, timeout_s=30)
     spec = KVCacheSpec("m", "r", "float32", 1, 1, 4, 16)
     io = PoolIO(spec, lease_ttl_s=30, transfer=mode, verify_checksums=True)
     keys = [BlockKey.content(fp, h) for h in (1, 2, 3)]
     data = [block(h, BLOCK) for h in (1, 2, 3)]
-    asyncio.run(io.store(pool.address, "req-w", keys, data, skip=0))
+    asyncio.run(io.store(address, "req-w", keys, data, skip=0))
     [_, loc, _] = client.locate_blocks(keys, "req-w", 30)
     client.release_request("req-w")
     with open(client.data_plane().arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:
         arena[loc.offset_bytes + 100] ^= 0xFF  # a bit flip in the pool's DRAM
 
     corrupt_before = client.stats()["num_corrupt_blocks"]
-    assert asyncio.run(io.fetch(pool.address, keys, "req-r")) == data[:1]  # cut before the bad block
+    assert asyncio.run(io.fetch(address, keys, "req-r")) == data[:1]  # cut before the bad block
     assert client.stats()["num_corrupt_blocks"] == corrupt_before + 1 and io.num_corrupt_blocks == 1
     assert client.lookup(fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
-    asyncio.run(io.store(pool.address, "req-r", keys, data, skip=1))  # the recompute writes it again
-    assert asyncio.run(io.fetch(pool.address, keys, "req-r")) == data
+    asyncio.run(io.store(address, "req-r", keys, data, skip=1))  # the recompute writes it again
+    assert asyncio.run(io.fetch(address, keys, "req-r")) == data
     client.release_request("req-r")
+    client.close()
 
 
 def test_unknown_or_unreachable_mode_is_refused(client):
