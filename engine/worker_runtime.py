@@ -61,6 +61,17 @@ def engine_options(f):
         click.option("--num-threads", default=d.num_threads, show_default=True, type=int,
                      help="torch intra-op threads (0: torch's default)."),
         click.option("--seed", default=d.seed, show_default=True, type=int),
+        click.option("--scheduling-policy", default=d.scheduling_policy, show_default=True,
+                     type=click.Choice(["continuous", "static"]),
+                     help="continuous (Orca) or static batching (the baseline)."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=d.enable_prefix_caching,
+                     show_default=True, help="Reuse identical prompt prefixes in this worker's KV cache."),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=d.enable_chunked_prefill,
+                     show_default=True, help="Split prompts over steps to fit the token budget."),
+        click.option("--num-scheduler-steps", default=d.num_scheduler_steps, show_default=True, type=int,
+                     help="Decode passes per scheduling decision (multi-step)."),
+        click.option("--enable-overlap/--no-enable-overlap", default=d.enable_overlap, show_default=True,
+                     help="Schedule step k+1 while step k runs."),
     ]
     for option in reversed(options):
         f = option(f)
