@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +36,13 @@ def chat_token_ids(model_dir: Path, prompts: list[str]) -> list[list[int]]:
             for p in prompts]
 
 
-def run_static(prompts: list[list[int]], config: HFBaselineConfig) -> dict:
+def run_static(prompts: list[list[int]], config: HFBaselineConfig,
+               on_batch: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Greedy ``generate()`` over consecutive batches of ``batch_size`` prompts, in order.
 
     Returns the request and output-token throughput over the generation time (model loading
-    excluded) and the mean time of one batched step (prefill included).
+    excluded) and the mean time of one batched step (prefill included). ``on_batch(done, total)``
+    is called after each batch with prompt counts.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -56,6 +59,7 @@ def run_static(prompts: list[list[int]], config: HFBaselineConfig) -> dict:
                                  max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens,
                                  pad_token_id=pad_id)
             output_tokens += (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0]
+            on_batch(min(first + config.batch_size, len(prompts)), len(prompts))
     duration_s = time.perf_counter() - start
     num_batches = -(-len(prompts) // config.batch_size)
     return {

@@ -25,6 +25,7 @@ from pathlib import Path
 import click
 import httpx
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere: the repo root
@@ -173,8 +174,11 @@ def main(prompts_path: Path, num_prompts: int, max_tokens: int, concurrency: int
                   f"output tokens each, concurrency/batch {concurrency}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows: list[dict] = []
     if not skip_hf:
-        console.print("HF transformers static batching ...")
-        hf = run_static(prompts, HFBaselineConfig(model_dir, concurrency, max_tokens, num_threads))
+        with Progress(TextColumn("hf static"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            task = progress.add_task("hf", total=len(prompts))
+            hf = run_static(prompts, HFBaselineConfig(model_dir, concurrency, max_tokens, num_threads),
+                            on_batch=lambda done, _: progress.update(task, completed=done))
         gc.collect()
         entry = roofline.report(footprint, bandwidth, concurrency, hf["mean_prompt_tokens"] + max_tokens / 2,
                                 hf["mean_step_ms"] / 1000)
