@@ -43,6 +43,11 @@ class EngineConfig:
     # Prepare step k+1 (admission, allocation, input tensors) while step k runs (SGLang's
     # overlap scheduler); tokens sampled by step k are patched in when it completes.
     enable_overlap: bool = False
+    # What preemption does with the victim's KV: "swap" it out (to the KV pool on a worker with
+    # one, else host memory) and load it back on resume, or "recompute" it.
+    preemption_mode: str = "swap"
+    # Host-memory swap space when no pool is attached.
+    swap_space_bytes: int = 1 << 30
     attention_backend: str = "auto"
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
@@ -54,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

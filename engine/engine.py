@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, RequestOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.swap_space import HostSwapSpace, SwapSpace
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class EngineStats:
     num_used_blocks: int
     num_free_blocks: int
     num_preemptions: int
+    # Preemptions whose KV was swapped out (the rest were recomputed).
+    num_swapped_out: int = 0
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -57,7 +60,8 @@ class LLMEngine:
     Not thread-safe: one thread drives it (see :class:`engine.engine_thread.EngineThread`).
     """
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False,
+                 swap_space: SwapSpace | None = None):
         self.config = config
         self.source = source
         self.save_kv_on_finish = save_kv_on_finish
@@ -79,18 +83,22 @@ class LLMEngine:
             dtype=TORCH_DTYPES[config.dtype],
             device=config.device,
         )
-        self.scheduler = Scheduler(config)
+        if swap_space is None and config.preemption_mode == "swap":
+            swap_space = HostSwapSpace(config.swap_space_bytes)
+        self.scheduler = Scheduler(config, swap_space)
+        self.num_swapped_out = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False,
+                    swap_space: SwapSpace | None = None) -> LLMEngine:
         """Resolves and loads the model (converting a GGUF once), then builds the engine."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
         model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
-        return cls(config, model, source, save_kv_on_finish)
+        return cls(config, model, source, save_kv_on_finish, swap_space)
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
         """Queues a request.
@@ -131,6 +139,7 @@ class LLMEngine:
             return
         out, substep = self.scheduler.schedule(), 0
         while not out.is_empty:
+            self._swap_out(out)
             runner_output = self.runner.execute(out)
             yield self._finish(self.scheduler.update_from_output(out, runner_output))
             out, substep = self._next_step(out, substep)
@@ -155,6 +164,7 @@ class LLMEngine:
             following, substep = self._next_step(out, substep)
             prepared = self.runner.prepare(following)
             runner_output = running.result()
+            self._swap_out(following)  # step k no longer writes the victims' blocks
             outputs = self._finish(self.scheduler.resolve_sampled(out, runner_output))
             if any(o.finished for o in outputs) and self._drop_finished(following):
                 prepared = self.runner.prepare(following)  # rare: a stop token ended a request
@@ -165,6 +175,14 @@ class LLMEngine:
             running = self._executor.submit(self.runner.run, prepared)
             yield outputs
             out = following
+
+    def _swap_out(self, out: SchedulerOutput) -> None:
+        """Packs preempted requests' KV into the swap space before their blocks are reused."""
+        for swap in out.swap_outs:
+            kv = ExternalKV(swap.num_tokens, pack_blocks(self.runner.kv_cache, swap.block_ids))
+            if self.scheduler.swap_space.put(swap.request_id, kv):
+                self.num_swapped_out += 1
+        out.swap_outs.clear()
 
     @staticmethod
     def _drop_finished(out: SchedulerOutput) -> bool:
@@ -197,4 +215,5 @@ class LLMEngine:
             num_used_blocks=kv.num_used_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_swapped_out=self.num_swapped_out,
         )

@@ -44,6 +44,16 @@ class KVLoad:
     payloads: list[bytes | memoryview]
 
 
+@dataclass(frozen=True)
+class SwapOut:
+    """A preempted request whose KV is to be swapped out: ``block_ids`` (already freed) hold its
+    first ``num_tokens`` tokens until the next step runs; the engine packs them before that."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -52,6 +62,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests preempted (blocks freed, back to waiting) while building this step.
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Of those, the ones whose KV is to be swapped out rather than recomputed.
+    swap_outs: list[SwapOut] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

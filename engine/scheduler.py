@@ -14,12 +14,17 @@ from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
+    SwapOut,
+)
+from engine.swap_space import SwapSpace
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, swap_space: SwapSpace | None = None):
         self.config = config
+        self.swap_space = swap_space
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.batching = make_batching_policy(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
@@ -137,6 +142,10 @@ class Scheduler:
         if it cannot start now."""
         bs = self.config.block_size
         hit = self.kv.find_prefix(request)
+        if request.request_id not in self.external_kv and self.swap_space is not None:
+            swapped = self.swap_space.take(request.request_id)  # a swapped-out victim comes back
+            if swapped is not None:
+                self.external_kv[request.request_id] = swapped
         ext = self.external_kv.get(request.request_id)
         num_loaded = ext.num_tokens if ext else 0
         # The last token is always computed: its logits give the next token.
@@ -170,8 +179,14 @@ class Scheduler:
         return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Frees ``request``'s blocks and puts it first in line to be recomputed."""
+        """Frees ``request``'s blocks and puts it first in line; with swap preemption its KV is
+        listed in ``out.swap_outs`` (packed by the engine before the blocks are reused), else it
+        is recomputed."""
         self.running.remove(request)
+        if self.swap_space is not None and self.config.preemption_mode == "swap" and request.num_computed_tokens:
+            table = self.kv.get(request.request_id)
+            num_blocks = -(-request.num_computed_tokens // self.config.block_size)
+            out.swap_outs.append(SwapOut(request.request_id, table.block_ids[:num_blocks], request.num_computed_tokens))
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -236,6 +251,8 @@ class Scheduler:
         """Returns a finished request's blocks and forgets it. Idempotent."""
         self.kv.free(request_id)
         self.requests.pop(request_id, None)
+        if self.swap_space is not None:
+            self.swap_space.discard(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its blocks; None if unknown."""

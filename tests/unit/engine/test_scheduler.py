@@ -243,3 +243,36 @@ def test_multi_step_runs_n_passes_per_decision_and_stops_finished_requests_on_ti
     assert long_.num_output_tokens == 8 and s.kv.get(long_.request_id).capacity_tokens >= long_.num_tokens
     run_decision(s, 4)
     assert long_.num_output_tokens == 9 and long_.is_finished and s.kv.num_used_blocks == 0
+
+
+def test_swap_preemption_brings_the_victims_kv_back_instead_of_recomputing():
+    from engine.scheduler import Scheduler
+    from engine.swap_space import HostSwapSpace
+    from engine.outputs import ExternalKV
+
+    swap = HostSwapSpace(capacity_bytes=1 << 20)
+    # No prefix cache: it would find the victim's freed blocks and need no swap-in at all.
+    config = make_scheduler(block_size=4, num_kv_blocks=4, max_model_len=16, enable_prefix_caching=False).config
+    s = Scheduler(config, swap)
+    old, new = make_request(7, max_tokens=8), make_request(7, max_tokens=8)
+    s.add_request(old)
+    s.add_request(new)
+    run_step(s)
+    swapped = None
+    while swapped is None:
+        out = s.schedule()
+        for item in out.swap_outs:  # what the engine does: pack the freed blocks' bytes
+            # 7 prompt tokens + its first output token had their KV computed: 2 blocks of 4
+            assert (item.request_id, item.num_tokens) == (new.request_id, 8) and len(item.block_ids) == 2
+            swap.put(item.request_id, ExternalKV(item.num_tokens, [b"k0", b"k1"]))
+            swapped = item
+        out.swap_outs.clear()
+        s.update_from_output(out, fake_runner_output(out))
+    while new.num_computed_tokens == 0:  # back in: its 8 tokens load from the swap space
+        out, _ = run_step(s)
+    item = next(x for x in out.scheduled if x.request is new)
+    assert item.num_new_tokens == 1 and out.kv_loads[0].payloads == [b"k0", b"k1"]
+    assert swap.used_bytes == 0
+    while s.num_unfinished:
+        run_step(s)
+    assert new.output_token_ids == [100] * 8 and s.kv.num_used_blocks == 0
