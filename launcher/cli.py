@@ -37,6 +37,16 @@ def main() -> None:
 @click.option("--pool-capacity-bytes", default=2 * 1024**3, show_default=True, type=int)
 @click.option("--num-threads", default=0, type=int, help="CPU threads split between the workers (0: all cores).")
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
+@click.option("--colocated", is_flag=True,
+              help="No prefill worker: the decode worker prefills in chunks mixed into its decode steps.")
+@click.option("--scheduling-policy", default="continuous", show_default=True,
+              type=click.Choice(["continuous", "static"]), help="Batching of the workers.")
+@click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
+              help="Decode passes per scheduling decision (multi-step).")
+@click.option("--enable-overlap/--no-enable-overlap", default=False, show_default=True,
+              help="Schedule step k+1 while step k runs.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Prefix caching in the workers' KV caches.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
 @click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), default=None,
               help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
@@ -53,7 +63,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
     (or, with --ray, the same services as Ray actors)."""
     if address and not use_ray:
         raise click.UsageError("--address needs --ray")
-    config = ClusterConfig(log_dir=log_dir, **kwargs)
+    config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs), **kwargs)
     source = resolve_model(config.model)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
@@ -91,6 +101,17 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
+
+
+def _engine_flags(kwargs: dict) -> tuple[str, ...]:
+    """Moves the scheduling switches out of ``kwargs`` into worker flags."""
+    policy, steps = kwargs.pop("scheduling_policy"), kwargs.pop("num_scheduler_steps")
+    overlap, prefix = kwargs.pop("enable_overlap"), kwargs.pop("enable_prefix_caching")
+    return (
+        "--scheduling-policy", policy, "--num-scheduler-steps", str(steps),
+        "--enable-overlap" if overlap else "--no-enable-overlap",
+        "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
+    )
 
 
 def _check_alive(cluster) -> None:

@@ -57,10 +57,16 @@ class ClusterConfig:
     num_threads: int = 0  # total CPU threads for the two workers; 0: all cores
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".cache" / "logs")
     extra_worker_args: tuple[str, ...] = ()
+    # No prefill worker: the decode worker prefills, chunked into its decode steps (Sarathi-Serve).
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def worker_roles(self) -> tuple[str, ...]:
+        return ("decode",) if self.colocated else ("prefill", "decode")
 
 
 @dataclass
@@ -108,8 +114,11 @@ def _redis_ready(port: int, host: str = "127.0.0.1") -> Callable[[], bool]:
 SERVICE_PACKAGES = {"kv_pool": "kv_pool", "prefill": "prefill_worker", "decode": "decode_worker", "router": "router"}
 
 
-def worker_threads(cores: int) -> dict[str, int]:
-    """CPU threads of the prefill and decode workers when they share ``cores`` cores."""
+def worker_threads(cores: int, colocated: bool = False) -> dict[str, int]:
+    """CPU threads of the prefill and decode workers when they share ``cores`` cores (all of
+    them to the decode worker when it runs alone, colocated)."""
+    if colocated:
+        return {"decode": max(1, cores)}
     return {"prefill": max(1, cores // 2), "decode": max(1, cores - cores // 2)}
 
 
@@ -176,13 +185,16 @@ class LocalCluster:
                            _grpc_ready(self.addresses["kv_pool"]))
         self._wait(pool, on_progress, timeout_s)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
-        threads = worker_threads(c.num_threads or os.cpu_count() or 2)
+        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated)
+        ports = {"prefill": prefill_port, "decode": decode_port}
         workers = [
-            self._spawn(role, service_argv(c, role, py, c.host, port, self.redis_url,
+            self._spawn(role, service_argv(c, role, py, c.host, ports[role], self.redis_url,
                                            pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
                         _grpc_ready(self.addresses[role]), env={"OMP_NUM_THREADS": str(threads[role])})
-            for role, port in (("prefill", prefill_port), ("decode", decode_port))
+            for role in c.worker_roles
         ]
+        if c.colocated:
+            del self.addresses["prefill"]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
         router = self._spawn("router", service_argv(c, "router", py, c.host, c.grpc_port, self.redis_url),

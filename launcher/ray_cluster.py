@@ -149,10 +149,10 @@ class RayCluster:
         self.use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
         log_dir = str(Path(c.log_dir).resolve())
 
-        threads = worker_threads(c.num_threads or os.cpu_count() or 2)
+        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated)
         # Explicit resources: a worker never shares its GPU, nor (on CPU) its thread budget.
         worker_resources = {role: {"num_gpus": 1, "num_cpus": 1} if self.use_gpus else {"num_cpus": threads[role]}
-                            for role in ("prefill", "decode")}
+                            for role in c.worker_roles}
         pool, *workers, router = self._place(
             {"kv_pool": {"num_cpus": 0}, **worker_resources, "router": {"num_cpus": 0}}, host, log_dir)
 

@@ -1,0 +1,53 @@
+"""`tandem up --colocated`: no prefill worker; the decode worker prefills in chunks mixed into its
+decode steps. Greedy answers equal the reference, and blocks return to idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from tandem.v1 import decode_worker_pb2_grpc, prefill_worker_pb2
+from tests import reference
+from tests.conftest import poll_until
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    config = ClusterConfig(
+        model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), num_kv_blocks=128,
+        max_model_len=512, max_num_batched_tokens=32, colocated=True,  # a budget that chunks every prompt
+        log_dir=tmp_path_factory.mktemp("colocated-logs"),
+    )
+    with LocalCluster(config) as cluster:
+        cluster.start()
+        yield cluster
+
+
+def test_colocated_cluster_answers_like_the_reference(colocated):
+    assert set(colocated.addresses) == {"kv_pool", "decode"}
+    health = httpx.get(f"{colocated.http_url}/health", timeout=10).json()
+    assert health["mode"] == "colocated" and health["workers"]["prefill"] == 0
+
+    async def ask_all():
+        async with openai.AsyncOpenAI(base_url=f"{colocated.http_url}/v1", api_key="x", max_retries=0) as client:
+            replies = await asyncio.gather(*(
+                client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS, temperature=0,
+                                               messages=[{"role": "user", "content": p}])
+                for p in reference.PROMPTS[:4]
+            ))
+            return [(r.choices[0].message.content, r.usage.completion_tokens) for r in replies]
+
+    for prompt, (text, num_tokens) in zip(reference.PROMPTS[:4], asyncio.run(ask_all())):
+        expected = reference.hf_greedy(reference.chat_ids(prompt), MAX_TOKENS)
+        assert (text, num_tokens) == (reference.tokenizer().decode(expected, skip_special_tokens=True), len(expected))
+    decode = decode_worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(colocated.addresses["decode"]))
+    poll_until(lambda: decode.GetStats(prefill_worker_pb2.GetWorkerStatsRequest(), timeout=5).num_used_blocks == 0,
+               timeout_s=5, message="decode blocks back to idle")
