@@ -21,7 +21,10 @@ from engine.model.loader import load_model
 from engine.outputs import ExternalKV
 from tests import reference
 
-MAX_TOKENS = 40
+# Outputs run to full length (min_tokens masks EOS in Tandem, min_new_tokens in transformers), so
+# the preempting cache always comes under pressure.
+TINY_MAX_TOKENS = 40
+REAL_MAX_TOKENS = 24
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 128  # the small cache: 8 blocks. Two ~42-token prompts fit; their growth to ~82 tokens does not
 SYSTEM = "You are the test assistant of a serving system. Answer briefly, precisely and in plain English."
@@ -37,11 +40,12 @@ TINY_CONFIG = dict(
 class Model:
     """A checkpoint folder, its transformers reference and one shared engine model."""
 
-    def __init__(self, hf_dir):
+    def __init__(self, hf_dir, max_tokens: int):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.hf_dir = hf_dir
+        self.max_tokens = max_tokens
         self.source = resolve_model(str(hf_dir)) if hf_dir != reference.hf_dir() else resolve_model(DEFAULT_MODEL)
         self.engine_model = load_model(hf_dir, "float32", "cpu", MAX_MODEL_LEN)
         self.hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -54,7 +58,7 @@ class Model:
 
         with torch.inference_mode():
             out = self.hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=MAX_TOKENS, do_sample=False)
+                                   max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens, do_sample=False)
         return out[0, len(prompt):].tolist()
 
     def engine(self, save_kv_on_finish: bool = False, **config) -> LLMEngine:
@@ -73,12 +77,12 @@ def tiny(tmp_path_factory) -> Model:
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(folder)
-    return Model(folder)
+    return Model(folder, TINY_MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def real() -> Model:
-    return Model(reference.hf_dir())
+    return Model(reference.hf_dir(), REAL_MAX_TOKENS)
 
 
 def system_chat_ids(text: str) -> list[int]:
@@ -98,7 +102,7 @@ def drain(e: LLMEngine) -> dict[str, list[int]]:
 
 def prefill_remotely(prefill: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, ExternalKV]:
     """What a prefill worker does: first token + the prompt's blocks as bytes."""
-    prefill.add_request(Request(rid, prompt, SamplingParams(temperature=0, max_tokens=1)))
+    prefill.add_request(Request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, min_tokens=1)))
     outputs = []
     while prefill.has_unfinished_requests():
         outputs += prefill.step()
@@ -121,7 +125,8 @@ def check_combination(model: Model, policy, prefix_cache, budget, small_cache, s
                            save_kv_on_finish=True)
     requests = []
     for i, (prompt, _) in enumerate(model.cases):
-        request = Request(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        params = SamplingParams(temperature=0, max_tokens=model.max_tokens, min_tokens=model.max_tokens)
+        request = Request(f"{tag}-{i}", prompt, params)
         external = None
         if not colocated:
             first, external = prefill_remotely(prefill, f"p-{tag}-{i}", prompt)
