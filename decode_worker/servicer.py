@@ -75,13 +75,17 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         manifest = request.manifest
         rid = request.request_id
         payloads: list[bytes] = []
+        pool = manifest.pool_address  # one node; "" when blocks are spread over the pool's ring
         try:
-            payloads = await self.io.fetch(manifest.pool_address, keys, rid)
-        except (grpc.RpcError, OSError) as err:
+            if not pool:
+                pool = await self.pool.ring()
+            payloads = await self.io.fetch(pool, keys, rid)
+        except (grpc.RpcError, OSError, LookupError) as err:
             log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": rid})
         finally:
             try:
-                await self.io.release(manifest.pool_address, rid)
+                if pool:
+                    await self.io.release(pool, rid)
             except grpc.RpcError:  # a dead pool holds nothing of ours any more
                 log.warning("KV pool release failed", extra={"request_id": rid})
         return self._external_kv(manifest.num_tokens, keys, payloads)

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.pool_locator import PoolLocator  # noqa: F401  (re-exported: servicers import it from here)
 from tandem.v1 import prefill_worker_pb2
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ def engine_options(f):
                      help="Decode passes per scheduling decision (multi-step)."),
         click.option("--enable-overlap/--no-enable-overlap", default=d.enable_overlap, show_default=True,
                      help="Schedule step k+1 while step k runs."),
+        click.option("--preemption-mode", default=d.preemption_mode, show_default=True,
+                     type=click.Choice(["swap", "recompute"]),
+                     help="A preempted request's KV: swapped to the pool (or host memory) or recomputed."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -116,30 +119,6 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         kv_transfer=kwargs["kv_transfer"],
     )
     return worker, engine_config, kwargs["log_level"]
-
-
-class PoolLocator:
-    """The KV pool's address: fixed by flag, else the first live pool in the registry (cached 1 s);
-    and how to move KV bytes to it (``kv_transfer``)."""
-
-    def __init__(self, registry: WorkerRegistry, fixed_address: str = "", kv_transfer: str = "auto"):
-        self.registry = registry
-        self.fixed_address = fixed_address
-        self.kv_transfer = kv_transfer
-        self._cached: tuple[float, str] = (0.0, "")
-
-    async def address(self) -> str:
-        """Raises LookupError when no pool is registered."""
-        if self.fixed_address:
-            return self.fixed_address
-        when, address = self._cached
-        if not address or time.monotonic() - when > 1.0:
-            pools = await self.registry.list_workers("pool")
-            if not pools:
-                raise LookupError("no KV pool is registered")
-            address = pools[0].address
-            self._cached = (time.monotonic(), address)
-        return address
 
 
 def _export_gauges(engine: AsyncEngine, role: str) -> None:

@@ -121,6 +121,30 @@ class IndexMirror:
             num_cleared += len(fields)
         return num_cleared
 
+    async def sweep_dead_nodes(self, live_node_ids: set[str]) -> int:
+        """Deletes index fields naming a node that is not live (died without cleaning up), with
+        an "evicted" event each; any surviving node may run it. Returns how many.
+
+        Mutates: Redis (index hashes, event stream).
+        """
+        num_swept = 0
+        async for key in self._redis.scan_iter(match=f"{INDEX_KEY_PREFIX}*", count=100):
+            dead = [
+                (f, parse_index_value(value)[0]) async for f, value in self._redis.hscan_iter(key, count=1000)
+                if parse_index_value(value)[0] not in live_node_ids
+            ]
+            if not dead:
+                continue
+            fp = key[len(INDEX_KEY_PREFIX) :]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for field, node_id in dead:
+                    await self._hdel_if_owner(keys=[key], args=[field, node_id], client=pipe)
+                    entry = {"type": "evicted", "fp": fp, "hash": field, "node": node_id}
+                    pipe.xadd(EVENTS_STREAM, entry, maxlen=self.stream_maxlen)
+                await pipe.execute()
+            num_swept += len(dead)
+        return num_swept
+
     async def _run(self) -> None:
         backoff_s = 0.1
         while True:

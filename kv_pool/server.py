@@ -43,6 +43,7 @@ class PoolServer:
         self._grpc = GrpcService(config.host, config.port, [SERVICE_NAME])
         self._heartbeat: Heartbeat | None = None
         self._expiry_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
         self.address = ""
 
     async def start(self) -> None:
@@ -63,6 +64,7 @@ class PoolServer:
         )
         await self._heartbeat.start()
         self._expiry_task = asyncio.create_task(self._expire_forever(), name="kv-pool-lease-expiry")
+        self._sweep_task = asyncio.create_task(self._sweep_forever(), name="kv-pool-index-sweep")
         if self.config.metrics_port:
             self._metrics.serve(self.config.metrics_port, self.config.host)
         log.info(
@@ -81,8 +83,9 @@ class PoolServer:
             except Exception:  # Redis gone: the registry key expires by itself
                 log.warning("could not deregister", exc_info=True)
         await self._grpc.stop()
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
+        for task in (self._expiry_task, self._sweep_task):
+            if task is not None:
+                task.cancel()
         await self._mirror.stop()
         self._metrics.shutdown()
         if self._nixl is not None:
@@ -126,6 +129,20 @@ class PoolServer:
 
     def _advertise_host(self) -> str:
         return socket.gethostname() if self.config.host in WILDCARD_HOSTS else self.config.host
+
+    async def _sweep_forever(self) -> None:
+        """Every ``2 * heartbeat_ttl_s``: removes index entries of pool nodes whose registry key
+        expired (killed with -9), so the index never points at a dead node for long."""
+        while True:
+            await asyncio.sleep(2 * self.config.heartbeat_ttl_s)
+            try:
+                live = {w.worker_id for w in await self._registry.list_workers("pool")}
+                if self.config.node_id in live:  # our own view of Redis is sane
+                    num_swept = await self._mirror.sweep_dead_nodes(live)
+                    if num_swept:
+                        log.info("removed %d index entries of dead pool nodes", num_swept)
+            except Exception:  # Redis hiccup: try again next round
+                log.warning("index sweep failed", exc_info=True)
 
     async def _expire_forever(self) -> None:
         """Releases lapsed leases every ``expiry_interval_s`` (and the scoped blocks with them)."""

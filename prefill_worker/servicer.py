@@ -12,6 +12,7 @@ from core.proto_convert import block_key_to_proto, sampling_params_from_proto, t
 from core.request import Request
 from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
+from core.pool_ring import HashRing
 from engine.pool_io import PoolIO
 from engine.worker_runtime import PoolLocator, stats_response
 from tandem.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
@@ -39,32 +40,34 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
-            address = await self.pool.address()
+            ring = await self.pool.ring()  # the pool nodes; each block goes to its node
         except LookupError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         hashes, keys = self.io.prompt_keys(rid, engine_request.prompt_token_ids)
         try:
-            return await self._prefill(engine_request, address, hashes, keys, started)
+            return await self._prefill(engine_request, ring, hashes, keys, started)
         except ValueError as err:
-            await self.io.release(address, rid)
+            await self.io.release(ring, rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except BaseException:  # cancelled by the router, or the pool failed: leave nothing behind
-            await self.io.release(address, rid)
+            await self.io.release(ring, rid)
             raise
 
-    async def _prefill(self, request: Request, address: str, hashes, keys, started: float):
-        cached = await self.io.load_cached_prefix(address, request.request_id, hashes)
+    async def _prefill(self, request: Request, ring: HashRing, hashes, keys, started: float):
+        cached = await self.io.load_cached_prefix(ring, request.request_id, hashes)
         bs = self.engine.engine.config.block_size
         external = ExternalKV(len(cached) * bs, cached) if cached else None
         output = None
         async for output in self.engine.generate(request, external):
             pass
         assert output is not None and output.finished and output.saved_kv is not None
-        await self.io.store(address, request.request_id, keys, output.saved_kv, skip=len(cached))
+        await self.io.store(ring, request.request_id, keys, output.saved_kv, skip=len(cached))
         self.num_cached_tokens += output.num_cached_tokens
         manifest = common_pb2.KVManifest(
             spec_fingerprint=self.engine.engine.spec.fingerprint,
-            pool_address=address,
+            # One node: its address. Several: "" (the decode worker places keys on its own ring,
+            # the router releases the request on every node).
+            pool_address=ring.addresses[0] if len(ring.nodes) == 1 else "",
             blocks=[block_key_to_proto(k) for k in keys],
             num_tokens=request.num_prompt_tokens,
         )

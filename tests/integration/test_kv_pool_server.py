@@ -245,6 +245,8 @@ def test_malformed_input_and_unknown_keys_get_exact_codes(stub, client, fp):
 
 def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_port, wait_until):
     node_id = f"pool-{uuid.uuid4().hex[:8]}"
+    # A live other node (its entries survive the dead-node sweep of every pool).
+    rdb.set(worker_key("pool", "other-node"), '{"worker_id": "other-node", "role": "pool", "address": "x:1"}', ex=120)
     rdb.hset(index_key(fp), mapping={"00000000000000ff": "other-node", "00000000000000fe": node_id})
     node_blocks = 64 * KIB
     pool = start_pool(4 * node_blocks, "--metrics-port", str(free_port), node_id=node_id)
@@ -272,6 +274,15 @@ def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_por
         assert client.stats()["num_scoped_blocks"] == 0
         wait_until(lambda: set(rdb.hgetall(index_key(fp))) == {hash_field(1), "00000000000000ff"},
                    message="index lost 4, 5, 6")
+    rdb.delete(worker_key("pool", "other-node"))
+
+
+def test_index_entries_of_dead_nodes_are_swept(start_pool, rdb, fp, wait_until):
+    start_pool(MIB)  # any live pool node sweeps (every 2 x heartbeat ttl = 6 s)
+    rdb.hset(index_key(fp), mapping={"00000000000000aa": "dead-node:dram", "00000000000000ab": "dead-node:nvme"})
+    wait_until(lambda: not rdb.exists(index_key(fp)), timeout_s=20, message="a survivor swept the dead node's entries")
+    events = [(e["type"], e["node"]) for _, e in rdb.xrange(EVENTS_STREAM) if e["fp"] == fp]
+    assert events == [("evicted", "dead-node")] * 2
 
 
 def test_sigterm_exits_zero_and_deregisters(start_pool, rdb, fp, wait_until):
