@@ -7,6 +7,8 @@ import asyncio
 import mmap
 import multiprocessing
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -141,3 +143,39 @@ def test_unknown_or_unreachable_mode_is_refused(client):
     with PoolClient("127.0.0.1:1", timeout_s=1) as dead, pytest.raises(grpc.RpcError):
         connect("auto", dead)
     assert os.path.exists("/dev/shm")
+
+
+@pytest.mark.parametrize("mode", ["grpc", "shm"])
+def test_concurrent_writers_of_one_hash_store_one_copy(pool, client, fp, mode):
+    keys = [BlockKey.content(fp, h) for h in (1, 2)]
+    data = [block(h, BLOCK) for h in (1, 2)]
+    barrier = threading.Barrier(4)
+
+    def writer(_: int) -> tuple[int, int]:
+        with PoolClient(pool.address, timeout_s=30) as own:  # one channel per writer
+            backend = connect(mode, own)
+            barrier.wait()
+            return backend.write(keys, data, [], "", 30)
+
+    with ThreadPoolExecutor(4) as threads:
+        results = list(threads.map(writer, range(4)))
+    assert sum(c for c, _ in results) == 2 and sum(d for _, d in results) == 6  # one copy each
+    assert client.get_blocks(keys) == data
+
+
+def test_reader_that_dies_holding_a_lease_is_reclaimed(client, fp, wait_until):
+    key = BlockKey.content(fp, 1)
+    client.put_blocks([(key, block(1, BLOCK))])
+    assert len(client.locate_blocks([key], "req-gone", ttl_s=0.3)) == 1  # and never releases
+    assert client.stats()["num_leases"] == 1
+    wait_until(lambda: client.stats()["num_leases"] == 0, timeout_s=10, message="the pool expired the lease")
+
+
+def test_reservation_never_committed_is_rolled_back(start_pool, fp, wait_until):
+    pool = start_pool(4 * BLOCK, "--put-reservation-ttl-s", "0.3")
+    with PoolClient(pool.address, timeout_s=30) as client:
+        [r] = client.reserve_blocks([BlockKey.content(fp, 1)], BLOCK)  # the writer dies here
+        assert client.stats()["num_writing_blocks"] == 1
+        wait_until(lambda: client.stats()["num_writing_blocks"] == 0, timeout_s=10, message="rolled back")
+        assert client.commit_blocks([r.reservation_id]) == 0 and client.lookup(fp, [1]) == 0
+        assert client.stats()["used_bytes"] == 0
