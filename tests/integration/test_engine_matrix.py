@@ -5,8 +5,8 @@ preemption happens / an ample one; num_scheduler_steps 1 / 4 / 8; overlap on / o
 disaggregated (prefill engine → KV bytes → decode engine).
 
 All 192 combinations run on a tiny random-weight Llama (2 layers; transformers on the same
-weights is its reference); the real SmolLM2-135M-Instruct runs each technique alone, all of them
-together, and the plain baseline. Prompts are the same real chat prompts for both."""
+weights is its reference); the real SmolLM2-135M-Instruct runs the plain baseline, some techniques
+alone and all of them together. Prompts are the same real chat prompts for both."""
 
 from __future__ import annotations
 
@@ -156,9 +156,10 @@ def test_tiny_llama_every_combination(tiny, policy, prefix_cache, budget, small_
 
 BASELINE = dict(policy="continuous", prefix_cache=False, budget=512, small_cache=False, steps=1, overlap=False,
                 colocated=False)
+# The real model (slow on CPU) covers the baseline, a few techniques alone and everything at once;
+# the tiny model above covers every combination.
 ONE_AT_A_TIME = [
-    {}, {"policy": "static"}, {"prefix_cache": True}, {"budget": 16}, {"small_cache": True}, {"steps": 4},
-    {"steps": 8}, {"overlap": True}, {"colocated": True},
+    {}, {"policy": "static"}, {"prefix_cache": True}, {"colocated": True, "budget": 16},
     {"prefix_cache": True, "budget": 16, "small_cache": True, "steps": 8, "overlap": True, "colocated": True},
     {"policy": "static", "prefix_cache": True, "budget": 16, "small_cache": True, "steps": 4, "overlap": True},
 ]
