@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from bench.cli import bench as bench_command
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.local_cluster import ClusterConfig, LocalCluster
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
@@ -143,6 +144,8 @@ def _print_demo(results) -> None:
     if any(r.error for r in results):
         raise click.ClickException("some demo requests failed")
 
+
+main.add_command(bench_command)
 
 if __name__ == "__main__":
     main()
