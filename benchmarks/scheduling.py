@@ -82,16 +82,16 @@ def tbt_under_long_prompts(bench: Bench, chunked: bool, long_len: int, num_decod
     steady: list[float] = []
     step = 0
     long_prompt = (bench.ids(" ".join(BUILTIN_PROMPTS) * 200))[:long_len]
-    while engine.has_unfinished_requests():
-        if step in (6, 14):
-            engine.add_request(Request(f"long{step}", long_prompt, SamplingParams(temperature=0, max_tokens=1)))
-        for o in engine.step():
-            now = time.perf_counter()
+    for outputs in engine.step_stream():  # one forward pass per iteration
+        now = time.perf_counter()
+        for o in outputs:
             if o.request_id.startswith("d"):
                 if o.request_id in last:
                     (gaps if step >= 6 else steady).append(now - last[o.request_id])
                 last[o.request_id] = now
         step += 1
+        if step in (6, 14):  # long prompts arrive while the decodes run
+            engine.add_request(Request(f"long{step}", long_prompt, SamplingParams(temperature=0, max_tokens=1)))
     q = statistics.quantiles(gaps, n=100)
     return {"p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000, "steady_ms": statistics.median(steady) * 1000}
 
@@ -129,28 +129,34 @@ def main() -> None:
     prompts = [bench.ids(t)[:1024] for t in texts]
     print(f"{len(prompts)} prompts ({args.prompts or 'built-in'}), {args.max_tokens} output tokens each, "
           f"{args.threads} threads")
-    rows = []
+    rows: list[tuple[str, ...]] = []
     results = {}
+
+    def emit(row: tuple[str, ...]) -> None:
+        rows.append(row)
+        print("  ".join(row), flush=True)
+
     for name, overrides in [("static", {"scheduling_policy": "static"}), ("continuous", {}),
                             ("continuous steps=4", {"num_scheduler_steps": 4}),
                             ("continuous steps=8", {"num_scheduler_steps": 8}),
                             ("continuous overlap", {"enable_overlap": True})]:
         r = bench.run(bench.engine(enable_prefix_caching=False, **overrides), prompts, args.max_tokens, name)
         results[name] = r
-        rows.append((name, f"{r['req_s']:.2f} req/s", f"{r['tok_s']:.1f} tok/s", f"sched share {r['sched_share']:.1%}"))
+        emit((name, f"{r['req_s']:.2f} req/s", f"{r['tok_s']:.1f} tok/s", f"sched share {r['sched_share']:.1%}"))
     base = results["static"]
-    rows.append(("continuous / static", f"{results['continuous']['req_s'] / base['req_s']:.2f}x",
+    emit(("continuous / static", f"{results['continuous']['req_s'] / base['req_s']:.2f}x",
                  f"{results['continuous']['tok_s'] / base['tok_s']:.2f}x", ""))
     for chunked in (False, True):
         t = tbt_under_long_prompts(bench, chunked, args.long_prompt_tokens, num_decodes=8)
-        rows.append((f"TBT with {args.long_prompt_tokens}-token arrivals, chunked={chunked}",
+        emit((f"TBT with {args.long_prompt_tokens}-token arrivals, chunked={chunked}",
                      f"p50 {t['p50_ms']:.0f} ms", f"p99 {t['p99_ms']:.0f} ms",
                      f"steady {t['steady_ms']:.0f} ms (p99/steady {t['p99_ms'] / t['steady_ms']:.2f})"))
     for enable in (False, True):
         p = prefix_workload(bench, enable, 8)
-        rows.append((f"shared-prefix workload, prefix cache={enable}", f"hit rate {p['hit_rate']:.1%}",
+        emit((f"shared-prefix workload, prefix cache={enable}", f"hit rate {p['hit_rate']:.1%}",
                      f"prefill tokens saved {p['saved_tokens']}/{p['prompt_tokens']}", ""))
     width = max(len(r[0]) for r in rows)
+    print()
     for r in rows:
         print(f"{r[0]:<{width}}  " + "  ".join(f"{c:<18}" for c in r[1:]))
 
