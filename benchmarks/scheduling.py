@@ -54,11 +54,15 @@ class Bench:
         return LLMEngine(EngineConfig(**{**config, **overrides}), self.model, self.source)
 
     @staticmethod
-    def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
-        """All prompts queued at once; returns throughput and per-token timings."""
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str, spread: bool = False) -> dict:
+        """All prompts queued at once; returns throughput and the scheduler's share of wall time.
+
+        ``spread``: output lengths vary from 1 to 2 x max_tokens - 1 (a fixed pseudo-random
+        pattern, mean max_tokens), as real answers do; EOS is ignored so lengths are exact.
+        """
         for i, p in enumerate(prompts):
-            engine.add_request(Request(f"{tag}-{i}", p, params))
+            length = 1 + (i * 37) % (2 * max_tokens - 1) if spread else max_tokens
+            engine.add_request(Request(f"{tag}-{i}", p, SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)))
         busy0 = engine.runner.busy_time_s
         started = time.perf_counter()
         num_tokens = 0
@@ -120,6 +124,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--long-prompt-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="32 prompts, 16 tokens, 1k-token long prompts")
     args = parser.parse_args()
     if args.quick:
@@ -127,8 +132,8 @@ def main() -> None:
     bench = Bench(args.threads)
     texts = load_prompts(args.prompts, args.num_prompts, max_chars=1500)
     prompts = [bench.ids(t)[:1024] for t in texts]
-    print(f"{len(prompts)} prompts ({args.prompts or 'built-in'}), {args.max_tokens} output tokens each, "
-          f"{args.threads} threads")
+    print(f"{len(prompts)} prompts ({args.prompts or 'built-in'}), output lengths 1..{2 * args.max_tokens - 1} "
+          f"(mean {args.max_tokens}), batches of {args.max_num_seqs}, {args.threads} threads")
     rows: list[tuple[str, ...]] = []
     results = {}
 
@@ -136,11 +141,14 @@ def main() -> None:
         rows.append(row)
         print("  ".join(row), flush=True)
 
+    # Batches of --max-num-seqs over more requests than that, with output lengths that differ:
+    # where static batching idles finished slots until a batch's longest request ends.
     for name, overrides in [("static", {"scheduling_policy": "static"}), ("continuous", {}),
                             ("continuous steps=4", {"num_scheduler_steps": 4}),
                             ("continuous steps=8", {"num_scheduler_steps": 8}),
                             ("continuous overlap", {"enable_overlap": True})]:
-        r = bench.run(bench.engine(enable_prefix_caching=False, **overrides), prompts, args.max_tokens, name)
+        engine = bench.engine(enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, **overrides)
+        r = bench.run(engine, prompts, args.max_tokens, name, spread=True)
         results[name] = r
         emit((name, f"{r['req_s']:.2f} req/s", f"{r['tok_s']:.1f} tok/s", f"sched share {r['sched_share']:.1%}"))
     base = results["static"]
