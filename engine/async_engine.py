@@ -98,6 +98,7 @@ class AsyncEngine:
                 for outputs in engine.step_stream():
                     self._deliver_all(outputs)
                     self._drain_inbox()  # joins and aborts take effect at the next pass
+                    self._stats = engine.stats()
             except Exception:  # a bug must not strand callers: fail every request in flight
                 log.exception("engine step failed")
                 self._deliver_all(self._fail_all())
