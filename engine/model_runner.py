@@ -70,10 +70,12 @@ class ModelRunner:
         if out.is_empty:
             return PreparedStep(out)
         input_ids, positions, meta, logits_indices = self._prepare_inputs(out)
+        # Only a request's last token can be unknown: check each request's last input token.
+        last_indices = [end - 1 for end in meta.query_start_loc[1:].tolist()]
         placeholders = [
             (i, item.request.request_id)
-            for i, item in zip(meta.query_start_loc[1:].tolist(), out.scheduled)
-            if input_ids[i - 1] == PLACEHOLDER_TOKEN_ID
+            for i, item in zip(last_indices, out.scheduled)
+            if input_ids[i] == PLACEHOLDER_TOKEN_ID
         ]
         snapshots = []
         for item in out.scheduled:
@@ -82,7 +84,7 @@ class ModelRunner:
                 snap.output_token_ids = list(item.request.output_token_ids)
                 snapshots.append(snap)
         return PreparedStep(out, input_ids, positions, meta, logits_indices, snapshots,
-                            [(i - 1, rid) for i, rid in placeholders])
+                            placeholders)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
