@@ -91,8 +91,11 @@ def test_kill_one_of_two_pool_nodes_mid_run(two_node_cluster):
     probe = ClusterProbe(cluster)
     prompts = [reference.PROMPTS[i % len(reference.PROMPTS)] for i in range(NUM_REQUESTS)]
     expected = {p: reference.hf_greedy(reference.chat_ids(p), MAX_TOKENS) for p in set(prompts)}
-    poll_until(lambda: generate(cluster, prompts[0]) and pool_stats(second_address).num_stored_blocks > 0,
-               timeout_s=30, message="workers spread blocks over both nodes")
+    # Which node a block lands on depends on the spec fingerprint (model file identity), so one
+    # prompt's few blocks may all hash to one node: send distinct prompts until both hold some.
+    warmup = iter(reference.PROMPTS * 4)
+    poll_until(lambda: generate(cluster, next(warmup)) and pool_stats(second_address).num_stored_blocks > 0,
+               timeout_s=60, message="workers spread blocks over both nodes")
 
     done, killed = threading.Semaphore(0), threading.Event()
 
