@@ -38,6 +38,8 @@ def main() -> None:
 @click.option("--pool-capacity-bytes", default=2 * 1024**3, show_default=True, type=int)
 @click.option("--num-threads", default=0, type=int, help="CPU threads split between the workers (0: all cores).")
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
+@click.option("--num-prefill-workers", default=1, show_default=True, type=int, help="Prefill worker processes.")
+@click.option("--num-decode-workers", default=1, show_default=True, type=int, help="Decode worker processes.")
 @click.option("--colocated", is_flag=True,
               help="No prefill worker: the decode worker prefills in chunks mixed into its decode steps.")
 @click.option("--scheduling-policy", default="continuous", show_default=True,
@@ -64,6 +66,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
     (or, with --ray, the same services as Ray actors)."""
     if address and not use_ray:
         raise click.UsageError("--address needs --ray")
+    if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
+        raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
     config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs), **kwargs)
     source = resolve_model(config.model)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):

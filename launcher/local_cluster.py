@@ -59,14 +59,28 @@ class ClusterConfig:
     extra_worker_args: tuple[str, ...] = ()
     # No prefill worker: the decode worker prefills, chunked into its decode steps (Sarathi-Serve).
     colocated: bool = False
+    # Worker processes per role (colocated: no prefill worker whatever num_prefill_workers says).
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        for name in ("num_prefill_workers", "num_decode_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def worker_roles(self) -> tuple[str, ...]:
         return ("decode",) if self.colocated else ("prefill", "decode")
+
+    @property
+    def worker_names(self) -> tuple[tuple[str, str], ...]:
+        """(service name, role) of every worker process, in start order. The first worker of a
+        role is named after the role (``prefill``, ``decode``), the others ``prefill-1``, ..."""
+        counts = {"prefill": self.num_prefill_workers, "decode": self.num_decode_workers}
+        return tuple((role if i == 0 else f"{role}-{i}", role)
+                     for role in self.worker_roles for i in range(counts[role]))
 
 
 @dataclass
@@ -114,12 +128,14 @@ def _redis_ready(port: int, host: str = "127.0.0.1") -> Callable[[], bool]:
 SERVICE_PACKAGES = {"kv_pool": "kv_pool", "prefill": "prefill_worker", "decode": "decode_worker", "router": "router"}
 
 
-def worker_threads(cores: int, colocated: bool = False) -> dict[str, int]:
-    """CPU threads of the prefill and decode workers when they share ``cores`` cores (all of
-    them to the decode worker when it runs alone, colocated)."""
+def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int = 1,
+                   num_decode_workers: int = 1) -> dict[str, int]:
+    """CPU threads of each prefill and each decode worker when they share ``cores`` cores (all of
+    them to the decode workers when they run alone, colocated); at least 1 each."""
     if colocated:
-        return {"decode": max(1, cores)}
-    return {"prefill": max(1, cores // 2), "decode": max(1, cores - cores // 2)}
+        return {"decode": max(1, cores // num_decode_workers)}
+    return {"prefill": max(1, (cores // 2) // num_prefill_workers),
+            "decode": max(1, (cores - cores // 2) // num_decode_workers)}
 
 
 def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,
@@ -145,6 +161,10 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
     ]
 
 
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
 class LocalCluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -152,7 +172,7 @@ class LocalCluster:
         self.redis_url = config.redis_url
         self.http_url = f"http://{config.host}:{config.http_port}"
         self.grpc_address = f"{config.host}:{config.grpc_port}"
-        # gRPC address of each started service, by name (kv_pool, prefill, decode).
+        # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
@@ -178,23 +198,20 @@ class LocalCluster:
         py = sys.executable
         if not self.redis_url:
             self.start_redis(on_progress, timeout_s)
-        pool_port, prefill_port, decode_port = free_port(), free_port(), free_port()
-        self.addresses = {name: f"{c.host}:{port}" for name, port in
-                          (("kv_pool", pool_port), ("prefill", prefill_port), ("decode", decode_port))}
-        pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, pool_port, self.redis_url),
-                           _grpc_ready(self.addresses["kv_pool"]))
+        self.addresses = {"kv_pool": f"{c.host}:{free_port()}"}
+        self.addresses.update({name: f"{c.host}:{free_port()}" for name, _ in c.worker_names})
+        pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, _port(self.addresses["kv_pool"]),
+                                                   self.redis_url), _grpc_ready(self.addresses["kv_pool"]))
         self._wait(pool, on_progress, timeout_s)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
-        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated)
-        ports = {"prefill": prefill_port, "decode": decode_port}
+        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
+                                 c.num_prefill_workers, c.num_decode_workers)
         workers = [
-            self._spawn(role, service_argv(c, role, py, c.host, ports[role], self.redis_url,
+            self._spawn(name, service_argv(c, role, py, c.host, _port(self.addresses[name]), self.redis_url,
                                            pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
-                        _grpc_ready(self.addresses[role]), env={"OMP_NUM_THREADS": str(threads[role])})
-            for role in c.worker_roles
+                        _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads[role])})
+            for name, role in c.worker_names
         ]
-        if c.colocated:
-            del self.addresses["prefill"]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
         router = self._spawn("router", service_argv(c, "router", py, c.host, c.grpc_port, self.redis_url),
@@ -237,6 +254,13 @@ class LocalCluster:
                 return
             time.sleep(0.2)  # polling a child's health, not synchronising threads
         raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; log {service.log_path}")
+
+    def service(self, name: str) -> Service:
+        """The started service called ``name`` (``decode-1``, ...). Raises KeyError if none."""
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(f"no service {name!r}; started: {[s.name for s in self.services]}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM in reverse start order, SIGKILL what is still alive after ``timeout_s``."""
