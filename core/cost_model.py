@@ -1,0 +1,204 @@
+"""A worker's latency model, fitted from its own step timings (Mooncake §5; DistServe §4).
+
+One linear model explains every engine step, prefill chunks and decodes alike::
+
+    step_s = base_s + per_token_s * num_new_tokens + per_seq_s * num_seqs + per_attn_s * attn_pairs
+
+``num_new_tokens`` are the tokens the step computed (prompt chunk tokens plus one per decoding
+sequence), ``num_seqs`` the sequences in the batch, ``attn_pairs`` the attention work in units of
+1000 (query, key) pairs: a chunk of ``n`` new tokens after ``c`` cached ones attends
+``n * (c + (n + 1) / 2)`` pairs, a decoding sequence with ``k`` KV tokens ``k`` pairs. Prefill
+and decode times follow from the same coefficients, so a worker that mostly decodes still
+predicts its prefill, and the router compares prefill workers and decode workers in one unit.
+
+Workers fit it online (:class:`StepTimeFit`, least squares over a sliding window of recent
+steps) and publish the coefficients in their heartbeat (:meth:`CostModel.to_load`); the router
+reads them back (:meth:`CostModel.from_load`) to predict TTFT and TBT per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+ATTN_PAIRS_UNIT = 1000.0  # attn_pairs are counted in thousands of (query, key) pairs
+_LOAD_PREFIX = "cost_"
+
+
+def prefill_attn_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
+    """Attention work (thousands of pairs) of ``num_new_tokens`` after ``num_context_tokens``."""
+    return num_new_tokens * (num_context_tokens + (num_new_tokens + 1) / 2) / ATTN_PAIRS_UNIT
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step as measured: what it computed and how long it took (wall seconds)."""
+
+    num_new_tokens: int
+    num_seqs: int
+    attn_pairs: float  # thousands of (query, key) pairs, see prefill_attn_pairs
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Fitted step-time coefficients of one worker, in seconds, plus its KV-load bandwidth.
+
+    A zero ``num_samples`` means nothing was measured yet: :meth:`from_load` returns None for it
+    and the router falls back to load counts.
+    """
+
+    base_s: float = 0.0
+    per_token_s: float = 0.0
+    per_seq_s: float = 0.0
+    per_attn_s: float = 0.0  # per thousand (query, key) pairs
+    num_samples: int = 0
+    max_num_batched_tokens: int = 2048  # the worker's chunk budget: a prompt takes ceil(n / budget) steps
+    kv_load_bytes_per_s: float = 0.0  # measured pool -> worker bandwidth; 0: not measured yet
+    kv_bytes_per_token: float = 0.0  # KV bytes of one token across all layers (the KVCacheSpec's)
+
+    def step_s(self, num_new_tokens: int, num_seqs: int, attn_pairs: float) -> float:
+        """Predicted duration of one step (seconds)."""
+        return max(
+            0.0,
+            self.base_s + self.per_token_s * num_new_tokens + self.per_seq_s * num_seqs + self.per_attn_s * attn_pairs,
+        )
+
+    def prefill_s(self, num_uncached_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Seconds to compute ``num_uncached_tokens`` prompt tokens after ``num_cached_tokens``
+        whose KV is already present, in chunks of ``max_num_batched_tokens`` (one step each)."""
+        if num_uncached_tokens <= 0:
+            return 0.0
+        total_s, done = 0.0, 0
+        budget = max(1, self.max_num_batched_tokens)
+        while done < num_uncached_tokens:
+            n = min(budget, num_uncached_tokens - done)
+            total_s += self.step_s(n, 1, prefill_attn_pairs(n, num_cached_tokens + done))
+            done += n
+        return total_s
+
+    def kv_load_s(self, num_tokens: int) -> float:
+        """Seconds to load ``num_tokens`` tokens' KV from the pool; 0 when not yet measured."""
+        if num_tokens <= 0 or self.kv_load_bytes_per_s <= 0:
+            return 0.0
+        return num_tokens * self.kv_bytes_per_token / self.kv_load_bytes_per_s
+
+    def decode_step_s(self, batch_size: int, num_kv_tokens: int) -> float:
+        """Seconds of one decode step for ``batch_size`` sequences holding ``num_kv_tokens`` in all."""
+        return self.step_s(batch_size, batch_size, num_kv_tokens / ATTN_PAIRS_UNIT)
+
+    def to_load(self) -> dict[str, float]:
+        """The heartbeat fields (``cost_*``) that carry this model."""
+        return {
+            f"{_LOAD_PREFIX}base_s": self.base_s,
+            f"{_LOAD_PREFIX}per_token_s": self.per_token_s,
+            f"{_LOAD_PREFIX}per_seq_s": self.per_seq_s,
+            f"{_LOAD_PREFIX}per_attn_s": self.per_attn_s,
+            f"{_LOAD_PREFIX}num_samples": float(self.num_samples),
+            f"{_LOAD_PREFIX}max_num_batched_tokens": float(self.max_num_batched_tokens),
+            f"{_LOAD_PREFIX}kv_load_bytes_per_s": self.kv_load_bytes_per_s,
+            f"{_LOAD_PREFIX}kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+    @classmethod
+    def from_load(cls, load: dict[str, float]) -> CostModel | None:
+        """The model a heartbeat carries; None when it carries none or nothing was measured."""
+        samples = load.get(f"{_LOAD_PREFIX}num_samples", 0)
+        if not samples:
+            return None
+        get = lambda name: float(load.get(f"{_LOAD_PREFIX}{name}", 0.0))  # noqa: E731
+        return cls(
+            base_s=get("base_s"), per_token_s=get("per_token_s"), per_seq_s=get("per_seq_s"),
+            per_attn_s=get("per_attn_s"), num_samples=int(samples),
+            max_num_batched_tokens=int(get("max_num_batched_tokens") or 2048),
+            kv_load_bytes_per_s=get("kv_load_bytes_per_s"), kv_bytes_per_token=get("kv_bytes_per_token"),
+        )
+
+
+class StepTimeFit:
+    """Least-squares fit of :class:`CostModel` coefficients over the last ``window`` steps.
+
+    Coefficients are kept non-negative (a step never gets faster with more work): a negative one
+    is pinned to zero and the rest refitted. Ridge ``regularization`` keeps the fit defined while
+    the samples do not yet vary in every feature (e.g. only single-sequence decodes so far).
+    """
+
+    def __init__(self, window: int = 512, regularization: float = 1e-6):
+        if window < 4:
+            raise ValueError(f"window must be >= 4, got {window}")
+        self._samples: deque[StepSample] = deque(maxlen=window)
+        self.regularization = regularization
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, sample: StepSample) -> None:
+        """Records one step; non-finite or negative durations are ignored."""
+        if math.isfinite(sample.duration_s) and sample.duration_s >= 0:
+            self._samples.append(sample)
+
+    def clear(self) -> None:
+        """Forgets every sample."""
+        self._samples.clear()
+
+    def fit(self) -> tuple[float, float, float, float]:
+        """(base_s, per_token_s, per_seq_s, per_attn_s); zeros with no samples.
+
+        Each column is scaled to unit RMS before the ridge solve, so ``regularization`` weighs
+        every coefficient alike whatever its feature's magnitude (tokens run to thousands, the
+        intercept is 1). Rows are weighted by ``1 / duration_s`` (relative least squares), so
+        short decode steps count as much as long prefill chunks: what the router needs is a
+        small relative error on both.
+        """
+        if not self._samples:
+            return (0.0, 0.0, 0.0, 0.0)
+        x = np.array([[1.0, s.num_new_tokens, s.num_seqs, s.attn_pairs] for s in self._samples])
+        y = np.array([s.duration_s for s in self._samples])
+        weights = 1.0 / np.maximum(y, max(float(y.max()), 1e-9) * 1e-3)
+        x, y = x * weights[:, None], y * weights
+        scale = np.sqrt((x * x).mean(axis=0))
+        scale[scale == 0] = 1.0
+        x = x / scale
+        active = [0, 1, 2, 3]
+        coef = np.zeros(4)
+        while active:
+            xa = x[:, active]
+            gram = xa.T @ xa + self.regularization * len(y) * np.eye(len(active))
+            solution = np.linalg.solve(gram, xa.T @ y)
+            if (solution >= 0).all():
+                coef[active] = solution
+                break
+            active.pop(int(np.argmin(solution)))
+        return tuple(float(c) for c in coef / scale)  # type: ignore[return-value]
+
+    def model(self, **fields) -> CostModel:
+        """A CostModel of the current fit; ``fields`` set the non-fitted ones (bandwidth, budget)."""
+        base_s, per_token_s, per_seq_s, per_attn_s = self.fit()
+        return CostModel(base_s, per_token_s, per_seq_s, per_attn_s, num_samples=len(self._samples), **fields)
+
+
+class BandwidthMeter:
+    """EWMA of a transfer's bandwidth (bytes / second), e.g. pool -> worker KV loads.
+
+    Only real transfers count: one of less than ``min_bytes`` (e.g. an empty prefix) or of no
+    measurable duration is ignored. ``alpha`` is the weight of the newest transfer.
+    """
+
+    def __init__(self, alpha: float = 0.2, min_bytes: int = 1):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.min_bytes = min_bytes
+        self.bytes_per_s = 0.0  # 0: nothing measured yet
+        self.num_transfers = 0
+
+    def record(self, num_bytes: int, duration_s: float) -> None:
+        """Folds one transfer of ``num_bytes`` that took ``duration_s`` seconds into the average."""
+        if num_bytes < max(1, self.min_bytes) or not math.isfinite(duration_s) or duration_s <= 0:
+            return
+        rate = num_bytes / duration_s
+        self.bytes_per_s = rate if self.num_transfers == 0 else self.alpha * rate + (1 - self.alpha) * self.bytes_per_s
+        self.num_transfers += 1
