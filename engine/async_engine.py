@@ -12,6 +12,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+from core.cost_model import BandwidthMeter
 from core.request import FinishReason, Request
 from engine.engine import EngineStats, LLMEngine
 from engine.outputs import ExternalKV, RequestOutput
@@ -33,6 +34,8 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        # Pool -> worker KV bandwidth, recorded by the servicer around its pool reads.
+        self.kv_load = BandwidthMeter()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.cost_model import CostModel
 from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
@@ -18,9 +19,10 @@ from engine.kv_connector import pack_blocks
 from engine.loader import ensure_hf_dir
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import ExternalKV, RequestOutput, SchedulerOutput
+from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.step_stats import StepStats
 from engine.swap_space import HostSwapSpace, SwapSpace
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,17 @@ class EngineStats:
     num_preemptions: int
     # Preemptions whose KV was swapped out (the rest were recomputed).
     num_swapped_out: int = 0
+    # Tokens the last pass computed (0 when idle).
+    num_batched_tokens: int = 0
+    # Prompt tokens still to compute: waiting requests (less external KV) and running ones
+    # still prefilling.
+    num_waiting_tokens: int = 0
+    # Tokens whose KV the running requests hold.
+    num_kv_tokens: int = 0
+    # Mean wall time of the last few passes (seconds; 0 before any).
+    recent_step_time_s: float = 0.0
+    # The step-time model fitted from this engine's passes (budget and KV bytes filled in).
+    cost_model: CostModel = CostModel()
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -89,6 +102,7 @@ class LLMEngine:
         self.num_swapped_out = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
+        self.step_stats = StepStats()
 
     @classmethod
     def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False,
@@ -140,7 +154,7 @@ class LLMEngine:
         out, substep = self.scheduler.schedule(), 0
         while not out.is_empty:
             self._swap_out(out)
-            runner_output = self.runner.execute(out)
+            runner_output = self._record(self.runner.execute(out))
             yield self._finish(self.scheduler.update_from_output(out, runner_output))
             out, substep = self._next_step(out, substep)
 
@@ -163,7 +177,7 @@ class LLMEngine:
             self.scheduler.commit_scheduled(out)
             following, substep = self._next_step(out, substep)
             prepared = self.runner.prepare(following)
-            runner_output = running.result()
+            runner_output = self._record(running.result())
             self._swap_out(following)  # step k no longer writes the victims' blocks
             outputs = self._finish(self.scheduler.resolve_sampled(out, runner_output))
             if any(o.finished for o in outputs) and self._drop_finished(following):
@@ -175,6 +189,12 @@ class LLMEngine:
             running = self._executor.submit(self.runner.run, prepared)
             yield outputs
             out = following
+
+    def _record(self, runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Feeds the pass's timing to the cost model (engine thread only)."""
+        if runner_output.step_sample is not None:
+            self.step_stats.record(runner_output.step_sample)
+        return runner_output
 
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Packs preempted requests' KV into the swap space before their blocks are reused."""
@@ -207,7 +227,10 @@ class LLMEngine:
         self.scheduler.free(output.request_id)
 
     def stats(self) -> EngineStats:
+        """A snapshot of the load; refits the cost model when due (engine thread only)."""
         kv = self.scheduler.kv
+        sched = self.scheduler
+        last = self.step_stats.last
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
@@ -216,4 +239,23 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_swapped_out=self.num_swapped_out,
+            num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,
+            num_waiting_tokens=self._num_waiting_tokens(),
+            num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            recent_step_time_s=self.step_stats.recent_step_time_s,
+            cost_model=self.step_stats.model(
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,
+            ),
         )
+
+    def _num_waiting_tokens(self) -> int:
+        """Tokens to compute before each waiting or prefilling request samples (a request with
+        one token left is decoding and counts 0)."""
+        sched = self.scheduler
+        total = 0
+        for request in (*sched.waiting, *sched.running):
+            ext = sched.external_kv.get(request.request_id)
+            left = request.num_tokens - max(request.num_computed_tokens, ext.num_tokens if ext else 0)
+            total += left if left > 1 else 0
+        return total

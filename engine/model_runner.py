@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.cost_model import StepSample, prefill_attn_pairs
 from core.request import Request
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 from engine.kv_connector import unpack_blocks
@@ -29,6 +30,9 @@ class PreparedStep:
     sampling_requests: list[Request] = field(default_factory=list)
     # (index into input_ids, request_id) whose token comes from the previous step.
     placeholders: list[tuple[int, str]] = field(default_factory=list)
+    # The cost model's features of this pass (num_new_tokens, num_seqs, attn_pairs), taken while
+    # num_computed_tokens is still the pass's start (overlap moves it on before the pass runs).
+    features: tuple[int, int, float] = (0, 0, 0.0)
 
     def patch(self, sampled: dict[str, int]) -> None:
         """Fills placeholders with the tokens the previous step sampled. Mutates this step."""
@@ -83,8 +87,13 @@ class ModelRunner:
                 snap = copy.copy(item.request)
                 snap.output_token_ids = list(item.request.output_token_ids)
                 snapshots.append(snap)
+        features = (
+            out.num_scheduled_tokens,
+            len(out.scheduled),
+            sum(prefill_attn_pairs(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled),
+        )
         return PreparedStep(out, input_ids, positions, meta, logits_indices, snapshots,
-                            placeholders)
+                            placeholders, features)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
@@ -103,8 +112,10 @@ class ModelRunner:
         with forward_context(ctx):
             logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_sampling, vocab]
         sampled = self.sampler.sample(logits, step.sampling_requests)
-        self.busy_time_s += time.perf_counter() - started
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling_requests, sampled)})
+        duration_s = time.perf_counter() - started
+        self.busy_time_s += duration_s
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling_requests, sampled)},
+                                 StepSample(*step.features, duration_s))
 
     def _prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.cost_model import StepSample
 from core.request import FinishReason, Request
 
 
@@ -89,6 +90,8 @@ class SampledToken:
 class ModelRunnerOutput:
     # request_id -> sampled token, for requests whose step reached their last token.
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # What the pass computed and its forward + sampling wall time; None for an empty pass.
+    step_sample: StepSample | None = None
 
 
 @dataclass

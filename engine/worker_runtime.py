@@ -6,6 +6,7 @@ Workers import this (and ``core``), never each other.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -135,8 +136,26 @@ def _export_gauges(engine: AsyncEngine, role: str) -> None:
 
 
 def load_dict(engine: AsyncEngine) -> dict[str, float]:
-    """The live load a worker publishes in its heartbeat and its GetStats reply."""
+    """The live load a worker publishes in its heartbeat (``WorkerInfo.load``) and GetStats.
+
+    Keys (all numbers):
+
+    - ``num_requests_running``, ``num_requests_waiting``: requests in the batch / queued.
+    - ``num_total_blocks``, ``num_used_blocks``, ``num_free_blocks``: this worker's KV blocks.
+    - ``num_preemptions``: since start.
+    - ``num_batched_tokens``: tokens the last pass computed (0 when idle).
+    - ``num_waiting_tokens``: prompt tokens still to compute (waiting requests, less the KV
+      they bring, and running requests still prefilling): the queue's prefill work.
+    - ``num_kv_tokens``: tokens whose KV the running requests hold (decode attention work).
+    - ``recent_step_time_s``: mean wall time of the last ~16 passes (0 before any).
+    - ``max_num_seqs``: the batch-size limit.
+    - ``cost_*``: :meth:`core.cost_model.CostModel.to_load` (``cost_base_s``,
+      ``cost_per_token_s``, ``cost_per_seq_s``, ``cost_per_attn_s``, ``cost_num_samples``,
+      ``cost_max_num_batched_tokens``, ``cost_kv_load_bytes_per_s``, ``cost_kv_bytes_per_token``);
+      read them back with ``CostModel.from_load(load)``.
+    """
     s = engine.stats()
+    cost = dataclasses.replace(s.cost_model, kv_load_bytes_per_s=engine.kv_load.bytes_per_s)
     return {
         "num_requests_running": s.num_requests_running,
         "num_requests_waiting": s.num_requests_waiting,
@@ -144,6 +163,12 @@ def load_dict(engine: AsyncEngine) -> dict[str, float]:
         "num_used_blocks": s.num_used_blocks,
         "num_free_blocks": s.num_free_blocks,
         "num_preemptions": s.num_preemptions,
+        "num_batched_tokens": s.num_batched_tokens,
+        "num_waiting_tokens": s.num_waiting_tokens,
+        "num_kv_tokens": s.num_kv_tokens,
+        "recent_step_time_s": s.recent_step_time_s,
+        "max_num_seqs": engine.engine.config.max_num_seqs,
+        **cost.to_load(),
     }
 
 

@@ -1,0 +1,100 @@
+"""The engine times every forward pass as one StepSample with the cost model's exact features,
+and publishes the load the router reads (engine.stats / worker_runtime.load_dict)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.model_source import resolve_model
+from core.request import Request
+from core.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+
+TINY_CONFIG = dict(
+    vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.5, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, source) of a tiny random-weight Llama, shared by every engine of this module."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.model.loader import load_model
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(folder)
+    return load_model(folder, "float32", "cpu", 64), resolve_model(str(folder))
+
+
+def make_engine(tiny, **overrides) -> LLMEngine:
+    model, source = tiny
+    config = dict(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    return LLMEngine(EngineConfig(**{**config, **overrides}), model, source)
+
+
+def request(rid: str, num_prompt_tokens: int, max_tokens: int, first: int = 0) -> Request:
+    """Prompts with different ``first`` share no prefix (no prefix-cache hit between them)."""
+    prompt = [(11 * i + 5) % 500 + 3 for i in range(first, first + num_prompt_tokens)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    return Request(rid, prompt, params)
+
+
+def drain(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("steps", [1, 4], ids=["steps1", "steps4"])
+def test_one_sample_per_pass_with_exact_features(tiny, overlap, steps):
+    engine = make_engine(tiny, enable_overlap=overlap, num_scheduler_steps=steps)
+    engine.add_request(request("a", 20, max_tokens=3))
+    drain(engine)
+    samples = list(engine.step_stats.fit._samples)
+    # chunks 8, 8, 4 (the third samples token 1), then two decodes after 20 and 21 tokens
+    assert [(s.num_new_tokens, s.num_seqs) for s in samples] == [(8, 1), (8, 1), (4, 1), (1, 1), (1, 1)]
+    assert [s.attn_pairs for s in samples] == pytest.approx(
+        [8 * 4.5 / 1000, 8 * 12.5 / 1000, 4 * 18.5 / 1000, 21 / 1000, 22 / 1000], rel=1e-12)
+    assert all(s.duration_s > 0 for s in samples)
+    assert engine.step_stats.num_steps == 5
+
+
+def test_mixed_batch_features(tiny):
+    """A decode and a new prompt's chunk in one pass: tokens, sequences and pairs add up."""
+    engine = make_engine(tiny)
+    engine.add_request(request("a", 6, max_tokens=3))
+    engine.step_stream().__next__()  # 6-token prefill, samples a's first token
+    engine.add_request(request("b", 10, max_tokens=1, first=100))
+    drain(engine)
+    samples = [(s.num_new_tokens, s.num_seqs, round(s.attn_pairs * 1000, 6)) for s in engine.step_stats.fit._samples]
+    # pass 2: a decodes (1 token after 6) + b's first 7-token chunk; pass 3: a after 7 + b's last 3 after 7
+    assert samples == [(6, 1, 21.0), (8, 2, 7.0 + 28.0), (4, 2, 8.0 + 3 * 9.0)]
+
+
+def test_stats_report_load_and_cost_model(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=8)
+    assert engine.stats().cost_model.num_samples == 0
+    engine.add_request(request("a", 20, max_tokens=4))
+    engine.add_request(request("b", 5, max_tokens=4, first=100))
+    stream = engine.step_stream()
+    next(stream)  # a's first chunk of 8
+    stats = engine.stats()
+    assert stats.num_batched_tokens == 8
+    assert stats.num_waiting_tokens == 12 + 5  # a's 12 left + b (waiting)
+    assert stats.num_kv_tokens == 8
+    assert stats.cost_model.num_samples == 1
+    assert stats.cost_model.max_num_batched_tokens == 8
+    assert stats.cost_model.kv_bytes_per_token == engine.spec.block_bytes / 4 == 2 * 2 * 2 * 8 * 4
+    assert stats.recent_step_time_s == engine.step_stats.last.duration_s
+    for _ in stream:
+        pass
+    drain(engine)
+    idle = engine.stats()
+    assert (idle.num_batched_tokens, idle.num_waiting_tokens, idle.num_kv_tokens, idle.num_used_blocks) == (0, 0, 0, 0)
+    assert idle.cost_model.num_samples == engine.step_stats.num_steps
