@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import redis.asyncio as aioredis
 
@@ -23,17 +23,42 @@ ROLES = ("prefill", "decode", "pool")
 
 @dataclass
 class WorkerInfo:
-    """What the router knows of one worker; ``load`` holds the latest stats snapshot."""
+    """What the router knows of one worker; ``load`` holds the latest stats snapshot
+    (engine.worker_runtime.load_dict lists its keys).
+
+    ``spec_fingerprint`` and ``block_size`` are the worker's KVCacheSpec's (empty / 0 for a pool
+    node or an older worker): with them the router computes a prompt's block hashes
+    (core.block_hash) and looks its prefix up in the pool's index.
+    """
 
     worker_id: str
     role: str
     address: str
     load: dict[str, float] = field(default_factory=dict)
     heartbeat_time_s: float = 0.0
+    spec_fingerprint: str = ""
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerInfo:
+        """Parses a registry entry; keys this version does not know are ignored (a newer worker),
+        missing optional ones take their defaults (an older worker).
+
+        Raises:
+            ValueError: not JSON, or a required key (worker_id, role, address) is missing.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"bad worker entry {text[:200]!r}: not a JSON object")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as err:
+            raise ValueError(f"bad worker entry {text[:200]!r}: {err}") from None
 
 
 def worker_key(role: str, worker_id: str) -> str:
@@ -60,7 +85,14 @@ class WorkerRegistry:
         if not keys:
             return []
         values = await self.redis.mget(keys)
-        workers = [WorkerInfo(**json.loads(v)) for v in values if v is not None]
+        workers = []
+        for value in values:
+            if value is None:  # expired between SCAN and MGET
+                continue
+            try:
+                workers.append(WorkerInfo.from_json(value))
+            except ValueError:
+                log.warning("skipping a malformed worker entry", exc_info=True)
         return sorted(workers, key=lambda w: w.worker_id)
 
     async def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -31,11 +32,23 @@ def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
     )
 
 
+def _append_outputs(request: Request, output_token_ids) -> None:
+    """Appends a resumed request's tokens so far (they count toward max_tokens and min_tokens).
+    Raises ValueError when they run past the request's end (a stop token or max_tokens before
+    the last one)."""
+    for i, token_id in enumerate(output_token_ids):
+        if request.append_output_token(token_id) is not None and i < len(output_token_ids) - 1:
+            raise ValueError(f"output_token_ids end the request at index {i} of {len(output_token_ids)} "
+                             f"({request.finish_reason.value})")
+
+
 class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     """Disaggregated decode: fetch the manifest's blocks from the pool (off the step loop),
     release the request in the pool, join the running batch at the next step, stream every new
     token. Colocated (no manifest): prefill here in chunks mixed into the decode steps
-    (Sarathi-Serve), then decode; every token is streamed, the first included."""
+    (Sarathi-Serve), then decode; every token is streamed, the first included. Resumed
+    (``output_token_ids``, after another decode worker failed): load the longest prefix of prompt
+    + those tokens stored in the pool, recompute the rest in chunks, stream only new tokens."""
 
     def __init__(self, engine: AsyncEngine, pool: PoolLocator):
         self.engine = engine
@@ -53,6 +66,11 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 yield _finished(engine_request)  # the first token already ends it
                 return
             external = await self._fetch_prompt_kv(request, keys, context)
+        elif request.output_token_ids:  # resumed: the tokens so far are outputs, not prompt
+            if engine_request.is_finished:
+                yield _finished(engine_request)
+                return
+            external = await self._load_resumed_kv(engine_request)
         # A cancelled stream parked at `yield` gets no exception in this handler: abort from the
         # RPC's done callback instead (a no-op once the request finished).
         context.add_done_callback(lambda _: self.engine.abort(request.request_id))
@@ -79,7 +97,10 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         try:
             if not pool:
                 pool = await self.pool.ring()
+            fetch_started = time.perf_counter()
             payloads = await self.io.fetch(pool, keys, rid)
+            if payloads:  # the router's KV-load estimate: bytes / this measured bandwidth
+                self.engine.kv_load.record(len(payloads) * self.io.spec.block_bytes, time.perf_counter() - fetch_started)
         except (grpc.RpcError, OSError, LookupError) as err:
             log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": rid})
         finally:
@@ -89,6 +110,31 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             except grpc.RpcError:  # a dead pool holds nothing of ours any more
                 log.warning("KV pool release failed", extra={"request_id": rid})
         return self._external_kv(manifest.num_tokens, keys, payloads)
+
+    async def _load_resumed_kv(self, request: Request) -> ExternalKV | None:
+        """KV of the longest prefix of prompt + outputs stored in the pool (full blocks only: in
+        practice the prompt's, written by the prefill worker); None when the pool has none or
+        cannot be reached. The engine recomputes everything after it."""
+        rid = request.request_id
+        hashes, _ = self.io.prompt_keys(rid, request.all_token_ids)
+        payloads: list[bytes] = []
+        try:
+            ring = await self.pool.ring()
+        except LookupError:
+            return None
+        try:
+            payloads = await self.io.load_cached_prefix(ring, rid, hashes)
+        except (grpc.RpcError, OSError) as err:
+            log.warning("KV pool fetch failed (%s); recomputing", err, extra={"request_id": rid})
+        finally:
+            try:
+                await self.io.release(ring, rid)
+            except grpc.RpcError:
+                log.warning("KV pool release failed", extra={"request_id": rid})
+        num_loaded = len(payloads) * self.engine.engine.spec.block_size
+        log.info("resuming after %d output tokens: %d of %d tokens loaded from the pool, the rest recomputed",
+                 request.num_output_tokens, num_loaded, request.num_tokens, extra={"request_id": rid})
+        return ExternalKV(num_loaded, payloads) if payloads else None
 
     def _external_kv(self, num_tokens: int, keys: list, payloads: list[bytes]) -> ExternalKV | None:
         """The fetched KV; when the pool gave only a prefix (a block missing or corrupt), the
@@ -104,6 +150,9 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         engine_request = Request(request.request_id, list(request.prompt_token_ids), params)
         if request.HasField("first_token_id") != request.HasField("manifest"):
             raise ValueError("first_token_id and manifest come together (disaggregated) or not at all (colocated)")
+        if request.output_token_ids and request.HasField("manifest"):
+            raise ValueError("output_token_ids resume a request: they come without first_token_id and manifest")
+        _append_outputs(engine_request, request.output_token_ids)
         if not request.HasField("manifest"):
             return engine_request, []
         spec = self.engine.engine.spec

@@ -212,7 +212,9 @@ def serve_worker(
             async_engine.start()
             port = await service.start()
             address = worker.advertise_address or f"{worker.host}:{port}"
-            info = WorkerInfo(worker.worker_id, worker.role, address)
+            spec = engine.spec
+            info = WorkerInfo(worker.worker_id, worker.role, address,
+                              spec_fingerprint=spec.fingerprint, block_size=spec.block_size)
             heartbeat = Heartbeat(registry, info, lambda: load_dict(async_engine),
                                   worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
             await heartbeat.start()

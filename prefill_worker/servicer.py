@@ -54,7 +54,10 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             raise
 
     async def _prefill(self, request: Request, ring: HashRing, hashes, keys, started: float):
+        load_started = time.perf_counter()
         cached = await self.io.load_cached_prefix(ring, request.request_id, hashes)
+        if cached:  # the router's KV-load estimate: bytes / this measured bandwidth
+            self.engine.kv_load.record(len(cached) * self.io.spec.block_bytes, time.perf_counter() - load_started)
         bs = self.engine.engine.config.block_size
         external = ExternalKV(len(cached) * bs, cached) if cached else None
         output = None
