@@ -34,6 +34,10 @@ def _option(flag: str, **kwargs):
          help="Commit every arena page at start (first writes are then ~10x faster; costs the memory now).")
 @_option("--nvme-path", default="", help="Directory of the NVMe tier's block file; '' turns the tier off.")
 @_option("--nvme-capacity-bytes", type=int, default=_DEFAULTS.nvme_capacity_bytes, help="Bytes of the NVMe tier.")
+@_option("--evict-high-watermark", type=float, default=_DEFAULTS.evict_high_watermark,
+         help="DRAM occupancy (fraction) past which LRU blocks are evicted (demoted to NVMe) ...")
+@_option("--evict-low-watermark", type=float, default=_DEFAULTS.evict_low_watermark,
+         help="... down to this occupancy (fraction).")
 @_option("--put-reservation-ttl-s", type=float, default=_DEFAULTS.put_reservation_ttl_s,
          help="A peer's reserved, uncommitted blocks are rolled back after this long.")
 @_option("--nixl", default=_DEFAULTS.nixl, type=click.Choice(["auto", "on", "off"]),

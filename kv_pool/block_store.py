@@ -6,11 +6,13 @@ Life of a block::
                    │                                │
                    └────────── abort ───► gone      └── scoped: freed by release_request / expiry
 
-Bytes live in a DRAM :class:`~kv_pool.arena.Arena` (one shared-memory buffer of block slots).
-With an NVMe tier, LRU eviction *demotes* a content block to NVMe instead of dropping it; a later
-hit reads it back and promotes it to DRAM (the tiers are exclusive). Leases and reservations
-always refer to DRAM blocks, so a peer copying straight out of the arena is safe while it holds
-a lease.
+Bytes live in a DRAM :class:`~kv_pool.arena.Arena` (one shared-memory buffer of block slots);
+slots, tiers and the moves between them are :mod:`kv_pool.tiers`, when DRAM evicts (LRU with a
+high/low watermark) is :mod:`kv_pool.eviction`. With an NVMe tier, eviction *demotes* a content
+block to NVMe instead of dropping it; a later hit reads it back and promotes it to DRAM (the
+tiers are exclusive). This module adds reservations, leases and request lifetimes. Leases and
+reservations always refer to DRAM blocks, so a peer copying straight out of the arena is safe
+while it holds a lease.
 
 A WRITING block holds its bytes (they count as used) but is invisible to ``lookup`` and ``get``.
 Content-addressed blocks (``BlockKey.block_hash``) are shared by every request and evicted least
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from core.block_key import BlockKey
 from kv_pool.arena import Arena
@@ -42,9 +43,10 @@ from kv_pool.block_types import (
     Reservation,
     StaleReservationError,
 )
+from kv_pool.eviction import ON_DEMAND, Watermarks
 from kv_pool.leases import LeaseTable
-from kv_pool.lru import LruSet
 from kv_pool.nvme_tier import NvmeTier
+from kv_pool.tiers import DramBlock, Tiers
 
 __all__ = [
     "DUPLICATE",
@@ -59,23 +61,17 @@ __all__ = [
 ]
 
 
-@dataclass(eq=False)
-class _Block:
-    key: BlockKey
-    offset_bytes: int  # of its slot in the arena
-    num_bytes: int
-    reservation: Reservation | None  # set while WRITING
-    checksum: int = 0  # the writer's (core.kv_transfer.checksum), 0 when it gave none
-    written_bytes: int = 0
-
-
 class BlockStore:
     """Blocks keyed by :class:`BlockKey` in ``capacity_bytes`` of DRAM.
 
     ``clock`` returns monotonic seconds (inject a fake one in tests); ``default_ttl_s`` is the
     lifetime given to a request that reserves a scoped block without holding a lease. ``arena``
     (default: anonymous memory of ``capacity_bytes``) holds the bytes; ``nvme`` is the optional
-    tier below DRAM. The store owns both (``close``).
+    tier below DRAM; ``watermarks`` say when DRAM evicts (:mod:`kv_pool.eviction`; default: only
+    when a block does not fit). The store owns arena and tier (``close``).
+
+    Raises:
+        ValueError: quoting the value, for a capacity or ttl <= 0 or an arena of another size.
     """
 
     def __init__(
@@ -86,6 +82,7 @@ class BlockStore:
         on_event: Callable[[BlockEvent], None] | None = None,
         arena: Arena | None = None,
         nvme: NvmeTier | None = None,
+        watermarks: Watermarks = ON_DEMAND,
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -95,17 +92,18 @@ class BlockStore:
             raise ValueError(f"arena of {arena.capacity_bytes} bytes for capacity_bytes {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.default_ttl_s = default_ttl_s
-        self.arena = arena if arena is not None else Arena(capacity_bytes)
-        self.nvme = nvme
-        self._on_event = on_event
-        self._blocks: dict[BlockKey, _Block] = {}
-        self._evictable = LruSet()  # STORED content-addressed blocks that no lease holds
+        arena = arena if arena is not None else Arena(capacity_bytes)
+        self._tiers = Tiers(capacity_bytes, arena, nvme, watermarks, on_event)
         self._leases = LeaseTable(clock)
-        self._used_bytes = 0
-        self._num_writing = self._num_stored = self._num_scoped = 0
-        self._num_evicted = self._num_lookup_hits = self._num_lookups = 0
-        self._num_dram_hits = self._num_dram_misses = self._num_nvme_hits = self._num_nvme_misses = 0
-        self._num_promotions = self._num_demotions = self._num_corrupt = 0
+        self._num_lookup_hits = self._num_lookups = self._num_corrupt = 0
+
+    @property
+    def arena(self) -> Arena:
+        return self._tiers.arena
+
+    @property
+    def nvme(self) -> NvmeTier | None:
+        return self._tiers.nvme
 
     # -- two-phase put ---------------------------------------------------------------------------
 
@@ -113,6 +111,7 @@ class BlockStore:
         """Reserves an arena slot of ``block_bytes`` for ``key`` in state WRITING, evicting (or
         demoting) LRU blocks for room. ``checksum`` is the writer's, kept for readers to verify.
 
+        Placing it past the high watermark first evicts LRU blocks down to the low one.
         Returns ``DUPLICATE`` (mutating nothing) when ``key`` is already stored (in any tier) or
         being written: the second writer's put succeeds without a second copy.
 
@@ -127,13 +126,10 @@ class BlockStore:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes!r}")
         if not key.spec_fingerprint:
             raise ValueError(f"spec_fingerprint must not be empty: {key}")
-        if key in self._blocks or (self.nvme is not None and key in self.nvme):
+        if self._tiers.holds_anywhere(key):
             return DUPLICATE
-        offset = self._make_room(block_bytes)
-        reservation = Reservation(key, block_bytes, offset)
-        self._blocks[key] = _Block(key, offset, block_bytes, reservation, checksum)
-        self._used_bytes += block_bytes
-        self._num_writing += 1
+        reservation = Reservation(key, block_bytes)
+        self._tiers.place(key, block_bytes, reservation, checksum)
         if key.is_scoped:
             self._leases.add_scoped(key, self.default_ttl_s)
         return reservation
@@ -154,7 +150,7 @@ class BlockStore:
             raise ValueError(f"{block.key}: chunk at offset {offset_bytes}, expected {block.written_bytes}")
         if end > reservation.block_bytes:
             raise ValueError(f"{block.key}: chunk ends at {end}, past block_bytes {reservation.block_bytes}")
-        self.arena.view[block.offset_bytes + offset_bytes : block.offset_bytes + end] = data
+        self._tiers.view(block)[offset_bytes:end] = data
         block.written_bytes = end
 
     def mark_written(self, reservation: Reservation) -> None:
@@ -177,15 +173,7 @@ class BlockStore:
         block = self._live(reservation)
         if block.written_bytes != reservation.block_bytes:
             raise ValueError(f"{block.key}: commit after {block.written_bytes} of {reservation.block_bytes} bytes")
-        block.reservation = None
-        self._num_writing -= 1
-        if block.key.is_scoped:
-            self._num_scoped += 1
-            return
-        self._num_stored += 1
-        if not self._leases.is_leased(block.key):
-            self._evictable.add(block.key, block.num_bytes)
-        self._emit("stored", block.key)
+        self._tiers.mark_committed(block, evictable=not self._leases.is_leased(block.key))
 
     def abort(self, reservation: Reservation) -> bool:
         """Rolls a WRITING block back: it was never visible and its bytes are freed.
@@ -193,7 +181,7 @@ class BlockStore:
         Returns False (mutating nothing) when the reservation is no longer live.
         Mutates: block table, used bytes, leases on the block.
         """
-        block = self._blocks.get(reservation.key)
+        block = self._tiers.blocks.get(reservation.key)
         if block is None or block.reservation is not reservation:
             return False
         self._free(block)
@@ -210,17 +198,17 @@ class BlockStore:
         Raises:
             KeyError: ``key`` is not stored (unknown, evicted, or still WRITING).
         """
-        block = self._find(key)
+        block = self._tiers.find(key)
         if block is None:
             if self.nvme is None or key not in self.nvme:
                 raise KeyError(key)
             return self.nvme.read(key)
-        self._evictable.touch(key)
-        return bytes(self.arena.view[block.offset_bytes : block.offset_bytes + block.num_bytes])
+        self._tiers.evictable.touch(key)
+        return bytes(self._tiers.view(block))
 
     def checksum(self, key: BlockKey) -> int:
         """The writer's checksum of a held block (0: none). Mutates nothing. Raises KeyError."""
-        block = self._blocks.get(key)
+        block = self._tiers.blocks.get(key)
         if block is not None:
             return block.checksum
         if self.nvme is not None:
@@ -233,15 +221,18 @@ class BlockStore:
 
         Mutates: tiers, leases, LRU, hit counters. Raises ValueError as ``lease``.
         """
-        self.lease([], request_id, ttl_s)  # validates before anything moves
+        self._validate_lease(request_id, ttl_s)
+        self._leases.extend(request_id, ttl_s)
         found: list[BlockLocation] = []
         for key in keys:
-            block = self._find(key)
+            block = self._tiers.find(key)
             if block is None:
                 break
             # Leased at once: promoting the next block must not demote this one.
-            self.lease([key], request_id, ttl_s)
+            if self._leases.lease(request_id, key):
+                self._tiers.evictable.discard(key)
             found.append(BlockLocation(block.offset_bytes, block.num_bytes, block.checksum))
+        self._leases.drop_if_idle(request_id)
         return found
 
     def drop_corrupt(self, key: BlockKey) -> bool:
@@ -250,19 +241,17 @@ class BlockStore:
 
         Mutates: tiers, leases, the corrupt counter; reports "evicted".
         """
-        block = self._blocks.get(key)
+        block = self._tiers.blocks.get(key)
         if block is not None and block.reservation is None:
             self._free(block)
-        elif self.nvme is not None and self.nvme.discard(key):
-            self._emit("evicted", key)
-        else:
+        elif not self._tiers.discard_nvme(key):
             return False
         self._num_corrupt += 1
         return True
 
     def block_state(self, key: BlockKey) -> BlockState | None:
         """State of ``key``, or None when the pool does not hold it. Mutates nothing."""
-        block = self._blocks.get(key)
+        block = self._tiers.blocks.get(key)
         if block is None:
             return None
         return BlockState.WRITING if block.reservation is not None else BlockState.STORED
@@ -300,18 +289,15 @@ class BlockStore:
         Raises:
             ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
         """
-        if not request_id:
-            raise ValueError("request_id must not be empty")
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        self._validate_lease(request_id, ttl_s)
         self._leases.extend(request_id, ttl_s)
         num_leased = 0
         for key in keys:
-            if key not in self._blocks and self._promote(key) is None:
+            if key not in self._tiers.blocks and self._tiers.promote(key) is None:
                 continue
             num_leased += 1
             if self._leases.lease(request_id, key):
-                self._evictable.discard(key)
+                self._tiers.evictable.discard(key)
         self._leases.drop_if_idle(request_id)
         return num_leased
 
@@ -324,11 +310,11 @@ class BlockStore:
         """
         released = self._leases.release(request_id)
         for key in released.unleased_keys:
-            block = self._blocks[key]
+            block = self._tiers.blocks[key]
             if block.reservation is None and not key.is_scoped:
-                self._evictable.add(key, block.num_bytes)
+                self._tiers.evictable.add(key, block.num_bytes)
         for key in released.scoped_keys:
-            self._free(self._blocks[key])
+            self._free(self._tiers.blocks[key])
         return released.num_leases, len(released.scoped_keys)
 
     def expire(self, now_s: float | None = None) -> list[str]:
@@ -343,151 +329,58 @@ class BlockStore:
 
     def stats(self) -> PoolStats:
         """Current counts; reads counters only. Mutates nothing."""
+        t, c, nvme = self._tiers, self._tiers.counters, self.nvme
         return PoolStats(
             capacity_bytes=self.capacity_bytes,
-            used_bytes=self._used_bytes,
-            num_writing_blocks=self._num_writing,
-            num_stored_blocks=self._num_stored,
+            used_bytes=t.used_bytes,
+            num_writing_blocks=t.num_writing,
+            num_stored_blocks=t.num_stored,
             num_leased_blocks=self._leases.num_leased_blocks,
-            num_scoped_blocks=self._num_scoped,
+            num_scoped_blocks=t.num_scoped,
             num_leases=self._leases.num_leases,
-            num_evicted_blocks=self._num_evicted,
+            num_evicted_blocks=c.num_evicted,
             num_lookup_hit_blocks=self._num_lookup_hits,
             num_lookup_blocks=self._num_lookups,
-            num_dram_blocks=len(self._blocks),
-            num_dram_hits=self._num_dram_hits,
-            num_dram_misses=self._num_dram_misses,
-            nvme_capacity_bytes=self.nvme.capacity_bytes if self.nvme is not None else 0,
-            nvme_used_bytes=self.nvme.used_bytes if self.nvme is not None else 0,
-            num_nvme_blocks=len(self.nvme) if self.nvme is not None else 0,
-            num_nvme_hits=self._num_nvme_hits,
-            num_nvme_misses=self._num_nvme_misses,
-            num_nvme_evictions=self.nvme.num_evicted_blocks if self.nvme is not None else 0,
-            num_nvme_promotions=self._num_promotions,
-            num_nvme_demotions=self._num_demotions,
+            num_dram_blocks=len(t.blocks),
+            num_dram_hits=c.num_dram_hits,
+            num_dram_misses=c.num_dram_misses,
+            nvme_capacity_bytes=nvme.capacity_bytes if nvme is not None else 0,
+            nvme_used_bytes=nvme.used_bytes if nvme is not None else 0,
+            num_nvme_blocks=len(nvme) if nvme is not None else 0,
+            num_nvme_hits=c.num_nvme_hits,
+            num_nvme_misses=c.num_nvme_misses,
+            num_nvme_evictions=nvme.num_evicted_blocks if nvme is not None else 0,
+            num_nvme_promotions=c.num_promotions,
+            num_nvme_demotions=c.num_demotions,
             num_corrupt_blocks=self._num_corrupt,
         )
 
     def close(self) -> None:
         """Releases the arena and the NVMe file. The store must not be used afterwards."""
-        self.arena.close()
-        if self.nvme is not None:
-            self.nvme.close()
+        self._tiers.close()
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _live(self, reservation: Reservation) -> _Block:
-        block = self._blocks.get(reservation.key)
+    def _live(self, reservation: Reservation) -> DramBlock:
+        block = self._tiers.blocks.get(reservation.key)
         if block is None or block.reservation is not reservation:
             raise StaleReservationError(f"reservation of {reservation.key} is no longer live")
         return block
 
     def _prefix_len(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
         for i, block_hash in enumerate(block_hashes):
-            if not self._holds(BlockKey.content(spec_fingerprint, block_hash)):
+            if not self._tiers.holds(BlockKey.content(spec_fingerprint, block_hash)):
                 return i
         return len(block_hashes)
 
-    def _holds(self, key: BlockKey) -> bool:
-        """Whether ``key`` is STORED in some tier, counting a hit or miss per tier asked."""
-        block = self._blocks.get(key)
-        if block is not None and block.reservation is None:
-            self._num_dram_hits += 1
-            return True
-        self._num_dram_misses += 1
-        if self.nvme is not None and key in self.nvme:
-            self._num_nvme_hits += 1
-            return True
-        self._num_nvme_misses += self.nvme is not None
-        return False
-
-    def _find(self, key: BlockKey) -> _Block | None:
-        """The STORED DRAM block of ``key``, promoting it from NVMe if it is there; counts hits."""
-        if not self._holds(key):
-            return None
-        return self._blocks.get(key) or self._promote(key)
-
-    def _promote(self, key: BlockKey) -> _Block | None:
-        """Moves ``key`` from NVMe into a DRAM slot as a STORED, evictable block.
-
-        Returns None (and leaves the block on NVMe) when it is not there or DRAM has no room.
-        Mutates: both tiers, LRU, counts; reports "stored".
-        """
-        if self.nvme is None or key not in self.nvme:
-            return None
-        data, checksum = self.nvme.take(key)  # first: making room may demote into NVMe
-        try:
-            offset = self._make_room(len(data))
-        except PoolFullError:
-            for dropped in self.nvme.put(key, data, checksum):
-                self._emit("evicted", dropped)
-            return None
-        self.arena.view[offset : offset + len(data)] = data
-        block = _Block(key, offset, len(data), None, checksum)
-        self._blocks[key] = block
-        self._used_bytes += len(data)
-        self._num_stored += 1
-        self._num_promotions += 1
-        self._evictable.add(key, len(data))
-        self._emit("stored", key)
-        return block
-
-    def _make_room(self, block_bytes: int) -> int:
-        """Evicts LRU blocks until ``block_bytes`` fit; returns the slot's arena offset.
-
-        Raises:
-            PoolFullError: evicting nothing, when the evictable blocks cannot make room.
-        """
-        needed_bytes = self._used_bytes + block_bytes - self.capacity_bytes
-        if block_bytes > self.capacity_bytes or needed_bytes > self._evictable.total_bytes:
-            raise PoolFullError(
-                f"no room for a {block_bytes}-byte block: {self.capacity_bytes - self._used_bytes} bytes "
-                f"free, {self._evictable.total_bytes} evictable; the rest is leased, scoped or being written"
-            )
-        while True:
-            offset = self.arena.allocate(block_bytes)
-            if offset is not None:
-                return offset
-            if not self._evictable:  # only with blocks of mixed sizes: free bytes fragmented
-                raise PoolFullError(f"no contiguous room for a {block_bytes}-byte block")
-            self._evict(self._evictable.pop_oldest())
-
-    def _evict(self, key: BlockKey) -> None:
-        """Demotes an evictable block to NVMe (when there is a tier), else drops it."""
-        block = self._blocks[key]
-        self._num_evicted += 1
-        if self.nvme is None:
-            self._free(block)
-            return
-        data = self.arena.view[block.offset_bytes : block.offset_bytes + block.num_bytes]
-        dropped = self.nvme.put(key, data, block.checksum)
-        self._free(block, emit=False)
-        if key in dropped:  # larger than the whole tier
-            self._emit("evicted", key)
-            dropped.remove(key)
-        else:
-            self._num_demotions += 1
-            self._emit("demoted", key)
-        for other in dropped:
-            self._emit("evicted", other)
-
-    def _free(self, block: _Block, emit: bool = True) -> None:
+    def _free(self, block: DramBlock) -> None:
         """Removes ``block`` in any state, dropping the leases every request holds on it."""
-        key = block.key
-        self._leases.forget_block(key)
-        self._evictable.discard(key)
-        del self._blocks[key]
-        self.arena.free(block.offset_bytes, block.num_bytes)
-        self._used_bytes -= block.num_bytes
-        if block.reservation is not None:
-            self._num_writing -= 1
-        elif key.is_scoped:
-            self._num_scoped -= 1
-        else:
-            self._num_stored -= 1
-            if emit:
-                self._emit("evicted", key)
+        self._leases.forget_block(block.key)
+        self._tiers.free(block)
 
-    def _emit(self, kind: str, key: BlockKey) -> None:
-        if self._on_event is not None:
-            self._on_event(BlockEvent(kind, key))
+    @staticmethod
+    def _validate_lease(request_id: str, ttl_s: float) -> None:
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_pool.eviction import Watermarks
+
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -13,7 +15,7 @@ class PoolConfig:
 
     Raises:
         ValueError: quoting the bad value, for an out-of-range port, a non-positive capacity or
-            duration, an empty node id, a Redis URL without a known scheme, or an advertise
+            duration, watermarks outside (0, 1] or low above high, an empty node id, a Redis URL without a known scheme, or an advertise
             address that is not ``HOST:PORT``.
     """
 
@@ -33,6 +35,10 @@ class PoolConfig:
     arena_prefault: bool = False  # commit the whole arena at start (pinned-memory behaviour)
     nvme_path: str = ""  # directory of the NVMe tier's block file; "" turns the tier off
     nvme_capacity_bytes: int = 16 * 1024**3
+    # DRAM occupancy fractions (kv_pool.eviction): a write that would pass the high one evicts
+    # (demotes, with an NVMe tier) LRU blocks until occupancy is down to the low one.
+    evict_high_watermark: float = 0.95
+    evict_low_watermark: float = 0.85
     put_reservation_ttl_s: float = 30.0  # a peer's ReserveBlocks not committed by then is rolled back
     # Register the arena with a NIXL (UCX) agent: on, off, auto (if importable). Off by default:
     # its progress thread costs ~0.2 core while idle, and same-host workers use shared memory.
@@ -46,6 +52,7 @@ class PoolConfig:
         for name in ("capacity_bytes", "nvme_capacity_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        self.watermarks  # validates
         if self.nixl not in ("auto", "on", "off"):
             raise ValueError(f"nixl must be auto, on or off, got {self.nixl!r}")
         for name in ("lease_ttl_s", "expiry_interval_s", "heartbeat_interval_s", "put_reservation_ttl_s"):
@@ -66,3 +73,8 @@ class PoolConfig:
             _, sep, port = self.advertise_address.rpartition(":")
             if not sep or not port.isdigit():
                 raise ValueError(f"advertise_address must be HOST:PORT, got {self.advertise_address!r}")
+
+    @property
+    def watermarks(self) -> Watermarks:
+        """The DRAM eviction watermarks. Raises ValueError (quoting the value) when invalid."""
+        return Watermarks(high=self.evict_high_watermark, low=self.evict_low_watermark)

@@ -42,8 +42,12 @@ class LruSet:
         Raises:
             KeyError: the set is empty.
         """
+        return self.pop_oldest_with_size()[0]
+
+    def pop_oldest_with_size(self) -> tuple[Hashable, int]:
+        """As ``pop_oldest``, with the key's size in bytes. Raises KeyError when empty."""
         if not self._sizes:
             raise KeyError("pop_oldest from an empty LruSet")
         key, size_bytes = self._sizes.popitem(last=False)
         self.total_bytes -= size_bytes
-        return key
+        return key, size_bytes

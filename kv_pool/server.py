@@ -105,7 +105,10 @@ class PoolServer:
             arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}-{os.getpid()}.arena")
         arena = Arena(c.capacity_bytes, arena_path, prefault=c.arena_prefault)
         nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes) if c.nvme_path else None
-        self.store = BlockStore(c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme)
+        self.store = BlockStore(
+            c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme,
+            watermarks=c.watermarks,
+        )
         self._peer_puts = PeerPuts(self.store, c.put_reservation_ttl_s)
         data_plane = DataPlane(host_id=host_id(), arena_path=arena_path, arena_bytes=c.capacity_bytes)
         if c.nixl == "on" or (c.nixl == "auto" and importlib.util.find_spec("nixl") is not None):

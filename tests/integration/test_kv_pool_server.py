@@ -249,7 +249,9 @@ def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_por
     rdb.set(worker_key("pool", "other-node"), '{"worker_id": "other-node", "role": "pool", "address": "x:1"}', ex=120)
     rdb.hset(index_key(fp), mapping={"00000000000000ff": "other-node", "00000000000000fe": node_id})
     node_blocks = 64 * KIB
-    pool = start_pool(4 * node_blocks, "--metrics-port", str(free_port), node_id=node_id)
+    # Evicting only on demand (watermarks at 1), so each put below evicts exactly what it needs.
+    pool = start_pool(4 * node_blocks, "--metrics-port", str(free_port), "--evict-high-watermark", "1",
+                      "--evict-low-watermark", "1", node_id=node_id)
     assert rdb.hgetall(index_key(fp)) == {"00000000000000ff": "other-node"}  # own stale entry cleared
     with PoolClient(pool.address, timeout_s=30) as client:
         client.put_blocks((BlockKey.content(fp, h), block(h, node_blocks)) for h in (1, 2, 3, 4))

@@ -11,12 +11,14 @@ from kv_pool.index_mirror import hash_field, index_key
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, fp, rdb, start_pool  # noqa: F401
 
 BLOCK = SMOLLM_BLOCK_BYTES
+# Watermarks at 1: DRAM evicts only what a put needs, so the tier contents below are exact.
+ON_DEMAND_FLAGS = ("--evict-high-watermark", "1", "--evict-low-watermark", "1")
 
 
 def test_dram_to_nvme_to_dram_is_byte_identical(start_pool, rdb, fp, tmp_path, free_port, wait_until):
     pool = start_pool(
         2 * BLOCK, "--nvme-path", str(tmp_path / "nvme"), "--nvme-capacity-bytes", str(4 * BLOCK),
-        "--metrics-port", str(free_port),
+        "--metrics-port", str(free_port), *ON_DEMAND_FLAGS,
     )
     data = {h: block(h, BLOCK) for h in range(1, 8)}
     key = {h: BlockKey.content(fp, h) for h in data}
@@ -47,3 +49,20 @@ def test_dram_to_nvme_to_dram_is_byte_identical(start_pool, rdb, fp, tmp_path, f
         assert 'tandem:pool_tier_blocks{tier="dram"} 2.0' in metrics
     assert pool.stop() == 0, pool.logs()
     assert not os.path.exists(tmp_path / "nvme" / "blocks.bin")
+
+
+def test_watermark_flags_demote_in_one_batch(start_pool, fp, tmp_path):
+    pool = start_pool(
+        10 * BLOCK, "--nvme-path", str(tmp_path / "nvme"), "--nvme-capacity-bytes", str(10 * BLOCK),
+        "--evict-high-watermark", "0.9", "--evict-low-watermark", "0.5",
+    )
+    data = {h: block(h, BLOCK) for h in range(10)}
+    with PoolClient(pool.address, timeout_s=30) as client:
+        client.put_blocks((BlockKey.content(fp, h), data[h]) for h in range(9))  # 90%: no eviction
+        assert client.stats()["num_nvme_demotions"] == 0
+        client.put_blocks([(BlockKey.content(fp, 9), data[9])])  # past 90%: down to 50% at once
+        stats = client.stats()
+        assert (stats["num_nvme_demotions"], stats["num_stored_blocks"], stats["num_nvme_blocks"]) == (5, 5, 5)
+        assert client.lookup(fp, list(range(10))) == 10
+        assert client.get_blocks([BlockKey.content(fp, 0)]) == [data[0]]  # promoted, byte-identical
+    assert pool.stop() == 0, pool.logs()
