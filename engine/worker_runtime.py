@@ -20,6 +20,7 @@ from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
 from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from engine.async_engine import AsyncEngine
+from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.pool_locator import PoolLocator  # noqa: F401  (re-exported: servicers import it from here)
@@ -42,6 +43,8 @@ class WorkerConfig:
     metrics_port: int
     kv_transfer: str = "auto"  # how KV bytes reach the pool: auto, grpc, shm, nixl (core.kv_transfer)
     heartbeat_interval_s: float = 1.0
+    # Synthetic passes timed at start-up so the cost model is fitted before traffic (0: none).
+    calibration_steps: int = 24
     heartbeat_ttl_s: float = 3.0
 
 
@@ -95,6 +98,8 @@ def worker_options(default_port: int):
             click.option("--kv-transfer", default="auto", show_default=True,
                          type=click.Choice(["auto", "grpc", "shm", "nixl"]),
                          help="KV transfer to the pool; auto: shm on the pool's host, else nixl, else grpc."),
+            click.option("--calibration-steps", default=24, show_default=True, type=click.IntRange(min=0),
+                         help="Synthetic passes timed at start-up to fit the cost model (0: off)."),
             click.option("--log-level", default="INFO", show_default=True),
         ]
         for option in reversed(options):
@@ -118,6 +123,7 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         advertise_address=kwargs["advertise_address"],
         metrics_port=kwargs["metrics_port"],
         kv_transfer=kwargs["kv_transfer"],
+        calibration_steps=kwargs.get("calibration_steps", 24),
     )
     return worker, engine_config, kwargs["log_level"]
 
@@ -184,7 +190,20 @@ def stats_response(engine: AsyncEngine, num_cached_tokens: int = 0) -> prefill_w
         num_prefill_tokens=engine.num_prompt_tokens,
         num_cached_tokens=num_cached_tokens,
         num_generated_tokens=engine.num_generated_tokens,
+        **{key: _STATS_FIELD_TYPES[key](load[key]) for key in _STATS_LOAD_KEYS},
     )
+
+
+# load_dict keys that GetWorkerStatsResponse carries under the same name (after the first five).
+_STATS_LOAD_KEYS = (
+    "num_batched_tokens", "num_waiting_tokens", "num_kv_tokens", "recent_step_time_s", "max_num_seqs",
+    "cost_base_s", "cost_per_token_s", "cost_per_seq_s", "cost_per_attn_s", "cost_num_samples",
+    "cost_max_num_batched_tokens", "cost_kv_load_bytes_per_s", "cost_kv_bytes_per_token",
+)
+_STATS_FIELDS = prefill_worker_pb2.GetWorkerStatsResponse.DESCRIPTOR.fields_by_name
+_STATS_FIELD_TYPES = {  # the heartbeat's numbers may be floats; the proto's counts are integers
+    key: float if _STATS_FIELDS[key].cpp_type == _STATS_FIELDS[key].CPPTYPE_DOUBLE else int for key in _STATS_LOAD_KEYS
+}
 
 
 def serve_worker(
@@ -199,6 +218,12 @@ def serve_worker(
     setup_logging(f"{worker.role}_worker", log_level)
     log.info("loading model %s", engine_config.model)
     engine = LLMEngine.from_config(engine_config, save_kv_on_finish=save_kv_on_finish)
+    if worker.calibration_steps:
+        result = calibrate(engine, worker.calibration_steps)
+        model = engine.stats().cost_model
+        log.info("cost model calibrated: %d passes in %.2f s; base %.2f ms, %.1f us/token, %.1f us/seq, "
+                 "%.2f us/1k attention pairs", result.num_steps, result.duration_s, model.base_s * 1e3,
+                 model.per_token_s * 1e6, model.per_seq_s * 1e6, model.per_attn_s * 1e6)
 
     async def main() -> None:
         async_engine = AsyncEngine(engine)

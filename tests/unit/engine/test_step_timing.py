@@ -9,6 +9,7 @@ from core.model_source import resolve_model
 from core.request import Request
 from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
+from engine.calibration import Probe, calibrate, calibration_probes
 from engine.engine import LLMEngine
 
 TINY_CONFIG = dict(
@@ -98,3 +99,44 @@ def test_stats_report_load_and_cost_model(tiny):
     idle = engine.stats()
     assert (idle.num_batched_tokens, idle.num_waiting_tokens, idle.num_kv_tokens, idle.num_used_blocks) == (0, 0, 0, 0)
     assert idle.cost_model.num_samples == engine.step_stats.num_steps
+
+
+def test_calibration_probes_fit_the_config():
+    config = EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    assert calibration_probes(config) == [
+        Probe(1, 16, 1), Probe(2, 16, 4), Probe(1, 63, 1), Probe(4, 16, 4), Probe(1, 60, 4),
+    ]
+
+
+def test_calibration_leaves_the_engine_idle_and_outputs_unchanged(tiny):
+    engine = make_engine(tiny, enable_prefix_caching=True)
+    result = calibrate(engine, num_steps=10)
+    # after the untimed warm-up, budget 8: 16 tokens (2 passes), then 2 x (16 tokens + 3 decodes)
+    # where the second prompt's chunks ride beside the first one's decodes (8 passes): 10 >= 10
+    assert result.num_steps == len(engine.step_stats.fit) == 2 + 8
+    stats = engine.stats()
+    assert (stats.num_used_blocks, stats.num_free_blocks) == (0, 32)
+    assert engine.scheduler.kv.block_pool.num_cached_blocks == 0
+    assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_preemptions) == (0, 0, 0)
+    assert (stats.num_batched_tokens, stats.num_waiting_tokens, stats.num_kv_tokens) == (0, 0, 0)
+    assert stats.recent_step_time_s == 0.0 and engine.scheduler.requests == {}
+    assert stats.cost_model.num_samples == result.num_steps
+    assert stats.cost_model.step_s(8, 1, 0.036) > 0
+
+    fresh = make_engine(tiny, enable_prefix_caching=True)
+    for e in (engine, fresh):
+        e.add_request(request("after", 20, max_tokens=6))
+    tokens = {}
+    for name, e in (("calibrated", engine), ("fresh", fresh)):
+        out = []
+        while e.has_unfinished_requests():
+            out += [t for o in e.step() for t in o.new_token_ids]
+        tokens[name] = out
+    assert tokens["calibrated"] == tokens["fresh"] and len(tokens["fresh"]) == 6
+
+
+def test_calibration_zero_steps_is_a_no_op(tiny):
+    engine = make_engine(tiny)
+    assert calibrate(engine, 0).num_steps == 0 and engine.step_stats.num_steps == 0
+    with pytest.raises(ValueError, match="num_steps must be >= 0, got -1"):
+        calibrate(engine, -1)
