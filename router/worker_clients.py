@@ -8,15 +8,16 @@ plain dataclasses and worker gRPC errors into :class:`RouterError`. Cancelling t
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.grpc_service import aio_channel
 from core.proto_convert import sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
-from router.errors import RouterError, kind_from_grpc
+from router.errors import ErrorKind, RouterError, kind_from_grpc
 from router.logprobs import TokenLogprob
 from router.validation import ValidatedRequest
 from tandem.v1 import (
@@ -32,6 +33,14 @@ from tandem.v1 import (
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 1.0
+# Statuses that say the worker (or the way to it) broke, not the request: the worker is marked
+# down and the request goes to another one. INVALID_ARGUMENT, RESOURCE_EXHAUSTED and
+# DEADLINE_EXCEEDED (the request's own time is up) are the request's and are not retried.
+WORKER_FAILURE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+})
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -64,23 +73,36 @@ class DecodeFinished:
     num_output_tokens: int  # the first token included
 
 
-def _router_error(role: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
+class WorkerFailedError(RouterError):
+    """The worker broke (died, reset the connection, ended a stream early), not the request:
+    the caller marks it down and may retry the request elsewhere."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message, ErrorKind.UNAVAILABLE)
+        self.address = address
+
+
+def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"the {role} worker did not answer within the request timeout of {timeout_s:g} s"
     else:
         message = f"{role} worker failed ({err.code().name}): {err.details()}"
+    if err.code() in WORKER_FAILURE_CODES:
+        return WorkerFailedError(message, address)
     return RouterError(message, kind_from_grpc(err.code()))
 
 
 class DecodeStream:
     """One Decode server stream: iterate for DecodeTokens, then one DecodeFinished."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float):
+    def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, address: str = ""):
         self._call = call
         self._timeout_s = timeout_s
+        self._address = address
 
     async def __aiter__(self) -> AsyncIterator[DecodeTokens | DecodeFinished]:
-        """Raises RouterError on a worker error, or when the stream ends without ``finished``."""
+        """Raises RouterError on a request error; WorkerFailedError when the worker broke or the
+        stream ended without ``finished``."""
         try:
             async for response in self._call:
                 if response.WhichOneof("event") == "tokens":
@@ -91,8 +113,8 @@ class DecodeStream:
                     yield DecodeFinished(_FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT), done.num_output_tokens)
                     return
         except grpc.aio.AioRpcError as err:
-            raise _router_error("decode", err, self._timeout_s) from err
-        raise RouterError("decode worker ended the stream without finishing", kind_from_grpc(grpc.StatusCode.UNKNOWN))
+            raise _router_error("decode", self._address, err, self._timeout_s) from err
+        raise WorkerFailedError("decode worker ended the stream without finishing", self._address)
 
     def cancel(self) -> None:
         """Cancels the RPC (a no-op once it has ended); the decode worker aborts the request."""
@@ -114,7 +136,8 @@ class WorkerClients:
         """Runs Prefill on the worker at ``address``.
 
         Raises:
-            RouterError: the worker failed; its kind follows the gRPC status.
+            WorkerFailedError: the worker broke (see WORKER_FAILURE_CODES).
+            RouterError: the worker refused the request; its kind follows the gRPC status.
         """
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
         message = prefill_worker_pb2.PrefillRequest(
@@ -126,7 +149,7 @@ class WorkerClients:
         try:
             response = await call
         except grpc.aio.AioRpcError as err:
-            raise _router_error("prefill", err, timeout_s) from err
+            raise _router_error("prefill", address, err, timeout_s) from err
         finally:
             call.cancel()  # no-op when done; cancels the RPC when this task was cancelled
         first_logprob = None
@@ -138,11 +161,14 @@ class WorkerClients:
         )
 
     def decode(
-        self, address: str, request_id: str, request: ValidatedRequest, prefill: PrefillResult | None, timeout_s: float
+        self, address: str, request_id: str, request: ValidatedRequest, prefill: PrefillResult | None, timeout_s: float,
+        output_token_ids: Sequence[int] = (),
     ) -> DecodeStream:
         """Starts Decode on the worker at ``address``; the caller must iterate or cancel it.
 
-        Without ``prefill`` the worker runs colocated: it prefills the prompt itself.
+        Without ``prefill`` the worker runs colocated: it prefills the prompt itself. With
+        ``output_token_ids`` (and no ``prefill``) it resumes a request whose tokens so far are
+        those: it streams only the tokens after them.
         """
         stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
         message = decode_worker_pb2.DecodeRequest(
@@ -153,7 +179,18 @@ class WorkerClients:
         if prefill is not None:
             message.first_token_id = prefill.first_token_id
             message.manifest.CopyFrom(prefill.manifest)
-        return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s)
+        elif output_token_ids:
+            message.output_token_ids.extend(output_token_ids)
+        return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s, address)
+
+    async def healthy(self, address: str) -> bool:
+        """True when the worker at ``address`` answers grpc.health.v1 Check with SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def release(self, pool_address: str, request_id: str) -> None:
         """Asks the pool to free the request's scoped blocks and leases; failures are logged."""

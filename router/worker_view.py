@@ -1,14 +1,31 @@
-"""The router's view of live workers, re-read from the Redis registry in the background."""
+"""The router's view of live workers, re-read from the Redis registry in the background.
+
+A worker leaves the view at once when the router sees it fail (:meth:`WorkerView.mark_down`: a
+broken RPC or stream), and by itself when it stops heartbeating (its registry key expires after
+the heartbeat TTL). A marked-down worker comes back only when it proves healthy again: a
+heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING; one that
+disappears from the registry is forgotten (a restarted worker registers afresh).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from core.registry import ROLES, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
+
+HealthProbe = Callable[[str], Awaitable[bool]]  # address -> answers SERVING
+
+
+@dataclass
+class _Down:
+    reason: str
+    heartbeat_time_s: float  # the worker's last heartbeat seen when it was marked down
 
 
 class WorkerView:
@@ -18,25 +35,60 @@ class WorkerView:
     to answer 503 than to route to workers that may have died meanwhile.
     """
 
-    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 5.0):
+    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 5.0,
+                 probe: HealthProbe | None = None):
         self.registry = registry
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
+        self.probe = probe
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refreshed_at_s = 0.0  # time.monotonic() of the last successful refresh
+        self._down: dict[str, _Down] = {}  # by address
         self._task: asyncio.Task | None = None
 
     def workers(self, role: str) -> list[WorkerInfo]:
-        """Live workers of ``role`` as of the last refresh (empty when that is too old)."""
+        """Live workers of ``role`` as of the last refresh, minus those marked down (empty when
+        the last refresh is too old)."""
         if time.monotonic() - self._refreshed_at_s > self.stale_after_s:
             return []
-        return list(self._workers[role])
+        return [w for w in self._workers[role] if w.address not in self._down]
+
+    def is_down(self, address: str) -> bool:
+        return address in self._down
+
+    def mark_down(self, address: str, reason: str) -> None:
+        """Stops routing to ``address`` at once (mutates the down set; logs the first marking)."""
+        if address in self._down:
+            return
+        last_beat = max((w.heartbeat_time_s for ws in self._workers.values() for w in ws if w.address == address),
+                        default=0.0)
+        self._down[address] = _Down(reason, last_beat)
+        log.warning("worker %s marked down: %s", address, reason)
 
     async def refresh(self) -> None:
-        """Re-reads every role from Redis. Raises redis errors (the loop logs them)."""
+        """Re-reads every role from Redis and brings back marked-down workers that heartbeat
+        again and pass a health probe (mutates the down set). Raises redis errors (the loop
+        logs them)."""
         fresh = {role: await self.registry.list_workers(role) for role in ROLES}
+        listed = {w.address: w for ws in fresh.values() for w in ws}
+        for address in [a for a in self._down if a not in listed]:
+            log.info("worker %s left the registry; forgotten", address)
+            del self._down[address]
+        for address, down in list(self._down.items()):
+            if listed[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address):
+                del self._down[address]
+                log.info("worker %s is healthy again (was down: %s)", address, down.reason)
         self._workers = fresh
         self._refreshed_at_s = time.monotonic()
+
+    async def _probe(self, address: str) -> bool:
+        if self.probe is None:
+            return True
+        try:
+            return await self.probe(address)
+        except Exception:  # a probe that cannot run proves nothing
+            log.debug("health probe of %s failed", address, exc_info=True)
+            return False
 
     async def start(self) -> None:
         """Reads the registry once (errors logged, not raised), then keeps refreshing."""
