@@ -119,18 +119,25 @@ class CostModel:
 
 
 class StepTimeFit:
-    """Least-squares fit of :class:`CostModel` coefficients over the last ``window`` steps.
+    """Fit of :class:`CostModel` coefficients over the last ``window`` steps, minimising the mean
+    absolute relative error (what the router's predictions are judged by).
 
-    Coefficients are kept non-negative (a step never gets faster with more work): a negative one
-    is pinned to zero and the rest refitted. Ridge ``regularization`` keeps the fit defined while
-    the samples do not yet vary in every feature (e.g. only single-sequence decodes so far).
+    Robust: the relative L1 fit is solved by iteratively reweighted least squares
+    (``robust_iterations`` rounds), so a few steps slowed down 10x by a noisy neighbour barely
+    move it, where plain least squares would follow them. Coefficients are kept non-negative (a
+    step never gets faster with more work): a negative one is pinned to zero and the rest
+    refitted. Ridge ``regularization`` keeps the fit defined while the samples do not yet vary
+    in every feature (e.g. only single-sequence decodes so far).
     """
 
-    def __init__(self, window: int = 512, regularization: float = 1e-6):
+    def __init__(self, window: int = 512, regularization: float = 1e-6, robust_iterations: int = 10):
         if window < 4:
             raise ValueError(f"window must be >= 4, got {window}")
+        if robust_iterations < 0:
+            raise ValueError(f"robust_iterations must be >= 0, got {robust_iterations}")
         self._samples: deque[StepSample] = deque(maxlen=window)
         self.regularization = regularization
+        self.robust_iterations = robust_iterations
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -144,35 +151,49 @@ class StepTimeFit:
         """Forgets every sample."""
         self._samples.clear()
 
+    def samples(self) -> list[StepSample]:
+        """The samples in the window, oldest first (a copy)."""
+        return list(self._samples)
+
     def fit(self) -> tuple[float, float, float, float]:
         """(base_s, per_token_s, per_seq_s, per_attn_s); zeros with no samples.
 
-        Each column is scaled to unit RMS before the ridge solve, so ``regularization`` weighs
-        every coefficient alike whatever its feature's magnitude (tokens run to thousands, the
-        intercept is 1). Rows are weighted by ``1 / duration_s`` (relative least squares), so
-        short decode steps count as much as long prefill chunks: what the router needs is a
-        small relative error on both.
+        Rows are divided by ``duration_s`` (relative error, so short decode steps count as much
+        as long prefill chunks), then reweighted by ``1 / |relative residual|`` each round (IRLS
+        for the L1 norm, residuals floored at 1%).
         """
         if not self._samples:
             return (0.0, 0.0, 0.0, 0.0)
         x = np.array([[1.0, s.num_new_tokens, s.num_seqs, s.attn_pairs] for s in self._samples])
         y = np.array([s.duration_s for s in self._samples])
-        weights = 1.0 / np.maximum(y, max(float(y.max()), 1e-9) * 1e-3)
-        x, y = x * weights[:, None], y * weights
-        scale = np.sqrt((x * x).mean(axis=0))
+        relative = 1.0 / np.maximum(y, max(float(y.max()), 1e-9) * 1e-3)
+        x, y = x * relative[:, None], y * relative  # now y is ~1 and residuals are relative
+        coef = self._solve(x, y, np.ones(len(y)))
+        for _ in range(self.robust_iterations):
+            residual = np.abs(y - x @ coef)
+            coef = self._solve(x, y, 1.0 / np.maximum(residual, 0.01))
+        return tuple(float(c) for c in coef)  # type: ignore[return-value]
+
+    def _solve(self, x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Non-negative ridge solution of min sum(weights * (y - x @ coef)^2). Each column is
+        scaled to unit RMS first, so ``regularization`` weighs every coefficient alike whatever
+        its feature's magnitude (tokens run to thousands, the intercept is 1)."""
+        root = np.sqrt(weights)
+        xw, yw = x * root[:, None], y * root
+        scale = np.sqrt((xw * xw).mean(axis=0))
         scale[scale == 0] = 1.0
-        x = x / scale
+        xw = xw / scale
         active = [0, 1, 2, 3]
         coef = np.zeros(4)
         while active:
-            xa = x[:, active]
-            gram = xa.T @ xa + self.regularization * len(y) * np.eye(len(active))
-            solution = np.linalg.solve(gram, xa.T @ y)
+            xa = xw[:, active]
+            gram = xa.T @ xa + self.regularization * len(yw) * np.eye(len(active))
+            solution = np.linalg.solve(gram, xa.T @ yw)
             if (solution >= 0).all():
                 coef[active] = solution
                 break
             active.pop(int(np.argmin(solution)))
-        return tuple(float(c) for c in coef / scale)  # type: ignore[return-value]
+        return coef / scale
 
     def model(self, **fields) -> CostModel:
         """A CostModel of the current fit; ``fields`` set the non-fitted ones (bandwidth, budget)."""

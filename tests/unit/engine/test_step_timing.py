@@ -57,7 +57,7 @@ def test_one_sample_per_pass_with_exact_features(tiny, overlap, steps):
     engine = make_engine(tiny, enable_overlap=overlap, num_scheduler_steps=steps)
     engine.add_request(request("a", 20, max_tokens=3))
     drain(engine)
-    samples = list(engine.step_stats.fit._samples)
+    samples = list(engine.step_stats.fit.samples())
     # chunks 8, 8, 4 (the third samples token 1), then two decodes after 20 and 21 tokens
     assert [(s.num_new_tokens, s.num_seqs) for s in samples] == [(8, 1), (8, 1), (4, 1), (1, 1), (1, 1)]
     assert [s.attn_pairs for s in samples] == pytest.approx(
@@ -73,7 +73,7 @@ def test_mixed_batch_features(tiny):
     engine.step_stream().__next__()  # 6-token prefill, samples a's first token
     engine.add_request(request("b", 10, max_tokens=1, first=100))
     drain(engine)
-    samples = [(s.num_new_tokens, s.num_seqs, round(s.attn_pairs * 1000, 6)) for s in engine.step_stats.fit._samples]
+    samples = [(s.num_new_tokens, s.num_seqs, round(s.attn_pairs * 1000, 6)) for s in engine.step_stats.fit.samples()]
     # pass 2: a decodes (1 token after 6) + b's first 7-token chunk; pass 3: a after 7 + b's last 3 after 7
     assert samples == [(6, 1, 21.0), (8, 2, 7.0 + 28.0), (4, 2, 8.0 + 3 * 9.0)]
 
