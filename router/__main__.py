@@ -9,7 +9,7 @@ import click
 from core.grpc_service import run_until_signalled
 from core.logging_setup import setup_logging
 from core.model_source import DEFAULT_MODEL
-from router.config import RouterConfig
+from router.config import DISAGGREGATION_MODES, ROUTING_POLICIES, RouterConfig
 from router.server import RouterServer
 
 
@@ -28,6 +28,15 @@ def _option(name: str, **kwargs):
 @_option("--max-model-len", default=2048, type=int, help="Context limit in tokens.")
 @_option("--default-max-tokens", default=16, type=int, help="max_tokens when a request omits it.")
 @_option("--request-timeout-s", default=600.0, type=float, help="Deadline of one request's worker calls.")
+@_option("--routing-policy", default="predicted_latency", type=click.Choice(list(ROUTING_POLICIES)),
+         help="How requests are placed on workers.")
+@_option("--disaggregation", default="auto", type=click.Choice(list(DISAGGREGATION_MODES)),
+         help="auto: prefill on the decode worker when predicted faster; always; never (colocated).")
+@_option("--ttft-slo-s", default=0.0, type=float, help="TTFT SLO in seconds for placement and admission (0: none).")
+@_option("--tbt-slo-s", default=0.0, type=float, help="Time-between-tokens SLO in seconds (0: none).")
+@_option("--max-queue-s", default=0.5, type=float,
+         help="Refuse (429) a request that cannot meet the SLOs only when the queue ahead takes longer than this.")
+@_option("--prefix-cache-blocks", default=8192, type=int, help="Blocks remembered per worker in the prefix view.")
 @_option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(log_level: str, **flags) -> None:
     """Runs the router until SIGTERM/SIGINT."""

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from core.model_source import DEFAULT_MODEL
 
+# router.routing's names, repeated so that the configuration imports no policy code.
+ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
+DISAGGREGATION_MODES = ("auto", "always", "never")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -23,6 +27,15 @@ class RouterConfig:
         request_timeout_s: deadline of one request's worker calls, prefill through last token.
         worker_refresh_interval_s: how often the worker view is re-read from Redis.
         shutdown_grace_s: how long in-flight requests may run on after SIGTERM.
+        routing_policy: round_robin, least_loaded, cache_aware or predicted_latency (router.routing).
+        disaggregation: auto (the policy may prefill on the decode worker when predicted faster),
+            always (colocated only without a live prefill worker) or never (always colocated).
+        ttft_slo_s: TTFT target in seconds for admission and placement; 0: none.
+        tbt_slo_s: time-between-tokens target in seconds (a decode step); 0: none.
+        max_queue_s: admission refuses a request that cannot meet the SLOs only when the work
+            queued ahead of it takes longer than this to drain (seconds).
+        prefix_cache_blocks: blocks remembered per worker in the router's view of worker prefix
+            caches (an LRU of what it sent there).
 
     Raises:
         ValueError: on any out-of-range value, quoting it.
@@ -39,6 +52,12 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     worker_refresh_interval_s: float = 0.5
     shutdown_grace_s: float = 5.0
+    routing_policy: str = "predicted_latency"
+    disaggregation: str = "auto"
+    ttft_slo_s: float = 0.0
+    tbt_slo_s: float = 0.0
+    max_queue_s: float = 0.5
+    prefix_cache_blocks: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -61,3 +80,12 @@ class RouterConfig:
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         if not self.model:
             raise ValueError("model must not be empty")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
+        for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s"):
+            if not getattr(self, name) >= 0:  # also refuses NaN
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefix_cache_blocks < 1:
+            raise ValueError(f"prefix_cache_blocks must be >= 1, got {self.prefix_cache_blocks}")

@@ -7,6 +7,7 @@ translate its :class:`ErrorKind` (and the metrics count rejections by ``kind.val
 from __future__ import annotations
 
 import enum
+import math
 
 import grpc
 
@@ -17,6 +18,7 @@ class ErrorKind(enum.Enum):
     INVALID_REQUEST = "invalid_request"
     MODEL_NOT_FOUND = "model_not_found"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    SLO_UNATTAINABLE = "slo_unattainable"  # admission: no placement meets the SLOs, queues are full
     NO_WORKER = "no_worker"
     UNAVAILABLE = "unavailable"
 
@@ -26,19 +28,38 @@ _TRANSPORT = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None, grpc.StatusCode.INVALID_ARGUMENT),
     ErrorKind.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found", grpc.StatusCode.NOT_FOUND),
     ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "resource_exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorKind.SLO_UNATTAINABLE: (429, "rate_limit_error", "slo_unattainable", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ErrorKind.NO_WORKER: (503, "service_unavailable_error", "no_worker", grpc.StatusCode.UNAVAILABLE),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error", "unavailable", grpc.StatusCode.UNAVAILABLE),
 }
 
 
 class RouterError(Exception):
-    """A request failed; ``message`` says why with the real numbers, ``param`` names the field."""
+    """A request failed; ``message`` says why with the real numbers, ``param`` names the field.
 
-    def __init__(self, message: str, kind: ErrorKind, param: str | None = None):
+    ``retry_after_s`` (seconds, or None): when a retry may succeed; HTTP sends it as the
+    ``Retry-After`` header, gRPC as the trailing metadata ``retry-after`` (:attr:`retry_after`).
+    """
+
+    def __init__(self, message: str, kind: ErrorKind, param: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.message = message
         self.kind = kind
         self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str | None:
+        """``retry_after_s`` as Retry-After wants it: whole seconds, rounded up, at least 1."""
+        if self.retry_after_s is None:
+            return None
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+    def http_headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": self.retry_after}
+
+    def grpc_trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self.retry_after is None else (("retry-after", self.retry_after),)
 
     @property
     def http_status(self) -> int:

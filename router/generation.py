@@ -21,7 +21,9 @@ from router.errors import ErrorKind, RouterError
 from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
-from router.routing import InFlightCounter, RoutingPolicy, RoutingRequest
+from router.placement import InFlightCounter, Placement
+from router.placer import Placer
+from router.routing import PerRolePolicy, RoutingPolicy
 from router.tokenizer import ModelTokenizer
 from router.validation import ValidatedRequest
 from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients
@@ -63,13 +65,9 @@ class Finished:
 GenerationEvent = TextDelta | Finished
 
 
-@dataclass(frozen=True)
-class RoutingPolicies:
-    """One policy per worker role, and the in-flight counts they share."""
-
-    prefill: RoutingPolicy
-    decode: RoutingPolicy
-    in_flight: InFlightCounter
+def RoutingPolicies(prefill: RoutingPolicy, decode: RoutingPolicy, in_flight: InFlightCounter) -> Placer:  # noqa: N802
+    """A Placer from one policy per role (the older API; tests): no admission, no pool index."""
+    return Placer(PerRolePolicy(prefill, decode, in_flight))
 
 
 @dataclass(eq=False)
@@ -85,6 +83,7 @@ class _Run:
     ttft_s: float = 0.0
     last_token_time_s: float = 0.0
     sent_first_token: bool = False
+    placement: Placement | None = None  # where the router placed it (router.placer)
 
 
 class Generation:
@@ -96,7 +95,7 @@ class Generation:
         clients: WorkerClients,
         tokenizer: ModelTokenizer,
         metrics: RouterMetrics,
-        policies: RoutingPolicies,
+        policies: Placer,
         timeout_s: float,
     ):
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
@@ -120,9 +119,13 @@ class Generation:
         self.metrics.num_requests_running.inc()
         error: BaseException | None = None
         try:
-            self._require_workers("decode")  # needed in both modes (unless max_tokens == 1)
+            # Where it runs (decode worker, prefill worker unless colocated), or 429 (SLO admission).
+            run.placement = await self.policies.place(
+                run.request_id, request.prompt_token_ids, params.max_tokens,
+                self.view.workers("prefill"), self.view.workers("decode"),
+            )
             prefill = None
-            if self.view.workers("prefill"):  # disaggregated; else colocated on a decode worker
+            if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
                 yield self._first_token(run, prefill)
             if prefill is None or run.output.finish_reason is None:
@@ -136,6 +139,7 @@ class Generation:
             raise
         finally:
             self.metrics.num_requests_running.dec()
+            self.policies.finished(run.placement)
             self._record_end(run, error)
             self._release(run)
 
@@ -146,11 +150,11 @@ class Generation:
         return workers
 
     def _choose(self, role: str, run: _Run) -> WorkerInfo:
-        """Raises RouterError(NO_WORKER) when no worker of ``role`` is live."""
-        policy = self.policies.prefill if role == "prefill" else self.policies.decode
-        worker = policy.choose(self._require_workers(role), RoutingRequest(run.request_id, run.request.prompt_token_ids))
-        self.metrics.routed(policy.name, role)
-        return worker
+        """The placement's worker of ``role`` while it is live; else (a retry, a migration) the
+        policy's choice among the live ones. Raises RouterError(NO_WORKER) when none is live."""
+        placement = run.placement
+        planned = None if placement is None else placement.prefill if role == "prefill" else placement.decode
+        return self.policies.choose(role, self.view.workers(role), run.request_id, run.request.prompt_token_ids, planned)
 
     def _remaining_s(self, run: _Run) -> float:
         remaining_s = self.timeout_s - (time.monotonic() - run.arrival_time_s)
@@ -175,6 +179,7 @@ class Generation:
         now_s = time.monotonic()
         run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
         self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), num_cached_tokens)
+        self.policies.first_token(run.placement, run.ttft_s)
 
     async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[TextDelta]:
         """Yields one TextDelta per decode message; cancels the stream however it ends.

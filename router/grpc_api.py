@@ -96,4 +96,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for event in events:
                     yield response_to_proto(event, request_id)
             except RouterError as err:
+                if err.retry_after is not None:  # SLO admission: when to come back
+                    context.set_trailing_metadata(err.grpc_trailing_metadata())
                 await context.abort(err.grpc_code, err.message)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Buckets of vLLM's histograms of the same name, in seconds.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
@@ -37,12 +38,32 @@ class RouterMetrics:
             "tandem:routing_decisions", "Workers chosen, by policy and role.", ["policy", "role"], registry=r
         )
         self.num_requests_running = Gauge("tandem:num_requests_running", "Requests in generation at this router.", registry=r)
+        self.placements = Counter(
+            "tandem:placements", "Requests placed, by policy and mode (colocated or disaggregated).",
+            ["policy", "mode"], registry=r,
+        )
+        self.ttft_predicted_s = Histogram(
+            "tandem:ttft_predicted_seconds", "Predicted TTFT of placed requests, by mode.", ["mode"],
+            buckets=TTFT_BUCKETS_S, registry=r,
+        )
+        self.ttft_prediction_ratio = Histogram(
+            "tandem:ttft_prediction_ratio", "Actual over predicted TTFT, by mode (1 = exact).", ["mode"],
+            buckets=PREDICTION_RATIO_BUCKETS, registry=r,
+        )
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()
 
     def routed(self, policy: str, role: str) -> None:
         self.routing_decisions.labels(policy=policy, role=role).inc()
+
+    def placed(self, policy: str, mode: str) -> None:
+        self.placements.labels(policy=policy, mode=mode).inc()
+
+    def ttft_predicted(self, mode: str, predicted_s: float, actual_s: float) -> None:
+        """One request's predicted and actual TTFT (seconds)."""
+        self.ttft_predicted_s.labels(mode=mode).observe(predicted_s)
+        self.ttft_prediction_ratio.labels(mode=mode).observe(actual_s / max(predicted_s, 1e-6))
 
     def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.ttft_s.observe(ttft_s)

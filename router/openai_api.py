@@ -100,7 +100,7 @@ class OpenAIApi:
 
         @app.exception_handler(RouterError)
         async def _router_error(_: Request, err: RouterError) -> JSONResponse:
-            return JSONResponse(err.to_openai(), status_code=err.http_status)
+            return JSONResponse(err.to_openai(), status_code=err.http_status, headers=err.http_headers())
 
         @app.exception_handler(RequestValidationError)
         async def _bad_body(_: Request, err: RequestValidationError) -> JSONResponse:

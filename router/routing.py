@@ -1,85 +1,261 @@
-"""Routing policies: which live worker of a role gets a request.
+"""Routing policies: where a request runs (DESIGN.md §2 step 2, STYLE.md "a policy is an object").
 
-A policy is an object behind :class:`RoutingPolicy`; :class:`LeastLoadedPolicy` is the first.
-Prefix-aware and SLO-aware policies (DESIGN.md §2) plug in beside it.
+Every policy answers two questions behind :class:`RoutingPolicy`:
+
+- ``place``: the decode worker and, unless colocated, the prefill worker of a new request;
+- ``choose``: one worker of one role (a retry after a worker failed, a decode stream migrating).
+
+Four policies, selected by ``RouterConfig.routing_policy``:
+
+- ``round_robin``: each role's workers in turn;
+- ``least_loaded``: fewest running + waiting requests (heartbeat, or this router's in flight);
+- ``cache_aware``: the longest prompt prefix this router recently sent to the worker (SGLang's
+  cache-aware router, without its load-balance override), ties by load;
+- ``predicted_latency`` (default): the minimum predicted TTFT (placement.Predictor) among the
+  placements whose decode worker meets the TBT SLO and has the free blocks, colocated placements
+  included (conditional disaggregation, DistServe §4.3 / Mooncake §5); predictions within
+  ``TIE_REL`` of the best are ties, broken by load, so one hot prefix cannot take every request.
+  Until every worker has a fitted cost model it behaves as ``least_loaded``.
+
+``disaggregation``: ``auto`` (policies that predict may colocate; the others disaggregate when a
+prefill worker is live), ``always`` (colocated only when no prefill worker is live), ``never``.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
-from collections import Counter
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from core.registry import WorkerInfo
+from router.config import DISAGGREGATION_MODES
+from router.placement import (
+    SLO,
+    InFlightCounter,
+    PendingPrefills,
+    Placement,
+    Prediction,
+    Predictor,
+    RoutingRequest,
+    num_requests,
+)
+from router.prefix_index import LocalPrefixCache
+
+__all__ = [
+    "DISAGGREGATION_MODES", "POLICIES", "CacheAwarePolicy", "InFlightCounter", "LeastLoadedPolicy",
+    "PerRolePolicy", "PredictedLatencyPolicy", "RoundRobinPolicy", "RoutingContext", "RoutingPolicy", "RoutingRequest", "make_policy",
+]
+
+TIE_REL = 0.10  # predictions within 10 % (plus TIE_ABS_S) of the best are ties
+TIE_ABS_S = 0.005
 
 
 @dataclass(frozen=True)
-class RoutingRequest:
-    """What a policy may look at: the request's identity and prompt."""
+class RoutingContext:
+    """The router's live bookkeeping that policies read (shared, mutated by the router)."""
 
-    request_id: str
-    prompt_token_ids: Sequence[int]
+    in_flight: InFlightCounter
+    pending: PendingPrefills
+    local_cache: LocalPrefixCache
+    predictor: Predictor
+    disaggregation: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
+
+    @classmethod
+    def create(cls, disaggregation: str = "auto", slo: SLO = SLO(), cache_capacity_blocks: int = 8192,
+               in_flight: InFlightCounter | None = None) -> RoutingContext:
+        """Fresh bookkeeping. Raises ValueError on a bad ``disaggregation`` or capacity."""
+        in_flight, pending = in_flight or InFlightCounter(), PendingPrefills()
+        predictor = Predictor(in_flight, pending, slo)
+        return cls(in_flight, pending, LocalPrefixCache(cache_capacity_blocks), predictor, disaggregation)
 
 
-class InFlightCounter:
-    """This router's own requests in flight per worker address.
-
-    A worker's heartbeat is up to a second old; counting our own placements since then keeps a
-    burst of requests from all landing on the worker that looked idle.
-    """
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-
-    def get(self, address: str) -> int:
-        return self._counts[address]
-
-    @contextlib.contextmanager
-    def track(self, address: str) -> Iterator[None]:
-        """Counts one request at ``address`` for the duration of the ``with`` block."""
-        self._counts[address] += 1
-        try:
-            yield
-        finally:
-            self._counts[address] -= 1
-            if self._counts[address] <= 0:
-                del self._counts[address]
+def _require(workers: Sequence[WorkerInfo], role: str, request: RoutingRequest) -> None:
+    if not workers:
+        raise ValueError(f"no {role} worker to route request {request.request_id!r} to")
 
 
 class RoutingPolicy(abc.ABC):
-    """Chooses one worker for a request."""
+    """Chooses workers for requests; subclasses set ``name`` and implement ``choose``."""
 
     name: str = "abstract"
 
+    def __init__(self, context: RoutingContext | InFlightCounter):
+        # An InFlightCounter alone (the older API): fresh bookkeeping around it.
+        self.context = context if isinstance(context, RoutingContext) else RoutingContext.create(in_flight=context)
+
     @abc.abstractmethod
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        """Returns one of ``workers``.
+        """Returns one of ``workers`` (all of one role).
 
         Raises:
             ValueError: ``workers`` is empty (the caller reports "no healthy worker").
         """
 
+    def place(
+        self, prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo], request: RoutingRequest
+    ) -> Placement:
+        """A decode worker, and a prefill worker unless colocated; predicted when every worker
+        involved has a cost model (for admission and metrics).
+
+        Raises:
+            ValueError: no decode worker.
+        """
+        _require(decode_workers, "decode", request)
+        prefill = None
+        if prefill_workers and self.context.disaggregation != "never":
+            prefill = self.choose(prefill_workers, request)
+        decode = self.choose(decode_workers, request)
+        return Placement(decode, prefill, self.name, self.predict(prefill, decode, request))
+
+    def predict(self, prefill: WorkerInfo | None, decode: WorkerInfo, request: RoutingRequest) -> Prediction | None:
+        predictor = self.context.predictor
+        if prefill is not None:
+            return predictor.disaggregated(prefill, decode, request)
+        return predictor.colocated(decode, request, self.local_cached_tokens(decode, request))
+
+    def local_cached_tokens(self, worker: WorkerInfo, request: RoutingRequest) -> int:
+        """Leading prompt tokens this router recently sent to ``worker`` (its prefix cache, roughly)."""
+        return self.context.local_cache.num_cached_blocks(worker.address, request.block_hashes) * request.block_size
+
+    def load(self, worker: WorkerInfo) -> int:
+        return num_requests(worker, self.context.in_flight)
+
+    def least_loaded(self, workers: Sequence[WorkerInfo]) -> WorkerInfo:
+        """Fewest requests, then the most free KV blocks, then the smallest worker_id."""
+        return min(workers, key=lambda w: (self.load(w), -w.load.get("num_free_blocks", 0), w.worker_id))
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each role's workers in turn (by worker_id), whatever their load."""
+
+    name = "round_robin"
+
+    def __init__(self, context: RoutingContext):
+        super().__init__(context)
+        self._turns: dict[str, itertools.count] = {}
+
+    def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
+        _require(workers, "a", request)
+        turn = next(self._turns.setdefault(workers[0].role, itertools.count()))
+        return sorted(workers, key=lambda w: w.worker_id)[turn % len(workers)]
+
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """The worker with the fewest requests: running + waiting (its last heartbeat) plus this
-    router's own in-flight requests to it. Ties go to the most free KV blocks, then worker_id."""
+    """The worker with the fewest requests: running + waiting (its last heartbeat), or this
+    router's own in-flight requests to it when more. Ties go to the most free KV blocks, then
+    worker_id."""
 
     name = "least_loaded"
 
-    def __init__(self, in_flight: InFlightCounter):
-        self.in_flight = in_flight
+    def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
+        _require(workers, "a", request)
+        return self.least_loaded(workers)
 
-    def load(self, worker: WorkerInfo) -> float:
-        stats = worker.load
-        return (
-            stats.get("num_requests_running", 0)
-            + stats.get("num_requests_waiting", 0)
-            + self.in_flight.get(worker.address)
-        )
+
+class CacheAwarePolicy(RoutingPolicy):
+    """The worker holding the longest prefix of the prompt (as far as this router sent it
+    there), then the least loaded."""
+
+    name = "cache_aware"
 
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        if not workers:
-            raise ValueError(f"no worker to route request {request.request_id!r} to")
-        return min(workers, key=lambda w: (self.load(w), -w.load.get("num_free_blocks", 0), w.worker_id))
+        _require(workers, "a", request)
+        best = max(self.local_cached_tokens(w, request) for w in workers)
+        return self.least_loaded([w for w in workers if self.local_cached_tokens(w, request) == best])
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    prefill: WorkerInfo | None
+    decode: WorkerInfo
+    prediction: Prediction
+    load: tuple[int, int]  # (requests at the worker that prefills, at the decode worker)
+
+
+class PredictedLatencyPolicy(RoutingPolicy):
+    """Minimum predicted TTFT subject to the decode worker's TBT SLO and free blocks."""
+
+    name = "predicted_latency"
+
+    def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
+        """One role only (a retry): prefill workers by predicted prefill latency, decode workers
+        by fitting then predicted step time; least loaded without cost models."""
+        _require(workers, "a", request)
+        predictor = self.context.predictor
+        if workers[0].role == "prefill":
+            predictions = [predictor.prefill_ttft(w, request) for w in workers]
+            keys = [None if p is None else (p[0],) for p in predictions]
+        else:
+            predictions = [predictor.colocated(w, request, 0) for w in workers]
+            keys = [None if p is None else (not p.fits, p.tbt_s) for p in predictions]
+        if any(k is None for k in keys):
+            return self.least_loaded(workers)
+        return min(zip(keys, workers), key=lambda kw: (*kw[0], self.load(kw[1]), kw[1].worker_id))[1]
+
+    def place(
+        self, prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo], request: RoutingRequest
+    ) -> Placement:
+        _require(decode_workers, "decode", request)
+        mode = self.context.disaggregation
+        pairs: list[tuple[WorkerInfo | None, WorkerInfo]] = []
+        if prefill_workers and mode != "never":
+            pairs += [(p, d) for p in prefill_workers for d in decode_workers]
+        if not prefill_workers or mode != "always":
+            pairs += [(None, d) for d in decode_workers]
+        candidates = []
+        for prefill, decode in pairs:
+            prediction = self.predict(prefill, decode, request)
+            if prediction is None:  # a worker without a fitted cost model yet
+                return self._least_loaded_placement(prefill_workers, decode_workers, request)
+            load = (self.load(prefill or decode), self.load(decode))
+            candidates.append(_Candidate(prefill, decode, prediction, load))
+        best = self.best(candidates)
+        return Placement(best.decode, best.prefill, self.name, best.prediction)
+
+    def best(self, candidates: list[_Candidate]) -> _Candidate:
+        """Among those meeting the SLOs (else those that fit the decode worker, else all): the
+        lowest predicted latency, predictions within TIE_REL of it tied and broken by load."""
+        slo = self.context.predictor.slo
+        pool = ([c for c in candidates if c.prediction.meets(slo)] or [c for c in candidates if c.prediction.fits]
+                or candidates)
+        best_s = min(c.prediction.rank_s for c in pool)
+        tied = [c for c in pool if c.prediction.rank_s <= best_s * (1 + TIE_REL) + TIE_ABS_S]
+        return min(tied, key=lambda c: (sum(c.load), c.prediction.rank_s, c.decode.worker_id,
+                                        c.prefill.worker_id if c.prefill else ""))
+
+    def _least_loaded_placement(self, prefill_workers, decode_workers, request) -> Placement:
+        prefill = None
+        if prefill_workers and self.context.disaggregation != "never":
+            prefill = self.least_loaded(prefill_workers)
+        return Placement(self.least_loaded(decode_workers), prefill, self.name, None)
+
+
+class PerRolePolicy(RoutingPolicy):
+    """One policy per role (any objects with ``choose(workers, request)`` and ``name``);
+    placement as the base class does: always disaggregated when a prefill worker is live."""
+
+    def __init__(self, prefill, decode, context: RoutingContext | InFlightCounter):
+        super().__init__(context)
+        self.prefill, self.decode = prefill, decode
+        self.name = decode.name
+
+    def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
+        _require(workers, "a", request)
+        return (self.prefill if workers[0].role == "prefill" else self.decode).choose(workers, request)
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, CacheAwarePolicy, PredictedLatencyPolicy)
+}
+
+
+def make_policy(name: str, context: RoutingContext) -> RoutingPolicy:
+    """The policy called ``name``. Raises ValueError naming the known ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
+    return POLICIES[name](context)

@@ -12,11 +12,15 @@ from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
 from router.config import RouterConfig
-from router.generation import Generation, RoutingPolicies
+from router.admission import Admission
+from router.generation import Generation
 from router.grpc_api import SERVICE_NAME, RouterServicer
 from router.metrics import RouterMetrics
 from router.openai_api import OpenAIApi
-from router.routing import InFlightCounter, LeastLoadedPolicy
+from router.placement import SLO
+from router.placer import Placer
+from router.prefix_index import PoolPrefixIndex
+from router.routing import RoutingContext, make_policy
 from router.tokenizer import ModelTokenizer, load_tokenizer
 from router.validation import Validator
 from router.worker_clients import WorkerClients
@@ -61,16 +65,23 @@ class RouterServer:
         self.registry = WorkerRegistry(config.redis_url)
         self.view = WorkerView(self.registry, config.worker_refresh_interval_s)
         self.clients = WorkerClients()
-        in_flight = InFlightCounter()
-        policies = RoutingPolicies(LeastLoadedPolicy(in_flight), LeastLoadedPolicy(in_flight), in_flight)
         self.generation = Generation(
-            self.view, self.clients, self.tokenizer, self.metrics, policies, config.request_timeout_s
+            self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
         )
         await self.view.start()
         await self._start_grpc()
         await self._start_http()
         log.info("router serving %r: HTTP on %s:%d, gRPC on %s:%d", source.name,
                  config.host, self.http_port, config.host, self.grpc_port)
+
+    def _placer(self) -> Placer:
+        """The configured routing policy and SLO admission; the pool's prefix index read from
+        the registry's Redis."""
+        config = self.config
+        slo = SLO(config.ttft_slo_s, config.tbt_slo_s)
+        context = RoutingContext.create(config.disaggregation, slo, config.prefix_cache_blocks)
+        return Placer(make_policy(config.routing_policy, context), Admission(slo, config.max_queue_s), self.metrics,
+                      PoolPrefixIndex(self.registry.redis))
 
     async def _start_grpc(self) -> None:
         self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s)

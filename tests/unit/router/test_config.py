@@ -15,6 +15,13 @@ from router.config import RouterConfig
         ({"default_max_tokens": 2048}, "default_max_tokens must be in [1, max_model_len=2048), got 2048"),
         ({"request_timeout_s": 0}, "request_timeout_s must be > 0, got 0"),
         ({"redis_url": "localhost:6379"}, "redis_url must start with redis://, rediss:// or unix://, got 'localhost:6379'"),
+        ({"routing_policy": "random"}, "routing_policy must be one of ('round_robin', 'least_loaded', "
+                                       "'cache_aware', 'predicted_latency'), got 'random'"),
+        ({"disaggregation": "maybe"}, "disaggregation must be one of ('auto', 'always', 'never'), got 'maybe'"),
+        ({"ttft_slo_s": -1.0}, "ttft_slo_s must be >= 0, got -1.0"),
+        ({"tbt_slo_s": float("nan")}, "tbt_slo_s must be >= 0, got nan"),
+        ({"max_queue_s": -0.1}, "max_queue_s must be >= 0, got -0.1"),
+        ({"prefix_cache_blocks": 0}, "prefix_cache_blocks must be >= 1, got 0"),
     ],
 )
 def test_bad_values(overrides: dict, message: str) -> None:
@@ -26,3 +33,5 @@ def test_bad_values(overrides: dict, message: str) -> None:
 def test_defaults() -> None:
     config = RouterConfig()
     assert (config.http_port, config.grpc_port, config.max_model_len, config.default_max_tokens) == (8000, 50050, 2048, 16)
+    assert (config.routing_policy, config.disaggregation, config.ttft_slo_s, config.tbt_slo_s) == (
+        "predicted_latency", "auto", 0.0, 0.0)

@@ -1,50 +1,185 @@
-"""LeastLoadedPolicy from plain WorkerInfo values."""
+"""Each routing policy driven from hand-built worker states (no model, no network)."""
 
 from __future__ import annotations
 
 import pytest
 
 from core.registry import WorkerInfo
-from router.routing import InFlightCounter, LeastLoadedPolicy, RoutingRequest
+from router.config import ROUTING_POLICIES
+from router.placement import COLOCATED, DISAGGREGATED, SLO
+from router.routing import POLICIES, InFlightCounter, LeastLoadedPolicy, RoutingContext, make_policy
+from tests.unit.router.routing_factories import COST, policy, request, worker
 
-REQUEST = RoutingRequest("req-1", [1, 2, 3])
-
-
-def worker(worker_id: str, running: int = 0, waiting: int = 0, free_blocks: int = 100) -> WorkerInfo:
-    load = {"num_requests_running": running, "num_requests_waiting": waiting,
-            "num_free_blocks": free_blocks, "num_total_blocks": 100}
-    return WorkerInfo(worker_id, "decode", f"127.0.0.1:{9000 + int(worker_id[1:])}", load)
+REQUEST = request()
 
 
-def test_fewest_running_plus_waiting_wins() -> None:
-    policy = LeastLoadedPolicy(InFlightCounter())
-    workers = [worker("w1", running=3, waiting=0), worker("w2", running=1, waiting=1), worker("w3", running=0, waiting=4)]
-    assert policy.choose(workers, REQUEST).worker_id == "w2"
+def test_every_configurable_policy_exists() -> None:
+    assert sorted(POLICIES) == sorted(ROUTING_POLICIES)
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random", RoutingContext.create())
+    with pytest.raises(ValueError, match="disaggregation must be one of .* got 'sometimes'"):
+        RoutingContext.create("sometimes")
 
 
-def test_own_in_flight_requests_count() -> None:
+# --- round robin -------------------------------------------------------------------------------
+
+
+def test_round_robin_takes_turns_per_role_whatever_the_load() -> None:
+    rr = policy("round_robin")
+    prefills = [worker("p2", waiting_tokens=5000), worker("p1")]
+    decodes = [worker("d1", "decode"), worker("d2", "decode", running=40)]
+    placed = [rr.place(prefills, decodes, REQUEST) for _ in range(4)]
+    assert [(p.prefill.worker_id, p.decode.worker_id) for p in placed] == [
+        ("p1", "d1"), ("p2", "d2"), ("p1", "d1"), ("p2", "d2")]
+    assert {p.mode for p in placed} == {DISAGGREGATED}
+
+
+# --- least loaded ------------------------------------------------------------------------------
+
+
+def test_least_loaded_fewest_running_plus_waiting() -> None:
+    ll = policy("least_loaded")
+    workers = [worker("w1", running=3), worker("w2", running=1, waiting=1), worker("w3", waiting=4)]
+    assert ll.choose(workers, REQUEST).worker_id == "w2"
+
+
+def test_least_loaded_counts_own_in_flight_when_the_heartbeat_lags() -> None:
     in_flight = InFlightCounter()
-    policy = LeastLoadedPolicy(in_flight)
+    ll = LeastLoadedPolicy(in_flight)  # the older constructor still works
     w1, w2 = worker("w1", running=1), worker("w2", running=2)
-    with in_flight.track(w1.address), in_flight.track(w1.address):
-        assert policy.load(w1) == 3
-        assert policy.choose([w1, w2], REQUEST).worker_id == "w2"
+    with in_flight.track(w1.address), in_flight.track(w1.address), in_flight.track(w1.address):
+        assert ll.load(w1) == 3  # the heartbeat says 1: it has not seen our three yet
+        assert ll.choose([w1, w2], REQUEST).worker_id == "w2"
     assert in_flight.get(w1.address) == 0
-    assert policy.choose([w1, w2], REQUEST).worker_id == "w1"
+    assert ll.choose([w1, w2], REQUEST).worker_id == "w1"
 
 
-def test_ties_go_to_more_free_blocks_then_worker_id() -> None:
-    policy = LeastLoadedPolicy(InFlightCounter())
-    assert policy.choose([worker("w1", free_blocks=10), worker("w2", free_blocks=50)], REQUEST).worker_id == "w2"
-    assert policy.choose([worker("w2"), worker("w1")], REQUEST).worker_id == "w1"
+def test_least_loaded_ties_go_to_free_blocks_then_worker_id() -> None:
+    ll = policy("least_loaded")
+    assert ll.choose([worker("w1", free_blocks=10), worker("w2", free_blocks=50)], REQUEST).worker_id == "w2"
+    assert ll.choose([worker("w2"), worker("w1")], REQUEST).worker_id == "w1"
+    bare = WorkerInfo("w9", "prefill", "127.0.0.1:1")  # no load fields at all: counts as idle
+    assert ll.choose([worker("w1", running=1), bare], REQUEST) is bare
 
 
-def test_missing_load_fields_count_as_zero() -> None:
-    policy = LeastLoadedPolicy(InFlightCounter())
-    bare = WorkerInfo("w9", "prefill", "127.0.0.1:1")
-    assert policy.choose([worker("w1", running=1), bare], REQUEST) is bare
-
-
-def test_no_workers_raises() -> None:
+def test_no_workers_raises_naming_the_request() -> None:
     with pytest.raises(ValueError, match="req-1"):
-        LeastLoadedPolicy(InFlightCounter()).choose([], REQUEST)
+        policy("least_loaded").choose([], REQUEST)
+    with pytest.raises(ValueError, match="no decode worker .* 'req-1'"):
+        policy("predicted_latency").place([worker("p1")], [], REQUEST)
+
+
+# --- cache aware -------------------------------------------------------------------------------
+
+
+def test_cache_aware_follows_the_longest_prefix_sent_then_load() -> None:
+    ca = policy("cache_aware")
+    d1, d2 = worker("d1", "decode"), worker("d2", "decode", running=5)
+    hot = request(64)
+    ca.context.local_cache.record(d2.address, hot.block_hashes[:3])
+    ca.context.local_cache.record(d1.address, hot.block_hashes[:1])
+    assert ca.choose([d1, d2], hot).worker_id == "d2"  # 3 blocks beat 1, whatever the load
+    assert ca.choose([d1, d2], request(64, first=7)).worker_id == "d1"  # nothing cached: least loaded
+
+
+# --- predicted latency -------------------------------------------------------------------------
+
+
+def test_predicted_ttft_is_queue_plus_pool_load_plus_uncached_prefill() -> None:
+    pl = policy("predicted_latency", disaggregation="always")
+    p1 = worker("p1", waiting_tokens=1000)
+    placement = pl.place([p1], [worker("d1", "decode")], request(100, pool_cached=32))
+    prediction = placement.prediction
+    # queue: 1000 tokens in ceil(1000 / 512) = 2 steps: 2 x (10 + 0.5) ms + 1000 x 1 ms
+    assert prediction.queue_s == pytest.approx(1.021)
+    # 32 tokens from the pool at 1 GB/s x 1000 B + one 68-token step: 10 + 68 + 0.5 ms
+    assert prediction.ttft_s == pytest.approx(1.021 + 32e-6 + 0.0785)
+    assert prediction.num_cached_tokens == 32
+    assert prediction.handoff_s == pytest.approx(100e-6)  # the decode worker loads all 100 tokens
+    assert prediction.tbt_s == pytest.approx(COST.decode_step_s(1, 100))
+
+
+def test_predicted_latency_prefers_the_shorter_queue_not_the_fewer_requests() -> None:
+    pl, ll = policy("predicted_latency", disaggregation="always"), policy("least_loaded")
+    prefills = [worker("p1", waiting=1, waiting_tokens=3000), worker("p2", waiting=3, waiting_tokens=300)]
+    decodes = [worker("d1", "decode")]
+    assert ll.place(prefills, decodes, REQUEST).prefill.worker_id == "p1"
+    assert pl.place(prefills, decodes, REQUEST).prefill.worker_id == "p2"
+
+
+def test_predicted_latency_ties_are_broken_by_load_so_a_hot_prefix_spreads() -> None:
+    pl = policy("predicted_latency", disaggregation="always")
+    prefills, decodes = [worker("p1"), worker("p2")], [worker("d1", "decode")]
+    hot = request(256, pool_cached=240)  # both workers read the same pool: equal predictions
+    with pl.context.in_flight.track(prefills[0].address):
+        assert pl.place(prefills, decodes, hot).prefill.worker_id == "p2"
+    assert pl.place(prefills, decodes, hot).prefill.worker_id == "p1"
+
+
+def test_pending_prefills_make_a_burst_alternate() -> None:
+    pl = policy("predicted_latency", disaggregation="always")
+    prefills, decodes = [worker("p1"), worker("p2")], [worker("d1", "decode")]
+    chosen = []
+    for i in range(4):
+        placement = pl.place(prefills, decodes, request(600, request_id=f"r{i}"))
+        pl.context.pending.add(placement, placement.prefill.address, 600)  # what the Placer does
+        chosen.append(placement.prefill.worker_id)
+    assert chosen == ["p1", "p2", "p1", "p2"]
+
+
+def test_decode_worker_over_the_tbt_slo_or_out_of_blocks_is_avoided() -> None:
+    pl = policy("predicted_latency", disaggregation="always", slo=SLO(tbt_s=0.030))
+    prefills = [worker("p1")]
+    busy = worker("d1", "decode", running=20, kv_tokens=20_000)  # 10 + 21 + 10.5 ms + attention 0 > 30 ms
+    full = worker("d2", "decode", free_blocks=3)  # 100 + 16 tokens need 8 blocks
+    ok = worker("d3", "decode", running=10, kv_tokens=5000)
+    placement = pl.place(prefills, [busy, full, ok], REQUEST)
+    assert placement.decode.worker_id == "d3" and placement.prediction.fits
+    only_bad = pl.place(prefills, [busy, full], REQUEST)  # nothing fits: still placed, flagged
+    assert not only_bad.prediction.fits
+
+
+def test_conditional_disaggregation_colocates_a_mostly_cached_prompt() -> None:
+    pl = policy("predicted_latency")
+    prefills, decode = [worker("p1")], worker("d1", "decode", running=8, kv_tokens=4000)
+    long_new = request(1000)
+    # Same speed both sides, but colocated chunks share their steps with 8 running decodes.
+    assert pl.place(prefills, [decode], long_new).mode == DISAGGREGATED
+    cached = request(1000, first=5000)
+    pl.context.local_cache.record(decode.address, cached.block_hashes)  # the decode worker has it all
+    placement = pl.place(prefills, [decode], cached)
+    assert (placement.mode, placement.prediction.num_cached_tokens) == (COLOCATED, 992)  # 62 full blocks
+    assert pl.place([], [decode], long_new).mode == COLOCATED  # no prefill worker at all
+
+
+def test_a_long_prompt_is_not_colocated_beside_decodes_under_a_tbt_slo() -> None:
+    decode = worker("d1", "decode", running=8, kv_tokens=4000)
+    prefills = [worker("p1", waiting_tokens=2000)]
+    prompt = request(1500)
+    assert policy("predicted_latency").place(prefills, [decode], prompt).mode == COLOCATED
+    tight = policy("predicted_latency", slo=SLO(tbt_s=0.1))  # a 512-token chunk stalls decodes > 0.1 s
+    assert tight.place(prefills, [decode], prompt).mode == DISAGGREGATED
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("always", DISAGGREGATED), ("never", COLOCATED)])
+def test_disaggregation_setting_forces_the_mode(mode: str, expected: str) -> None:
+    pl = policy("predicted_latency", disaggregation=mode)
+    decode = worker("d1", "decode")
+    cached = request(200)
+    pl.context.local_cache.record(decode.address, cached.block_hashes)
+    assert pl.place([worker("p1", waiting_tokens=5000)], [decode], cached).mode == expected
+
+
+def test_without_a_fitted_cost_model_predicted_latency_is_least_loaded() -> None:
+    pl = policy("predicted_latency")
+    prefills = [worker("p1", cost=None, running=2), worker("p2", cost=None)]
+    decodes = [worker("d1", "decode", cost=None, running=1), worker("d2", "decode", cost=None)]
+    placement = pl.place(prefills, decodes, REQUEST)
+    assert (placement.prefill.worker_id, placement.decode.worker_id, placement.prediction) == ("p2", "d2", None)
+
+
+def test_predicted_latency_choose_for_a_retry() -> None:
+    pl = policy("predicted_latency")
+    assert pl.choose([worker("p1", waiting_tokens=900), worker("p2", waiting_tokens=100)], REQUEST).worker_id == "p2"
+    busy, idle = worker("d1", "decode", running=30, kv_tokens=9000), worker("d2", "decode", running=2)
+    assert pl.choose([busy, idle], REQUEST).worker_id == "d2"

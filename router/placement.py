@@ -1,0 +1,239 @@
+"""What a routing decision is and what it is predicted to cost (DESIGN.md §2 step 2, §7).
+
+A :class:`Placement` names the decode worker and, when disaggregated, the prefill worker of one
+request. :class:`Predictor` turns a candidate placement into predicted TTFT and TBT from the
+workers' heartbeats (live load plus the step-time :class:`~core.cost_model.CostModel` each fits of
+itself) and from this router's own placements still waiting for their first token
+(:class:`PendingPrefills`, fresher than a heartbeat up to a second old). Everything here is plain
+data and arithmetic: policies and tests drive it from hand-built :class:`WorkerInfo` values.
+
+Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
+
+    disaggregated on (P, D):  ttft = queue(P) + kv_load_P(pool-cached) + prefill_P(uncached)
+                              handoff = kv_load_D(prompt)          (before the second token)
+                              tbt = decode_step_D(batch + 1, kv_tokens + prompt)
+    colocated on D:           ttft = queue(D) + prefill_D(uncached locally)
+                                     + chunks x (running batch's share of each mixed step)
+                              tbt = max(decode step, one mixed step: chunk + running batch)
+
+``queue(W)`` drains the prompt tokens queued ahead at W: the larger of its heartbeat's
+``num_waiting_tokens + num_batched_tokens`` and this router's pending tokens there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+from core.cost_model import CostModel
+from core.registry import WorkerInfo
+
+DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
+DEFAULT_BLOCK_SIZE = 16  # a worker that does not say its block size (older heartbeat)
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What a policy may look at: the request's identity, prompt and prefix-cache state."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE  # of block_hashes
+    block_hashes: tuple[int, ...] = ()  # the prompt's full blocks (core.block_hash chain)
+    num_pool_cached_tokens: int = 0  # leading prompt tokens whose KV the pool holds
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets in seconds; 0 turns one off."""
+
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.ttft_s < 0 or self.tbt_s < 0:
+            raise ValueError(f"SLOs must be >= 0 s, got ttft_s={self.ttft_s}, tbt_s={self.tbt_s}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate placement's predicted latencies (seconds) and whether the decode worker fits it."""
+
+    ttft_s: float
+    queue_s: float  # of ttft_s: waiting behind the work queued at the worker that prefills
+    handoff_s: float  # decode worker loading the prompt's KV from the pool (disaggregated only)
+    tbt_s: float  # decode step time with this request in the batch
+    fits: bool  # the decode worker has the free blocks and a batch slot, and tbt_s meets the SLO
+    num_cached_tokens: int  # prompt tokens not computed (pool or worker prefix cache)
+
+    @property
+    def rank_s(self) -> float:
+        """What predicted-latency minimises: time until the decode worker can produce token 2."""
+        return self.ttft_s + self.handoff_s
+
+    def meets(self, slo: SLO) -> bool:
+        return self.fits and (not slo.ttft_s or self.ttft_s <= slo.ttft_s)
+
+
+@dataclass(frozen=True, eq=False)  # identity: the router keys its bookkeeping by placement
+class Placement:
+    """Where one request runs; ``prefill`` None is colocated (the decode worker prefills)."""
+
+    decode: WorkerInfo
+    prefill: WorkerInfo | None
+    policy: str
+    prediction: Prediction | None = None  # None: a worker has no fitted cost model yet
+
+    @property
+    def mode(self) -> str:
+        return COLOCATED if self.prefill is None else DISAGGREGATED
+
+
+class InFlightCounter:
+    """This router's own requests in flight per worker address.
+
+    A worker's heartbeat is up to a second old; counting our own placements since then keeps a
+    burst of requests from all landing on the worker that looked idle.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+
+    def get(self, address: str) -> int:
+        return self._counts[address]
+
+    @contextlib.contextmanager
+    def track(self, address: str) -> Iterator[None]:
+        """Counts one request at ``address`` for the duration of the ``with`` block."""
+        self._counts[address] += 1
+        try:
+            yield
+        finally:
+            self._counts[address] -= 1
+            if self._counts[address] <= 0:
+                del self._counts[address]
+
+
+class PendingPrefills:
+    """Prompt tokens this router placed at each worker and still waiting for their first token.
+
+    ``add`` at placement, ``remove`` at the first token (or the request's end); ``key`` names one
+    placement (the router uses the Placement object itself). Mutated only from the router's event
+    loop.
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[Hashable, tuple[str, int]] = {}  # key -> (address, tokens)
+        self._tokens: Counter[str] = Counter()
+
+    def add(self, key: Hashable, address: str, num_tokens: int) -> None:
+        self.remove(key)
+        self._by_key[key] = (address, num_tokens)
+        self._tokens[address] += num_tokens
+
+    def remove(self, key: Hashable) -> None:
+        """Forgets ``key`` (no-op when unknown)."""
+        entry = self._by_key.pop(key, None)
+        if entry is not None:
+            address, num_tokens = entry
+            self._tokens[address] -= num_tokens
+            if self._tokens[address] <= 0:
+                del self._tokens[address]
+
+    def tokens(self, address: str) -> int:
+        return self._tokens[address]
+
+
+def _stat(worker: WorkerInfo, key: str) -> float:
+    return float(worker.load.get(key, 0))
+
+
+def num_requests(worker: WorkerInfo, in_flight: InFlightCounter) -> int:
+    """Running + waiting at its last heartbeat, or this router's in flight there if more."""
+    heartbeat = _stat(worker, "num_requests_running") + _stat(worker, "num_requests_waiting")
+    return int(max(heartbeat, in_flight.get(worker.address)))
+
+
+def drain_s(cost: CostModel, num_tokens: float) -> float:
+    """Seconds to compute ``num_tokens`` queued prompt tokens in budget-sized steps (attention
+    of the queued prompts is not known and left out)."""
+    if num_tokens <= 0:
+        return 0.0
+    steps = math.ceil(num_tokens / max(1, cost.max_num_batched_tokens))
+    return steps * (cost.base_s + cost.per_seq_s) + cost.per_token_s * num_tokens
+
+
+class Predictor:
+    """Predicts candidate placements; holds references to the router's live bookkeeping."""
+
+    def __init__(self, in_flight: InFlightCounter, pending: PendingPrefills, slo: SLO = SLO()):
+        self.in_flight, self.pending, self.slo = in_flight, pending, slo
+
+    def queued_tokens(self, worker: WorkerInfo) -> float:
+        heartbeat = _stat(worker, "num_waiting_tokens")
+        if worker.role == "prefill":  # the pass in progress finishes first
+            heartbeat += _stat(worker, "num_batched_tokens")
+        return max(heartbeat, self.pending.tokens(worker.address))
+
+    def _decode_side(self, decode: WorkerInfo, cost: CostModel, request: RoutingRequest) -> tuple[float, int, bool]:
+        """(step time with the request added, running batch, fits: blocks, slot and TBT)."""
+        batch = num_requests(decode, self.in_flight)
+        num_kv_tokens = _stat(decode, "num_kv_tokens") + request.num_prompt_tokens
+        tbt_s = cost.decode_step_s(batch + 1, int(num_kv_tokens))
+        block_size = decode.block_size or request.block_size
+        blocks_needed = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
+        free_ok = "num_free_blocks" not in decode.load or _stat(decode, "num_free_blocks") >= blocks_needed
+        slot_ok = "max_num_seqs" not in decode.load or batch < _stat(decode, "max_num_seqs")
+        tbt_ok = not self.slo.tbt_s or tbt_s <= self.slo.tbt_s
+        return tbt_s, batch, free_ok and slot_ok and tbt_ok
+
+    def disaggregated(self, prefill: WorkerInfo, decode: WorkerInfo, request: RoutingRequest) -> Prediction | None:
+        """Prefill on ``prefill`` (cached prefix loaded from the pool), decode on ``decode``;
+        None when either has no cost model."""
+        first = self.prefill_ttft(prefill, request)
+        d_cost = CostModel.from_load(decode.load)
+        if first is None or d_cost is None:
+            return None
+        ttft_s, queue_s, cached = first
+        tbt_s, _, fits = self._decode_side(decode, d_cost, request)
+        return Prediction(ttft_s, queue_s, d_cost.kv_load_s(request.num_prompt_tokens), tbt_s, fits, cached)
+
+    def prefill_ttft(self, prefill: WorkerInfo, request: RoutingRequest) -> tuple[float, float, int] | None:
+        """(TTFT, its queue part, cached tokens) of prefilling on ``prefill``; None without a cost model."""
+        cost = CostModel.from_load(prefill.load)
+        if cost is None:
+            return None
+        n = request.num_prompt_tokens
+        cached = max(0, min(request.num_pool_cached_tokens, n - 1))  # the last token is always computed
+        queue_s = drain_s(cost, self.queued_tokens(prefill))
+        return queue_s + cost.kv_load_s(cached) + cost.prefill_s(n - cached, cached), queue_s, cached
+
+    def colocated(self, decode: WorkerInfo, request: RoutingRequest, num_local_cached_tokens: int) -> Prediction | None:
+        """Prefill on ``decode`` itself after the ``num_local_cached_tokens`` its prefix cache
+        holds, chunked into its decode steps (Sarathi-Serve); None without a cost model."""
+        cost = CostModel.from_load(decode.load)
+        if cost is None:
+            return None
+        n = request.num_prompt_tokens
+        cached = max(0, min(num_local_cached_tokens, n - 1))
+        uncached = n - cached
+        queue_s = drain_s(cost, self.queued_tokens(decode))
+        tbt_s, batch, fits = self._decode_side(decode, cost, request)
+        running_kv_tokens = int(_stat(decode, "num_kv_tokens"))
+        # Each mixed step also carries the running batch: its share is a decode step less the base.
+        share_s = max(0.0, cost.decode_step_s(batch, running_kv_tokens) - cost.base_s) if batch else 0.0
+        chunk = min(uncached, max(1, cost.max_num_batched_tokens))
+        chunks = math.ceil(uncached / max(1, cost.max_num_batched_tokens))
+        ttft_s = queue_s + cost.prefill_s(uncached, cached) + chunks * share_s
+        mixed_step_s = cost.prefill_s(chunk, cached) + share_s  # what running decodes wait for
+        tbt_s = max(tbt_s, mixed_step_s)
+        fits = fits and (not self.slo.tbt_s or tbt_s <= self.slo.tbt_s)
+        return Prediction(ttft_s, queue_s, 0.0, tbt_s, fits, cached)

@@ -1,0 +1,116 @@
+"""The router's placement step: prefix lookup, routing policy, SLO admission, bookkeeping.
+
+:class:`Placer` is what ``Generation`` calls once per request before any worker sees it
+(``place``), when a role's worker must be chosen again after a failure (``choose``), at the first
+token and at the end. It owns the async part (the pool index in Redis) and the metrics; the
+decisions themselves are the policy's (router.routing) and the admission's (router.admission).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from core.registry import WorkerInfo
+from router.admission import Admission
+from router.errors import ErrorKind, RouterError
+from router.metrics import RouterMetrics
+from router.placement import DEFAULT_BLOCK_SIZE, InFlightCounter, Placement, RoutingRequest
+from router.prefix_index import PoolPrefixIndex, prompt_block_hashes
+from router.routing import RoutingPolicy
+
+log = logging.getLogger(__name__)
+
+
+def kv_spec_of(workers: Sequence[WorkerInfo]) -> tuple[str, int]:
+    """(spec_fingerprint, block_size) the workers advertise (the first that does); ("", 16)
+    when none does (an older worker): hashes still serve the local prefix view."""
+    for worker in workers:
+        if worker.block_size > 0:
+            return worker.spec_fingerprint, worker.block_size
+    return "", DEFAULT_BLOCK_SIZE
+
+
+class Placer:
+    """Places requests with one policy and one admission; see the module docstring."""
+
+    def __init__(self, policy: RoutingPolicy, admission: Admission | None = None, metrics: RouterMetrics | None = None,
+                 pool_index: PoolPrefixIndex | None = None):
+        self.policy, self.pool_index = policy, pool_index
+        self.admission = admission or Admission()  # default: no SLO, admits everything
+        self.metrics = metrics or RouterMetrics()
+
+    @property
+    def in_flight(self) -> InFlightCounter:
+        return self.policy.context.in_flight
+
+    async def routing_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                              workers: Sequence[WorkerInfo]) -> RoutingRequest:
+        """The request as policies see it: block hashes and the pool-cached prefix (0 when the
+        index cannot be read: a routing hint, never a reason to fail)."""
+        fingerprint, block_size = kv_spec_of(workers)
+        hashes = tuple(prompt_block_hashes(prompt_token_ids, block_size))
+        num_blocks = 0
+        if self.pool_index is not None and fingerprint:
+            try:
+                num_blocks = await self.pool_index.num_cached_blocks(fingerprint, hashes)
+            except Exception:  # Redis down: route without the pool's view
+                log.warning("cannot read the pool's prefix index", exc_info=True, extra={"request_id": request_id})
+        return RoutingRequest(request_id, prompt_token_ids, max_tokens, block_size, hashes, num_blocks * block_size)
+
+    async def place(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                    prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo]) -> Placement:
+        """Chooses where the request runs and admits it. Mutates: the local prefix view and the
+        pending prefill tokens (until ``first_token`` or ``finished``).
+
+        Raises:
+            RouterError: NO_WORKER without a decode worker; SLO_UNATTAINABLE (429 with
+                ``retry_after_s``) when admission refuses.
+        """
+        if not decode_workers:
+            raise RouterError("no healthy decode worker is registered", ErrorKind.NO_WORKER)
+        request = await self.routing_request(request_id, prompt_token_ids, max_tokens, [*prefill_workers, *decode_workers])
+        placement = self.policy.place(prefill_workers, decode_workers, request)
+        self.admission.check(placement, request_id)
+        context = self.policy.context
+        prefilling = placement.prefill or placement.decode
+        cached = placement.prediction.num_cached_tokens if placement.prediction else request.num_pool_cached_tokens
+        context.pending.add(placement, prefilling.address, max(0, request.num_prompt_tokens - cached))
+        for worker in (placement.prefill, placement.decode):
+            if worker is not None:
+                context.local_cache.record(worker.address, request.block_hashes)
+        self.metrics.placed(placement.policy, placement.mode)
+        prediction = placement.prediction
+        log.info("placed %s: prefill %s, decode %s, predicted TTFT %s", placement.mode,
+                 placement.prefill.worker_id if placement.prefill else "-", placement.decode.worker_id,
+                 f"{prediction.ttft_s:.3f} s" if prediction else "n/a", extra={"request_id": request_id})
+        return placement
+
+    def choose(self, role: str, workers: Sequence[WorkerInfo], request_id: str, prompt_token_ids: Sequence[int],
+               planned: WorkerInfo | None = None) -> WorkerInfo:
+        """``planned`` (the placement's worker of ``role``) while it is among ``workers`` (live);
+        else the policy's choice among them (a retry or a migration).
+
+        Raises:
+            RouterError: NO_WORKER when ``workers`` is empty.
+        """
+        if not workers:
+            raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
+        if planned is not None and any(w.address == planned.address for w in workers):
+            worker = planned
+        else:
+            worker = self.policy.choose(workers, RoutingRequest(request_id, prompt_token_ids))
+        self.metrics.routed(self.policy.name, role)
+        return worker
+
+    def first_token(self, placement: Placement | None, ttft_s: float) -> None:
+        """The placement's prefill is done: its tokens leave the queue; prediction vs actual."""
+        if placement is None:
+            return
+        self.policy.context.pending.remove(placement)
+        if placement.prediction is not None:
+            self.metrics.ttft_predicted(placement.mode, placement.prediction.ttft_s, ttft_s)
+
+    def finished(self, placement: Placement | None) -> None:
+        if placement is not None:
+            self.policy.context.pending.remove(placement)

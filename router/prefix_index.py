@@ -1,0 +1,99 @@
+"""The router's prefix view: what the KV pool holds (read from Redis per request) and what each
+worker's own prefix cache probably holds (an approximate LRU of the blocks this router sent it).
+
+Pool view: every pool node mirrors its content-addressed index into the Redis hash
+``tandem:kv_index:{spec_fingerprint}`` (field: the block hash as 16 hex chars, value
+``{node_id}:{tier}``; kv_pool/index_mirror.py writes it). The router hashes the prompt's full
+blocks exactly as the workers do (``core.block_hash.hash_block_chain``, no extra keys: see
+``engine.pool_io.PoolIO.prompt_keys``) and reads them with one HMGET: the longest run present from
+the first block is the pool-cached prefix (Mooncake §5, "cache-aware" prefill scheduling). The
+index is read per request, so a restarted router has nothing to rebuild.
+
+Worker view (:class:`LocalPrefixCache`): the SGLang router's approximate radix tree, flattened to
+hash chains. A block hash names its whole prefix, so a per-worker LRU set of hashes answers
+"how many leading blocks of this prompt did I send there recently" with one lookup per block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from core.block_hash import hash_block_chain
+
+# kv_pool.index_mirror.INDEX_KEY_PREFIX: the router imports only core (DESIGN.md §3), so the
+# (stable, documented) key layout is repeated here.
+INDEX_KEY_PREFIX = "tandem:kv_index:"
+
+
+def index_key(spec_fingerprint: str) -> str:
+    return f"{INDEX_KEY_PREFIX}{spec_fingerprint}"
+
+
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The prompt's full-block hash chain as the workers compute it (``len // block_size`` hashes).
+
+    Raises:
+        ValueError: ``block_size`` < 1.
+    """
+    return hash_block_chain(list(prompt_token_ids), block_size)
+
+
+def leading_present(values: Sequence[object | None]) -> int:
+    """How many leading entries are present (not None): the cached prefix, in blocks."""
+    for i, value in enumerate(values):
+        if value is None:
+            return i
+    return len(values)
+
+
+class PoolPrefixIndex:
+    """Reads the pool's block index in Redis (``redis`` must decode responses to str)."""
+
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+
+    async def num_cached_blocks(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of ``block_hashes`` the pool holds (any node, any tier). Raises redis errors."""
+        if not block_hashes or not spec_fingerprint:
+            return 0
+        fields = [f"{h:016x}" for h in block_hashes]
+        return leading_present(await self.redis.hmget(index_key(spec_fingerprint), fields))
+
+
+class LocalPrefixCache:
+    """Per worker address, the block hashes this router sent there, least recently used first.
+
+    Approximate by design: the worker may have evicted a block (or, after a router restart, hold
+    blocks this router never sent). ``capacity_blocks`` bounds each worker's set; the oldest
+    hashes go first. Not thread-safe (the router's event loop is its only user).
+    """
+
+    def __init__(self, capacity_blocks: int = 8192):
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def num_cached_blocks(self, address: str, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of ``block_hashes`` recently sent to ``address``. Mutates nothing."""
+        lru = self._lru.get(address)
+        if not lru:
+            return 0
+        return leading_present([True if h in lru else None for h in block_hashes])
+
+    def record(self, address: str, block_hashes: Sequence[int]) -> None:
+        """Marks ``block_hashes`` as present at ``address`` and most recently used. Mutates: the
+        worker's LRU (evicts the oldest beyond capacity)."""
+        lru = self._lru.setdefault(address, OrderedDict())
+        for h in block_hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity_blocks:
+            lru.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """Drops what is known of ``address`` (a worker that died or restarted)."""
+        self._lru.pop(address, None)
