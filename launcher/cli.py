@@ -50,6 +50,15 @@ def main() -> None:
               help="Schedule step k+1 while step k runs.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Prefix caching in the workers' KV caches.")
+@click.option("--routing-policy", default="predicted_latency", show_default=True,
+              type=click.Choice(["round_robin", "least_loaded", "cache_aware", "predicted_latency"]),
+              help="How the router places requests on workers.")
+@click.option("--disaggregation", default="auto", show_default=True, type=click.Choice(["auto", "always", "never"]),
+              help="auto: prefill on the decode worker when the router predicts it faster.")
+@click.option("--ttft-slo-s", default=0.0, show_default=True, type=float, help="Router TTFT SLO (0: none).")
+@click.option("--tbt-slo-s", default=0.0, show_default=True, type=float, help="Router TBT SLO (0: none).")
+@click.option("--max-queue-s", default=0.5, show_default=True, type=float,
+              help="The router refuses (429) a request missing the SLOs only past this much queued work.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
 @click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), default=None,
               help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
@@ -68,7 +77,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         raise click.UsageError("--address needs --ray")
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
-    config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs), **kwargs)
+    config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
+                           extra_router_args=_router_flags(kwargs), **kwargs)
     source = resolve_model(config.model)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
@@ -117,6 +127,14 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
         "--enable-overlap" if overlap else "--no-enable-overlap",
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
     )
+
+
+def _router_flags(kwargs: dict) -> tuple[str, ...]:
+    """Moves the routing and SLO switches out of ``kwargs`` into router flags."""
+    flags: list[str] = []
+    for name in ("routing_policy", "disaggregation", "ttft_slo_s", "tbt_slo_s", "max_queue_s"):
+        flags += [f"--{name.replace('_', '-')}", str(kwargs.pop(name))]
+    return tuple(flags)
 
 
 def _check_alive(cluster) -> None:

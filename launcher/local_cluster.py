@@ -57,6 +57,8 @@ class ClusterConfig:
     num_threads: int = 0  # total CPU threads for the two workers; 0: all cores
     log_dir: Path = field(default_factory=lambda: Path.cwd() / ".cache" / "logs")
     extra_worker_args: tuple[str, ...] = ()
+    # Router flags (routing policy, disaggregation, SLOs: python -m router --help).
+    extra_router_args: tuple[str, ...] = ()
     # No prefill worker: the decode worker prefills, chunked into its decode steps (Sarathi-Serve).
     colocated: bool = False
     # Worker processes per role (colocated: no prefill worker whatever num_prefill_workers says).
@@ -150,7 +152,7 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
         return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes)]
     if role == "router":
         return [*common, "--http-port", str(c.http_port), "--grpc-port", str(port),
-                "--model", c.model, "--max-model-len", str(c.max_model_len)]
+                "--model", c.model, "--max-model-len", str(c.max_model_len), *c.extra_router_args]
     if role not in ("prefill", "decode"):
         raise ValueError(f"unknown service role {role!r}")
     return [
