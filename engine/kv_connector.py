@@ -4,13 +4,61 @@ A block's bytes are its ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` 
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous, native dtype
 (DESIGN.md §4). How the bytes reach the pool is the worker's business.
 
+Payloads to load are ``bytes`` (gRPC, NIXL, host swap) or :class:`ArenaBlock` views of a pool's
+shared-memory arena mapped into this process (``engine.pool_io`` on the shm backend): those are
+copied straight from the mapping into their cache blocks, with no copy in between, and then the
+pool lease that kept their slots in place is let go (:class:`LoadGuard`).
+
 On CUDA the staging copy is one Triton kernel (:mod:`engine.kernels.block_copy`); elsewhere torch
 indexing does it.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
 import torch
+
+
+class LoadGuard:
+    """Keeps pool blocks leased until their bytes are in the KV cache: ``on_done`` runs once, when
+    ``done`` is called (after the copy) or when the last :class:`ArenaBlock` holding this guard
+    is garbage (the request went away before its KV was loaded). Thread-safe."""
+
+    def __init__(self, on_done: Callable[[], None]):
+        self._finalizer = weakref.finalize(self, on_done)
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        """Runs ``on_done`` unless it ran already. Called from the engine's step loop."""
+        with self._lock:
+            self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+class ArenaBlock(np.ndarray):
+    """One block's bytes, ``[block_bytes]`` uint8, as a view of a pool's mapped arena (no copy).
+
+    Valid only while ``guard`` is not done: the pool may reuse the slot afterwards. Behaves as a
+    bytes-like object (``len``, ``bytes()``, ``memoryview``); compare with ``bytes(block)``.
+    """
+
+    guard: LoadGuard | None
+
+    @classmethod
+    def wrap(cls, view: memoryview, guard: LoadGuard) -> ArenaBlock:
+        block = np.frombuffer(view, dtype=np.uint8).view(cls)
+        block.guard = guard
+        return block
+
+    def __array_finalize__(self, obj) -> None:
+        self.guard = getattr(obj, "guard", None)
 
 
 def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> list[bytes]:
@@ -29,8 +77,11 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> list[bytes]:
     return [flat[i].numpy().tobytes() for i in range(len(block_ids))]
 
 
-def unpack_blocks(kv_cache: torch.Tensor, block_ids: list[int], payloads: list[bytes | memoryview]) -> None:
-    """Writes ``payloads[i]`` into block ``block_ids[i]``. Mutates ``kv_cache``.
+def unpack_blocks(
+    kv_cache: torch.Tensor, block_ids: list[int], payloads: list[bytes | memoryview | ArenaBlock]
+) -> None:
+    """Writes ``payloads[i]`` into block ``block_ids[i]``; then lets go of the pool leases of
+    :class:`ArenaBlock` payloads (their ``LoadGuard``). Mutates ``kv_cache``.
 
     Raises:
         ValueError: counts differ, or a payload's size is not one block's.
@@ -39,11 +90,36 @@ def unpack_blocks(kv_cache: torch.Tensor, block_ids: list[int], payloads: list[b
         raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
     if not block_ids:
         return
-    shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
     block_bytes = kv_cache.element_size() * kv_cache[:, :, 0].numel()
     for p in payloads:
         if len(p) != block_bytes:
             raise ValueError(f"payload of {len(p)} bytes, a block is {block_bytes}")
+    mapped = [i for i, p in enumerate(payloads) if isinstance(p, ArenaBlock)]
+    try:
+        if mapped and not kv_cache.is_cuda:
+            _copy_from_arena(kv_cache, [block_ids[i] for i in mapped], [payloads[i] for i in mapped])
+            others = [i for i in range(len(payloads)) if not isinstance(payloads[i], ArenaBlock)]
+            if others:
+                _copy_staged(kv_cache, [block_ids[i] for i in others], [payloads[i] for i in others])
+        else:
+            _copy_staged(kv_cache, block_ids, payloads)
+    finally:
+        for guard in {id(p.guard): p.guard for p in payloads if isinstance(p, ArenaBlock) and p.guard}.values():
+            guard.done()
+
+
+def _copy_from_arena(kv_cache: torch.Tensor, block_ids: list[int], blocks: list[ArenaBlock]) -> None:
+    """One copy per block, from the mapped arena straight into the cache's block slot."""
+    shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
+    for block_id, block in zip(block_ids, blocks):
+        # [num_layers, 2, block_size, num_kv_heads, head_dim] over the arena's bytes
+        src = torch.from_numpy(block.view(np.ndarray)).view(kv_cache.dtype).view(shape)
+        kv_cache[:, :, block_id].copy_(src)
+
+
+def _copy_staged(kv_cache: torch.Tensor, block_ids: list[int], payloads: list) -> None:
+    """All blocks through one staging tensor (one host-to-device copy on CUDA)."""
+    shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
     blob = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     staged = blob.view(kv_cache.dtype).view(len(block_ids), *shape).to(kv_cache.device)
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)

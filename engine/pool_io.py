@@ -7,6 +7,15 @@ this module adds what every backend shares: checksums computed on write and veri
 (DESIGN.md §4), with a corrupt block reported to the pool (which drops it) and the read cut
 before it, so the caller recomputes that part instead of using wrong KV. Blocking backend calls
 run in worker threads so the event loop and the engine's step loop never wait on the network.
+
+On the shared-memory backend reads are zero-copy (``map_arena``): ``fetch`` verifies each block
+in the mapped arena and returns :class:`~engine.kv_connector.ArenaBlock` views, which the model
+runner copies straight into its KV cache. The pool must not reuse those slots before that copy,
+so a ``release`` of the request while its views are not yet copied is deferred until they are
+(or until they are dropped unused); the pool's lease deadline bounds it either way::
+
+    fetch: lease ──► verify in place ──► ArenaBlock views ──► (step loop) copy into KV cache
+    release(request) ─────────── deferred while a view is uncopied ───────────┘──► ReleaseRequest
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,6 +37,7 @@ from core.kv_transfer.checksum import block_checksum, matches, verify_enabled
 from core.kv_transfer.select import connect
 from core.pool_client import PoolClient
 from core.pool_ring import HashRing
+from engine.kv_connector import ArenaBlock, LoadGuard
 
 # Where blocks go: one pool address, or a ring of pool nodes (consistent hashing of block keys).
 PoolTarget = str | HashRing
@@ -33,16 +45,25 @@ PoolTarget = str | HashRing
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _PendingLoad:
+    """A request whose ArenaBlock views are not all copied yet."""
+
+    num_guards: int  # fetches whose views are still uncopied
+    release_ring: HashRing | None = None  # set when a release of the request was deferred
+
+
 class PoolIO:
     """One client and one transfer backend per pool address, shared by all requests of a worker.
 
     ``transfer``: auto, grpc, shm or nixl (see ``core.kv_transfer.select``); ``verify_checksums``
-    defaults to the environment (``TANDEM_KV_VERIFY_CHECKSUMS``, on unless "0").
+    defaults to the environment (``TANDEM_KV_VERIFY_CHECKSUMS``, on unless "0"); ``map_arena``:
+    shm reads return ArenaBlock views of the pool's arena instead of copies (see above).
     """
 
     def __init__(
         self, spec: KVCacheSpec, lease_ttl_s: float = 60.0, transfer: str = "auto",
-        verify_checksums: bool | None = None,
+        verify_checksums: bool | None = None, map_arena: bool = True,
     ):
         self.spec = spec
         self.lease_ttl_s = lease_ttl_s
@@ -52,6 +73,9 @@ class PoolIO:
         self._clients: dict[str, PoolClient] = {}
         self._backends: dict[str, TransferBackend] = {}
         self._lock = threading.Lock()
+        self.map_arena = map_arena
+        self._pending_loads: dict[str, _PendingLoad] = {}  # request_id -> uncopied views
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pool-release")  # deferred releases
 
     def client(self, address: str) -> PoolClient:
         with self._lock:
@@ -79,7 +103,9 @@ class PoolIO:
             keys.append(BlockKey.scoped(fp, request_id, len(hashes)))
         return hashes, keys
 
-    async def load_cached_prefix(self, pool: PoolTarget, request_id: str, hashes: list[int]) -> list[bytes]:
+    async def load_cached_prefix(
+        self, pool: PoolTarget, request_id: str, hashes: list[int]
+    ) -> list[bytes | ArenaBlock]:
         """Leases the longest stored prefix of ``hashes`` for the request and fetches its verified
         part (a corrupt block and everything after it are left to recompute)."""
         if not hashes:
@@ -96,16 +122,34 @@ class PoolIO:
             return
         await asyncio.to_thread(self._store, _ring(pool), request_id, keys, payloads)
 
-    async def fetch(self, pool: PoolTarget, keys: list[BlockKey], request_id: str) -> list[bytes]:
+    async def fetch(self, pool: PoolTarget, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
         """Leases the longest stored prefix of ``keys`` to the request and returns its verified
         part, in order: fewer than ``keys`` when a block is missing, corrupt, or on a node that
-        does not answer."""
+        does not answer. Blocks read through shared memory are ArenaBlock views (``map_arena``),
+        to be handed to ``engine.kv_connector.unpack_blocks`` (or dropped)."""
         return await asyncio.to_thread(self._fetch, _ring(pool), keys, request_id)
 
     async def release(self, pool: PoolTarget, request_id: str) -> None:
         """Ends the request on every pool node: drops its leases and scoped blocks. Idempotent;
-        a node that does not answer holds nothing that outlives its lease deadline."""
+        a node that does not answer holds nothing that outlives its lease deadline. Deferred
+        (returns at once) while ArenaBlock views fetched for the request are not yet copied."""
+        with self._lock:
+            pending = self._pending_loads.get(request_id)
+            if pending is not None:
+                pending.release_ring = _ring(pool)
+                return
         await asyncio.to_thread(self._release, _ring(pool), request_id)
+
+    def close(self) -> None:
+        """Closes every backend and client; deferred releases still queued run first."""
+        self._releaser.shutdown(wait=True)
+        with self._lock:
+            backends, clients = list(self._backends.values()), list(self._clients.values())
+            self._backends, self._clients = {}, {}
+        for backend in backends:
+            backend.close()
+        for client in clients:
+            client.close()
 
     def _store(self, ring: HashRing, request_id: str, keys: list[BlockKey], payloads: list[bytes]) -> None:
         checksums = [block_checksum(p) for p in payloads]
@@ -125,25 +169,65 @@ class PoolIO:
                 log.warning("pool %s did not take %d blocks (%s); readers will recompute them",
                             address, len(idx), _why(err), extra={"request_id": request_id})
 
-    def _fetch(self, ring: HashRing, keys: list[BlockKey], request_id: str) -> list[bytes]:
+    def _fetch(self, ring: HashRing, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
         """Reads runs of consecutive keys that live on one node, in order, until one comes short."""
-        out: list[bytes] = []
+        out: list[bytes | ArenaBlock] = []
+        guard = self._guard(request_id) if self.map_arena else None
         start = 0
         while start < len(keys):
             address = ring.address_for(keys[start])
             end = start + 1
             while end < len(keys) and ring.address_for(keys[end]) == address:
                 end += 1
-            run = self._read_run(address, keys[start:end], request_id, single_node=len(ring.nodes) == 1)
+            run = self._read_run(address, keys[start:end], request_id, len(ring.nodes) == 1, guard)
             out += run
             if len(run) < end - start:
                 break
             start = end
+        if guard is not None and not any(isinstance(b, ArenaBlock) for b in out):
+            guard.done()  # nothing mapped: no release to defer
         return out
 
-    def _read_run(self, address: str, keys: list[BlockKey], request_id: str, single_node: bool) -> list[bytes]:
+    def _guard(self, request_id: str) -> LoadGuard:
+        """A LoadGuard of ``request_id``'s views; the request's releases wait for it."""
+        with self._lock:
+            pending = self._pending_loads.setdefault(request_id, _PendingLoad(0))
+            pending.num_guards += 1
+        return LoadGuard(lambda: self._load_done(request_id))
+
+    def _load_done(self, request_id: str) -> None:
+        """A guard of ``request_id`` is done (copied or dropped): run a deferred release once
+        the last one is. Called from any thread, the step loop's included: never blocks."""
+        with self._lock:
+            pending = self._pending_loads.get(request_id)
+            if pending is None:
+                return
+            pending.num_guards -= 1
+            if pending.num_guards > 0:
+                return
+            del self._pending_loads[request_id]
+        if pending.release_ring is not None:
+            try:
+                self._releaser.submit(self._release_quietly, pending.release_ring, request_id)
+            except RuntimeError:  # closed: the pool's lease deadline releases it
+                pass
+
+    def _release_quietly(self, ring: HashRing, request_id: str) -> None:
         try:
-            blocks = self.backend(address).read(keys, request_id, self.lease_ttl_s)
+            self._release(ring, request_id)
+        except grpc.RpcError as err:  # the lease deadline releases it
+            log.warning("deferred pool release failed (%s)", _why(err), extra={"request_id": request_id})
+
+    def _read_run(
+        self, address: str, keys: list[BlockKey], request_id: str, single_node: bool, guard: LoadGuard | None
+    ) -> list[bytes | ArenaBlock]:
+        try:
+            backend = self.backend(address)
+            blocks = backend.read_views(keys, request_id, self.lease_ttl_s) if guard is not None else None
+            if blocks is None:
+                blocks = backend.read(keys, request_id, self.lease_ttl_s)
+            else:
+                blocks = [ReadBlock(ArenaBlock.wrap(b.data, guard), b.checksum) for b in blocks]
         except (grpc.RpcError, OSError) as err:
             if single_node:
                 raise

@@ -58,6 +58,16 @@ class TransferBackend(abc.ABC):
             grpc.RpcError: the pool failed. OSError: the data plane failed.
         """
 
+    def read_views(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock] | None:
+        """As ``read`` without copying: each ``ReadBlock.data`` is a read-write view of the pool's
+        own memory, valid while ``request_id``'s lease lives (release it only once the bytes are
+        copied). None when this backend cannot map the pool's memory (only shared memory can).
+
+        Raises:
+            grpc.RpcError: the pool failed. OSError: the mapping failed.
+        """
+        return None
+
     @abc.abstractmethod
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],

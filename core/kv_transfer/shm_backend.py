@@ -1,7 +1,10 @@
 """Same-host transfer through the pool's DRAM arena, a shared-memory file this process maps.
 
-Reads: ``LocateBlocks`` leases the blocks and returns their arena offsets; one ``memcpy`` per
-block out of the mapping. Writes: ``ReserveBlocks`` returns offsets of WRITING slots, one
+Reads: ``LocateBlocks`` leases the blocks and returns their arena offsets; blocks in adjacent
+slots (a batch written together usually is) are copied out with one ``memcpy`` per run, because a
+copy of a whole run is ~2x faster than block-sized ones here (above libc's non-temporal threshold
+the copy streams past the cache). ``read_views`` skips the copy: the caller gets views of the
+mapping and copies them straight into its KV cache (``engine.kv_connector``). Writes: ``ReserveBlocks`` returns offsets of WRITING slots, one
 ``memcpy`` per block into the mapping, then ``CommitBlocks`` (or a rollback on any error).
 
 A pool that restarted made a new arena file at the same path: the mapping is checked against
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from core.block_key import BlockKey
 from core.kv_transfer.backend import ReadBlock, TransferBackend, place
 from core.kv_transfer.host import host_id
-from core.pool_client import BlockBytes, PoolClient
+from core.pool_client import BlockBytes, BlockLocation, PoolClient
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +54,29 @@ class ShmBackend(TransferBackend):
         if not locations:
             return []
         view = self._mapping()
+        if out is None:
+            return [ReadBlock(bytes(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes]), loc.checksum)
+                    for loc in locations]
+        ends = _run_ends(locations)
+        start = offset = 0
+        for end in ends:  # one copy per run of adjacent slots
+            first, last = locations[start], locations[end - 1]
+            place(out, offset, view[first.offset_bytes : last.offset_bytes + last.block_bytes])
+            offset += last.offset_bytes + last.block_bytes - first.offset_bytes
+            start = end
         blocks, offset = [], 0
         for loc in locations:
-            data = place(out, offset, view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes])
-            blocks.append(ReadBlock(data, loc.checksum))
+            blocks.append(ReadBlock(out[offset : offset + loc.block_bytes], loc.checksum))
             offset += loc.block_bytes
         return blocks
+
+    def read_views(self, keys: Sequence[BlockKey], request_id: str, ttl_s: float) -> list[ReadBlock]:
+        locations = self.client.locate_blocks(keys, request_id, ttl_s)  # leased: slots stay put
+        if not locations:
+            return []
+        view = self._mapping()
+        return [ReadBlock(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes], loc.checksum)
+                for loc in locations]
 
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],
@@ -85,12 +105,15 @@ class ShmBackend(TransferBackend):
         return num_committed, len(reserved) - len(ids)
 
     def close(self) -> None:
-        if self._view is not None:
-            self._view.release()
-            self._view = None
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+        """Unmaps the arena; views handed out by ``read_views`` keep it mapped until they go."""
+        view, buffer, self._view, self._buffer = self._view, self._buffer, None, None
+        try:
+            if view is not None:
+                view.release()
+            if buffer is not None:
+                buffer.close()
+        except BufferError:  # a view is still alive: the mapping goes with the last one
+            pass
 
     def _mapping(self) -> memoryview:
         """The arena mapping, (re)mapped when the file at the arena path is a new one.
@@ -114,3 +137,14 @@ class ShmBackend(TransferBackend):
             self._buffer, self._view = buffer, memoryview(buffer)
             self._path, self._inode = plane.arena_path, (st.st_dev, st.st_ino)
             return self._view
+
+
+def _run_ends(locations: Sequence[BlockLocation]) -> list[int]:
+    """Exclusive end indices of the runs of ``locations`` in adjacent arena slots, in order."""
+    ends = []
+    for i in range(1, len(locations)):
+        prev = locations[i - 1]
+        if locations[i].offset_bytes != prev.offset_bytes + prev.block_bytes:
+            ends.append(i)
+    ends.append(len(locations))
+    return ends

@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from core.block_key import BlockKey
 from core.kv_cache_spec import KVCacheSpec
 from core.kv_transfer.checksum import block_checksum
 from core.kv_transfer.select import connect
 from core.pool_client import PoolClient
+from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
 from engine.pool_io import PoolIO
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, fp, start_pool  # noqa: F401
 
@@ -128,13 +130,19 @@ def _corruption(address: str, fp: str, mode: str) -> None:
         arena[loc.offset_bytes + 100] ^= 0xFF  # a bit flip in the pool's DRAM
 
     corrupt_before = client.stats()["num_corrupt_blocks"]
-    assert asyncio.run(io.fetch(address, keys, "req-r")) == data[:1]  # cut before the bad block
+    assert fetch_bytes(io, address, keys, "req-r") == data[:1]  # cut before the bad block
     assert client.stats()["num_corrupt_blocks"] == corrupt_before + 1 and io.num_corrupt_blocks == 1
     assert client.lookup(fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
     asyncio.run(io.store(address, "req-r", keys, data, skip=1))  # the recompute writes it again
-    assert asyncio.run(io.fetch(address, keys, "req-r")) == data
+    assert fetch_bytes(io, address, keys, "req-r") == data
     client.release_request("req-r")
+    io.close()
     client.close()
+
+
+def fetch_bytes(io: PoolIO, address: str, keys: list[BlockKey], request_id: str) -> list[bytes]:
+    """``io.fetch`` as bytes (shm gives ArenaBlock views, copied here and let go)."""
+    return [bytes(b) for b in asyncio.run(io.fetch(address, keys, request_id))]
 
 
 def test_unknown_or_unreachable_mode_is_refused(client):
@@ -179,3 +187,62 @@ def test_reservation_never_committed_is_rolled_back(start_pool, fp, wait_until):
         wait_until(lambda: client.stats()["num_writing_blocks"] == 0, timeout_s=10, message="rolled back")
         assert client.commit_blocks([r.reservation_id]) == 0 and client.lookup(fp, [1]) == 0
         assert client.stats()["used_bytes"] == 0
+
+
+# A small paged KV cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], fp32.
+CACHE_SHAPE = (2, 2, 8, 16, 2, 8)
+CACHE_SPEC = KVCacheSpec("m", "r", "float32", 2, 2, 8, 16)
+
+
+def test_shm_fetch_copies_from_the_mapped_arena_into_the_kv_cache(client, fp, pool, wait_until):
+    source = torch.randn(CACHE_SHAPE)
+    keys = [BlockKey.content(fp, h) for h in (11, 12, 13)]
+    io = PoolIO(CACHE_SPEC, lease_ttl_s=30, transfer="shm", verify_checksums=True)
+    asyncio.run(io.store(pool.address, "req-w", keys, pack_blocks(source, [5, 1, 6]), skip=0))
+    client.release_request("req-w")
+
+    payloads = asyncio.run(io.fetch(pool.address, keys, "req-r"))
+    assert [type(p) for p in payloads] == [ArenaBlock] * 3
+    arena_path = client.data_plane().arena_path
+    [loc, *_] = client.locate_blocks(keys, "req-r", 30)
+    with open(arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as arena:  # the pool's own bytes
+        before = payloads[0][9]
+        arena[loc.offset_bytes + 9] ^= 0xFF
+        assert payloads[0][9] == before ^ 0xFF  # the view is the arena itself: no copy was made
+        arena[loc.offset_bytes + 9] ^= 0xFF
+    asyncio.run(io.release(pool.address, "req-r"))  # deferred: the views are not copied yet
+    assert client.stats()["num_leased_blocks"] == 3
+
+    cache = torch.zeros(CACHE_SHAPE)
+    unpack_blocks(cache, [2, 7, 0], payloads)
+    for dst, src in zip((2, 7, 0), (5, 1, 6)):
+        assert torch.equal(cache[:, :, dst], source[:, :, src])  # byte-identical, fp32 compare
+    assert torch.count_nonzero(cache[:, :, [1, 3, 4, 5, 6]]) == 0  # nothing else written
+    wait_until(lambda: client.stats()["num_leases"] == 0, timeout_s=10, message="lease let go after the copy")
+    assert os.path.exists(arena_path)
+    io.close()
+
+
+def test_shm_views_dropped_uncopied_release_the_lease(client, fp, pool, wait_until):
+    keys = [BlockKey.content(fp, h) for h in (21, 22)]
+    io = PoolIO(CACHE_SPEC, lease_ttl_s=30, transfer="shm")
+    asyncio.run(io.store(pool.address, "req-w", keys, pack_blocks(torch.randn(CACHE_SHAPE), [0, 1]), skip=0))
+    client.release_request("req-w")
+    payloads = asyncio.run(io.fetch(pool.address, keys, "req-gone"))
+    asyncio.run(io.release(pool.address, "req-gone"))
+    assert client.stats()["num_leases"] == 1  # still held: the views could be copied any time
+    del payloads  # the request went away before its KV was loaded
+    wait_until(lambda: client.stats()["num_leases"] == 0, timeout_s=10, message="lease let go with the views")
+    io.close()
+
+
+def test_release_without_mapped_views_is_immediate(client, fp, pool):
+    keys = [BlockKey.content(fp, h) for h in (31, 32)]
+    data = pack_blocks(torch.randn(CACHE_SHAPE), [0, 1])
+    io = PoolIO(CACHE_SPEC, lease_ttl_s=30, transfer="shm", map_arena=False)
+    asyncio.run(io.store(pool.address, "req-w", keys, data, skip=0))
+    client.release_request("req-w")
+    assert asyncio.run(io.fetch(pool.address, keys, "req-r")) == data  # copies, as bytes
+    asyncio.run(io.release(pool.address, "req-r"))
+    assert client.stats()["num_leases"] == 0
+    io.close()
