@@ -4,6 +4,14 @@
 hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
 strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
 cancelled and the pool is told to release the request.
+
+Failures (issue 7): a worker that breaks an RPC or a stream is marked down in the view at once. A
+failed prefill is retried once on another prefill worker (or, when none is left, prefilled by the
+decode worker, colocated). A decode stream that breaks mid-answer is resumed on another decode
+worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``), at most
+``MAX_MIGRATIONS`` times: the client sees one stream, no token repeated or missing. Every attempt
+gets its own worker-facing request id (:func:`attempt_id`), so neither attempts nor clients
+reusing an id share worker or pool state; the client's id stays in logs and responses.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.request import FinishReason
 from core.registry import WorkerInfo
@@ -21,15 +29,19 @@ from router.errors import ErrorKind, RouterError
 from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
+from router.request_ids import attempt_id
 from router.placement import InFlightCounter, Placement
 from router.placer import Placer
 from router.routing import PerRolePolicy, RoutingPolicy
 from router.tokenizer import ModelTokenizer
 from router.validation import ValidatedRequest
-from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients
+from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
 from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
+
+MAX_PREFILL_ATTEMPTS = 2  # the first try and one retry on another prefill worker
+MAX_MIGRATIONS = 2  # decode streams resumed on another worker after theirs failed
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,7 @@ def RoutingPolicies(prefill: RoutingPolicy, decode: RoutingPolicy, in_flight: In
 class _Run:
     """Mutable state of one request while it is generated."""
 
-    request_id: str
+    request_id: str  # the client's id (or the front-end's): logs and responses only
     request: ValidatedRequest
     arrival_time_s: float  # time.monotonic()
     output: OutputProcessor
@@ -83,6 +95,10 @@ class _Run:
     ttft_s: float = 0.0
     last_token_time_s: float = 0.0
     sent_first_token: bool = False
+    # Worker-facing ids of every attempt (released in the pool at the end); the decode attempt
+    # after a successful prefill reuses that prefill's id (its manifest's scoped blocks).
+    attempt_ids: list[str] = field(default_factory=list)
+    num_migrations: int = 0
     placement: Placement | None = None  # where the router placed it (router.placer)
 
 
@@ -127,7 +143,8 @@ class Generation:
             prefill = None
             if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
-                yield self._first_token(run, prefill)
+                if prefill is not None:  # None: no prefill worker left after a failure
+                    yield self._first_token(run, prefill)
             if prefill is None or run.output.finish_reason is None:
                 async with contextlib.aclosing(self._decode(run, prefill)) as deltas:
                     async for delta in deltas:
@@ -162,13 +179,44 @@ class Generation:
             raise RouterError(f"request timed out after {self.timeout_s:g} s", ErrorKind.UNAVAILABLE)
         return remaining_s
 
-    async def _prefill(self, run: _Run) -> PrefillResult:
-        worker = self._choose("prefill", run)
-        with self.policies.in_flight.track(worker.address):
-            result = await self.clients.prefill(worker.address, run.request_id, run.request, self._remaining_s(run))
-        run.pool_address = result.pool_address
-        run.num_cached_tokens = result.num_cached_tokens
-        return result
+    def _new_attempt(self, run: _Run) -> str:
+        rid = attempt_id(run.request_id)
+        run.attempt_ids.append(rid)
+        return rid
+
+    def _worker_failed(self, role: str, err: WorkerFailedError, run: _Run) -> None:
+        self.view.mark_down(err.address, f"{role}: {err.message}")
+        self.metrics.worker_failed(role)
+        log.warning("%s worker %s failed: %s", role, err.address, err.message, extra={"request_id": run.request_id})
+
+    async def _prefill(self, run: _Run) -> PrefillResult | None:
+        """Runs Prefill; after a worker failure once more on another prefill worker (the failed
+        one is marked down). None when a failure left no prefill worker: the decode worker
+        prefills instead (colocated).
+
+        Raises:
+            RouterError: the request was refused, timed out, or both attempts failed.
+        """
+        failure: WorkerFailedError | None = None
+        for _ in range(MAX_PREFILL_ATTEMPTS):
+            if failure is not None and not self.view.workers("prefill"):
+                log.warning("no prefill worker left; prefilling on the decode worker", extra={"request_id": run.request_id})
+                return None
+            if failure is not None:
+                self.metrics.prefill_retried()
+            worker = self._choose("prefill", run)
+            rid = self._new_attempt(run)
+            try:
+                with self.policies.in_flight.track(worker.address):
+                    result = await self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
+            except WorkerFailedError as err:
+                failure = err
+                self._worker_failed("prefill", err, run)
+                continue
+            run.pool_address = result.pool_address
+            run.num_cached_tokens = result.num_cached_tokens
+            return result
+        raise RouterError(f"{failure.message} (after {MAX_PREFILL_ATTEMPTS} attempts)", ErrorKind.UNAVAILABLE)
 
     def _first_token(self, run: _Run, prefill: PrefillResult) -> TextDelta:
         self._mark_first_token(run, prefill.num_cached_tokens)
@@ -182,13 +230,46 @@ class Generation:
         self.policies.first_token(run.placement, run.ttft_s)
 
     async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[TextDelta]:
-        """Yields one TextDelta per decode message; cancels the stream however it ends.
+        """Yields one TextDelta per decode message. When the decode worker breaks before the end,
+        it is marked down and the request resumes on another decode worker from prompt + the
+        tokens already accepted; only tokens after those reach the client.
 
         ``prefill`` None is the colocated path: the decode worker prefills and sends every token.
+
+        Raises:
+            RouterError: the request was refused or timed out, ``MAX_MIGRATIONS`` resumptions
+                failed too, or no decode worker is left.
         """
-        worker = self._choose("decode", run)
+        while True:
+            worker = self._choose("decode", run)
+            first_try = run.num_migrations == 0
+            rid = run.attempt_ids[-1] if first_try and prefill is not None else self._new_attempt(run)
+            try:
+                async with contextlib.aclosing(self._decode_on(worker, rid, run, prefill if first_try else None)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            except WorkerFailedError as err:
+                self._worker_failed("decode", err, run)
+                if run.output.finish_reason is not None:  # every token arrived; only the end was lost
+                    return
+                if run.num_migrations >= MAX_MIGRATIONS:
+                    raise RouterError(f"{err.message} (after {MAX_MIGRATIONS} migrations)", ErrorKind.UNAVAILABLE) from err
+                if not self.view.workers("decode"):
+                    raise RouterError(f"{err.message}; no other decode worker to resume on", ErrorKind.UNAVAILABLE) from err
+                run.num_migrations += 1
+                self.metrics.migrated()
+                log.warning("resuming on another decode worker after %d tokens (migration %d)",
+                            run.output.num_output_tokens, run.num_migrations, extra={"request_id": run.request_id})
+
+    async def _decode_on(
+        self, worker: WorkerInfo, rid: str, run: _Run, prefill: PrefillResult | None
+    ) -> AsyncIterator[TextDelta]:
+        """One Decode stream on ``worker``; cancels it however it ends. Without ``prefill`` the
+        worker resumes from the tokens accepted so far (none: colocated from the prompt)."""
         with self.policies.in_flight.track(worker.address):
-            stream = self.clients.decode(worker.address, run.request_id, run.request, prefill, self._remaining_s(run))
+            resume = () if prefill is not None else tuple(run.output.token_ids)
+            stream = self.clients.decode(worker.address, rid, run.request, prefill, self._remaining_s(run), resume)
             try:
                 async for event in stream:
                     if isinstance(event, DecodeTokens):
@@ -233,15 +314,17 @@ class Generation:
         )
 
     def _release(self, run: _Run) -> None:
-        """Tells the pool the request is over, in the background: the caller may be cancelled.
-
-        Without a manifest (prefill never answered) every registered pool is told.
-        """
-        addresses = [run.pool_address] if run.pool_address else [w.address for w in self.view.workers("pool")]
-        for address in addresses:
-            task = asyncio.create_task(self.clients.release(address, run.request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        """Tells the pool that every attempt of the request is over, in the background: the
+        caller may be cancelled. Each attempt id is released on the manifest's pool and on
+        every registered pool (a failed attempt may have leased or written blocks anywhere)."""
+        addresses = {w.address for w in self.view.workers("pool")}
+        if run.pool_address:
+            addresses.add(run.pool_address)
+        for rid in run.attempt_ids:
+            for address in sorted(addresses):
+                task = asyncio.create_task(self.clients.release(address, rid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def drain(self) -> None:
         """Waits for pending pool releases (at shutdown)."""

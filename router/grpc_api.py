@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,6 +20,7 @@ from core.proto_convert import token_logprob_to_proto
 from router.choices import ChoiceEvent, generate_choices
 from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
+from router.request_ids import client_request_id
 from router.validation import InvalidRequestError, RequestInput, Validator
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -84,8 +84,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         arrival_time_s = time.monotonic()
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         try:
+            request_id = client_request_id(request.request_id, "request_id", "gen-")  # traced, never a key
             validated = self.validator.validate(request_input_from_proto(request))
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)

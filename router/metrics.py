@@ -50,9 +50,25 @@ class RouterMetrics:
             "tandem:ttft_prediction_ratio", "Actual over predicted TTFT, by mode (1 = exact).", ["mode"],
             buckets=PREDICTION_RATIO_BUCKETS, registry=r,
         )
+        self.worker_failures = Counter(
+            "tandem:worker_failures", "Workers marked down after a failed RPC or stream, by role.", ["role"], registry=r
+        )
+        self.prefill_retries = Counter("tandem:prefill_retries", "Prefills retried after their worker failed.", registry=r)
+        self.migrations = Counter(
+            "tandem:migrations", "Decode streams resumed on another worker after theirs failed.", registry=r
+        )
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()
+
+    def worker_failed(self, role: str) -> None:
+        self.worker_failures.labels(role=role).inc()
+
+    def prefill_retried(self) -> None:
+        self.prefill_retries.inc()
+
+    def migrated(self) -> None:
+        self.migrations.inc()
 
     def routed(self, policy: str, role: str) -> None:
         self.routing_decisions.labels(policy=policy, role=role).inc()

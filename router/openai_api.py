@@ -26,6 +26,7 @@ from router.errors import ErrorKind, RouterError
 from router.choices import ChoiceEvent, generate_choices, total_usage
 from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
+from router.request_ids import client_request_id
 from router.openai_models import (
     ChatCompletionRequest,
     ChatShape,
@@ -151,18 +152,24 @@ class OpenAIApi:
         arrival_time_s = time.monotonic()
         try:
             validated = self.validator.validate(body.to_input())
+            # The client's x-request-id: echoed and logged, never a key inside the cluster.
+            header_id = request.headers.get("x-request-id")
+            header_id = client_request_id(header_id, "x-request-id", "") if header_id else ""
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             raise
         token_text = self.token_text if validated.sampling_params.logprobs is not None else None
         shape = shape_type(f"{shape_type.id_prefix}{uuid.uuid4().hex}", self.model, int(time.time()), token_text)
-        events = generate_choices(self.generation, shape.request_id, validated, arrival_time_s)
+        trace_id = header_id or shape.request_id
+        events = generate_choices(self.generation, trace_id, validated, arrival_time_s)
+        headers = {"x-request-id": trace_id}
         try:
             if body.stream:
                 first = await _unless_disconnected(request, anext(events))
                 stream = self._stream(events, first, shape, body.include_usage)
-                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            return JSONResponse(await _unless_disconnected(request, self._collect(events, shape)))
+                return StreamingResponse(stream, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **headers})
+            return JSONResponse(await _unless_disconnected(request, self._collect(events, shape)), headers=headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 

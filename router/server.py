@@ -63,8 +63,9 @@ class RouterServer:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, source)
         self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens)
         self.registry = WorkerRegistry(config.redis_url)
-        self.view = WorkerView(self.registry, config.worker_refresh_interval_s)
         self.clients = WorkerClients()
+        # A worker marked down after a failure comes back only once it answers health checks.
+        self.view = WorkerView(self.registry, config.worker_refresh_interval_s, probe=self.clients.healthy)
         self.generation = Generation(
             self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
         )

@@ -13,32 +13,46 @@ BLOCK_SIZE = 16
 
 
 class ClusterProbe:
-    """Reads the cluster's state through its stats RPCs (never through internals)."""
+    """Reads the cluster's state through its stats RPCs (never through internals).
+
+    ``prefill_stats``/``decode_stats`` read the first worker of the role; ``worker_stats`` any
+    worker by service name (``decode-1``, ...). ``is_idle`` checks every worker still running
+    (a worker killed by a test holds nothing any more) and the pool.
+    """
 
     def __init__(self, cluster: LocalCluster):
         self.cluster = cluster
-        ch = {name: grpc.insecure_channel(address) for name, address in cluster.addresses.items()}
-        self.pool = kv_pool_pb2_grpc.KVPoolStub(ch["kv_pool"])
-        self.prefill = prefill_worker_pb2_grpc.PrefillWorkerStub(ch["prefill"])
-        self.decode = decode_worker_pb2_grpc.DecodeWorkerStub(ch["decode"])
+        self.channels = {name: grpc.insecure_channel(address) for name, address in cluster.addresses.items()}
+        self.pool = kv_pool_pb2_grpc.KVPoolStub(self.channels["kv_pool"])
 
     def pool_stats(self):
         return self.pool.GetStats(kv_pool_pb2.GetPoolStatsRequest(), timeout=5)
 
+    def worker_stats(self, name: str):
+        stub_type = (prefill_worker_pb2_grpc.PrefillWorkerStub if name.startswith("prefill")
+                     else decode_worker_pb2_grpc.DecodeWorkerStub)
+        return stub_type(self.channels[name]).GetStats(prefill_worker_pb2.GetWorkerStatsRequest(), timeout=5)
+
     def prefill_stats(self):
-        return self.prefill.GetStats(prefill_worker_pb2.GetWorkerStatsRequest(), timeout=5)
+        return self.worker_stats("prefill")
 
     def decode_stats(self):
-        return self.decode.GetStats(prefill_worker_pb2.GetWorkerStatsRequest(), timeout=5)
+        return self.worker_stats("decode")
+
+    def live_workers(self) -> list[str]:
+        """Service names of the workers whose process is still running."""
+        names = [n for n in self.cluster.addresses if n != "kv_pool"]
+        return [n for n in names if self.cluster.service(n).process.poll() is None]
 
     def is_idle(self) -> bool:
-        pool, decode, prefill = self.pool_stats(), self.decode_stats(), self.prefill_stats()
-        return (
-            decode.num_used_blocks == 0 and decode.num_requests_running == 0 and decode.num_requests_waiting == 0
-            and prefill.num_used_blocks == 0
-            and pool.num_leases == 0 and pool.num_leased_blocks == 0
-            and pool.num_scoped_blocks == 0 and pool.num_writing_blocks == 0
-        )
+        pool = self.pool_stats()
+        if pool.num_leases or pool.num_leased_blocks or pool.num_scoped_blocks or pool.num_writing_blocks:
+            return False
+        for name in self.live_workers():
+            stats = self.worker_stats(name)
+            if stats.num_used_blocks or stats.num_requests_running or stats.num_requests_waiting:
+                return False
+        return True
 
 
 @pytest.fixture(scope="session")

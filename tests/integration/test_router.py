@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from core.grpc_service import aio_channel
 from core.model_source import DEFAULT_MODEL, resolve_model
@@ -70,6 +71,7 @@ class Fakes:
         self.decode_cancelled = asyncio.Event()
         self.hanging = asyncio.Event()  # a fake is parked in hang(), where it sees cancellation
         self.released: dict[str, asyncio.Event] = {}
+        self.release_seen = asyncio.Event()  # set at every ReleaseRequest
 
     def reset(self, script: Script) -> None:
         self.script = script
@@ -151,6 +153,7 @@ class FakePool(kv_pool_pb2_grpc.KVPoolServicer):
 
     async def ReleaseRequest(self, request, context):
         self.fakes.release_event(request.request_id).set()
+        self.fakes.release_seen.set()
         return kv_pool_pb2.ReleaseRequestResponse()
 
 
@@ -184,7 +187,21 @@ class Cluster:
         return script
 
     async def assert_released(self, request_id: str) -> None:
-        await asyncio.wait_for(self.fakes.release_event(request_id).wait(), timeout=5.0)
+        """Waits until the pool was told to release ``request_id`` or an attempt of it (the
+        router's worker-facing ids are ``<request_id>-<12 hex digits>``)."""
+        pattern = re.compile(rf"{re.escape(request_id)}(-[0-9a-f]{{12}})?")
+
+        async def released() -> None:
+            while True:
+                self.fakes.release_seen.clear()
+                if any(pattern.fullmatch(rid) for rid in self.fakes.released):
+                    return
+                await self.fakes.release_seen.wait()
+
+        await asyncio.wait_for(released(), timeout=5.0)
+
+    def address(self, role: str) -> str:
+        return next(w.address for w in self.workers if w.role == role)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -195,10 +212,13 @@ async def cluster(redis_url: str):
     prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
     decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(FakeDecode(fakes), server)
     kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # SERVING
+    # One port per role, so a role's worker can be marked down without the others.
+    roles = ("prefill", "decode", "pool")
+    addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
     await server.start()
-    fakes.pool_address = address = f"127.0.0.1:{port}"
-    workers = [WorkerInfo(f"fake-{role}", role, address, {"num_requests_running": 0}) for role in ("prefill", "decode", "pool")]
+    fakes.pool_address = addresses["pool"]
+    workers = [WorkerInfo(f"fake-{role}", role, addresses[role], {"num_requests_running": 0}) for role in roles]
     tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
     config = RouterConfig(http_port=0, grpc_port=0, redis_url=url, max_model_len=MAX_MODEL_LEN, shutdown_grace_s=1.0)
     router = RouterServer(config, tokenizer=tokenizer)
@@ -391,8 +411,6 @@ async def test_malformed_json_is_400(cluster: Cluster) -> None:
     [
         (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
-        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
-        (grpc.StatusCode.INTERNAL, 503, "service_unavailable_error"),
     ],
 )
 async def test_prefill_worker_errors_map_to_status(cluster: Cluster, code, status, error_type) -> None:
@@ -406,15 +424,63 @@ async def test_prefill_worker_errors_map_to_status(cluster: Cluster, code, statu
     await assert_serves(cluster)
 
 
-async def test_decode_error_mid_stream_aborts(cluster: Cluster) -> None:
-    cluster.script_text(decode_error=grpc.StatusCode.UNAVAILABLE)
-    async with cluster.http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 40, "stream": True}) as r:
-        assert r.status_code == 200
-        events = await sse_events(r)
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL])
+async def test_failed_prefill_worker_is_marked_down_and_the_decode_worker_prefills(cluster: Cluster, code) -> None:
+    cluster.script_text(prefill_error=code)
+    try:
+        response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40})
+        assert response.status_code == 200, response.text
+        # The only prefill worker failed: colocated (this fake decode worker sends the tokens
+        # after the scripted first one, as in disaggregated mode).
+        assert response.json()["choices"][0]["text"] == cluster.tokenizer.decode(cluster.tokenizer.encode(TEXT)[1:])
+        decode = cluster.fakes.decode_requests[-1]
+        assert not decode.HasField("first_token_id") and not decode.HasField("manifest")
+        assert cluster.router.view.workers("prefill") == []
+        await cluster.assert_released(cluster.fakes.prefill_requests[-1].request_id)
+    finally:
+        await cluster.register()  # a newer heartbeat and a SERVING health check bring it back
+    assert [w.address for w in cluster.router.view.workers("prefill")] == [cluster.address("prefill")]
+    await assert_serves(cluster)
+
+
+async def test_decode_error_mid_stream_with_no_other_decode_worker_aborts(cluster: Cluster) -> None:
+    cluster.script_text(finish_token=None, decode_error=grpc.StatusCode.UNAVAILABLE)  # breaks before the end
+    try:
+        async with cluster.http.stream("POST", "/v1/completions",
+                                       json={"prompt": "x", "max_tokens": 40, "stream": True}) as r:
+            assert r.status_code == 200
+            events = await sse_events(r)
+    finally:
+        await cluster.register()
     assert events[-3]["choices"][0]["finish_reason"] == "abort"
-    assert events[-2]["error"]["message"] == "decode worker failed (UNAVAILABLE): fake decode broke"
+    assert events[-2]["error"]["message"] == (
+        "decode worker failed (UNAVAILABLE): fake decode broke; no other decode worker to resume on")
     assert events[-1] == "[DONE]"
     await assert_serves(cluster)
+
+
+async def test_stream_broken_after_its_last_token_still_finishes(cluster: Cluster) -> None:
+    cluster.script_text(decode_error=grpc.StatusCode.UNAVAILABLE)  # EOS arrived, then the stream broke
+    try:
+        response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40})
+    finally:
+        await cluster.register()
+    assert response.status_code == 200
+    assert (response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]) == (TEXT, "stop")
+
+
+async def test_client_request_id_is_echoed_and_never_reused_inside(cluster: Cluster) -> None:
+    cluster.script_text()
+    num_prefills = len(cluster.fakes.prefill_requests)
+    replies = await asyncio.gather(*(cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 40},
+                                                       headers={"x-request-id": "dup-1"}) for _ in range(2)))
+    for reply in replies:
+        assert reply.status_code == 200 and reply.headers["x-request-id"] == "dup-1"
+        assert reply.json()["choices"][0]["text"] == TEXT
+    ids = [p.request_id for p in cluster.fakes.prefill_requests[num_prefills:]]
+    assert len(set(ids)) == 2 and all(re.fullmatch("dup-1-[0-9a-f]{12}", i) for i in ids)
+    bad = await cluster.http.post("/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "a b"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
 
 
 async def test_no_workers_is_503_and_health_says_why(cluster: Cluster) -> None:
@@ -528,15 +594,18 @@ async def test_grpc_cancel_cancels_decode(cluster: Cluster, grpc_stub) -> None:
 
 async def test_grpc_decode_error_mid_stream(cluster: Cluster, grpc_stub) -> None:
     stub, _ = grpc_stub
-    cluster.script_text(decode_error=grpc.StatusCode.UNAVAILABLE)
+    cluster.script_text(finish_token=None, decode_error=grpc.StatusCode.UNAVAILABLE)
     call = stub.Generate(router_pb2.GenerateRequest(text="x", sampling_params=common_pb2.SamplingParams(max_tokens=40)))
     deltas = []
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for response in call:
-            deltas.append(response.delta.text)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for response in call:
+                deltas.append(response.delta.text)
+    finally:
+        await cluster.register()
     assert "".join(deltas) == TEXT
     assert (info.value.code(), info.value.details()) == (
-        grpc.StatusCode.UNAVAILABLE, "decode worker failed (UNAVAILABLE): fake decode broke")
+        grpc.StatusCode.UNAVAILABLE, "decode worker failed (UNAVAILABLE): fake decode broke; no other decode worker to resume on")
 
 
 def expected_logprobs(cluster: Cluster, text: str = TEXT) -> list[float]:
@@ -594,8 +663,9 @@ async def test_n_choices_fan_out_with_offset_seeds_and_summed_usage(cluster: Clu
     assert [c["index"] for c in data["choices"]] == [0, 1, 2]
     assert {c["text"] for c in data["choices"]} == {"Hi there"}
     prefills = cluster.fakes.prefill_requests[num_prefills:]
-    assert prefills[0].request_id == data["id"] + "-0"  # choice 0 prefills first, the others after it
-    assert sorted(p.request_id for p in prefills) == [f"{data['id']}-{i}" for i in range(3)]
+    # Choice 0 prefills first, the others after it; each attempt's id is <id>-<choice>-<12 hex>.
+    assert re.fullmatch(rf"{data['id']}-0-[0-9a-f]{{12}}", prefills[0].request_id)
+    assert sorted(p.request_id.rsplit("-", 1)[0] for p in prefills) == [f"{data['id']}-{i}" for i in range(3)]
     assert sorted(p.sampling_params.seed for p in prefills) == [41, 42, 43]
     num_generated = len(cluster.tokenizer.encode("Hi there")) + 1
     assert data["usage"]["completion_tokens"] == 3 * num_generated
