@@ -1,13 +1,16 @@
 """KV transfer backends carrying real requests, and a corrupted pool block recomputed.
 
-The session cluster (``conftest.cluster``) runs ``--kv-transfer auto``, which on one host is
-shared memory for both workers. One more cluster here runs the pool with a NIXL agent, the
-prefill worker on NIXL (writes, and reads of cached prefixes) and the decode worker on gRPC
-(reads), chosen through the workers' environment (``TANDEM_<ROLE>_KV_TRANSFER``).
+Two clusters of their own, both disaggregated for every request (``--disaggregation always``:
+the router would otherwise prefill these short prompts on the decode worker and skip the pool):
+one on shared memory for both workers (the decode worker copies the prompt's KV from the mapped
+arena straight into its KV cache), one with a NIXL agent in the pool, the prefill worker on NIXL
+(writes, and reads of cached prefixes) and the decode worker on gRPC (reads). Backends are chosen
+through the workers' environment (``TANDEM_<ROLE>_KV_TRANSFER``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -37,7 +40,42 @@ def full_cached_tokens(prompt: str = PROMPT) -> int:
     return min(n // BLOCK_SIZE * BLOCK_SIZE, n - 1)
 
 
-def test_shared_memory_carries_requests_and_a_corrupt_block_is_recomputed(cluster, probe):
+@contextlib.contextmanager
+def transfer_cluster(log_dir, env: dict[str, str]):
+    """A disaggregated cluster whose services see ``env`` (restored once they are started)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the services LocalCluster spawns
+    config = ClusterConfig(
+        model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
+        num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=256, pool_capacity_bytes=256 * 1024**2,
+        log_dir=log_dir, extra_router_args=("--disaggregation", "always"),
+    )
+    try:
+        with LocalCluster(config) as c:
+            c.start()
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            yield c
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def assert_backends(cluster, prefill: str, decode: str) -> None:
+    for name, mode in (("prefill", prefill), ("decode", decode)):
+        log = (cluster.config.log_dir / f"{name}.log").read_text()
+        assert f"kv transfer to pool {cluster.addresses['kv_pool']}: {mode}" in log
+
+
+@pytest.fixture(scope="module")
+def shm_cluster(tmp_path_factory):
+    env = {"TANDEM_PREFILL_KV_TRANSFER": "shm", "TANDEM_DECODE_KV_TRANSFER": "shm"}
+    with transfer_cluster(tmp_path_factory.mktemp("shm-cluster-logs"), env) as c:
+        yield c
+
+
+def test_shared_memory_carries_requests_and_a_corrupt_block_is_recomputed(shm_cluster):
+    cluster, probe = shm_cluster, ClusterProbe(shm_cluster)
     expected = reference.hf_greedy(reference.chat_ids(PROMPT), MAX_TOKENS)
     tokens, _, _ = generate(cluster)
     assert tokens == expected
@@ -58,27 +96,15 @@ def test_shared_memory_carries_requests_and_a_corrupt_block_is_recomputed(cluste
 
     tokens, _, finished = generate(cluster)  # the recompute stored good blocks again
     assert tokens == expected and finished.usage.cached_tokens == full_cached_tokens()
+    assert_backends(cluster, "shm", "shm")
+    poll_until(probe.is_idle, timeout_s=5, message="shm cluster back to idle")
 
 
 @pytest.fixture(scope="module")
 def nixl_cluster(tmp_path_factory):
     env = {"TANDEM_POOL_NIXL": "on", "TANDEM_PREFILL_KV_TRANSFER": "nixl", "TANDEM_DECODE_KV_TRANSFER": "grpc"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # inherited by the services LocalCluster spawns
-    config = ClusterConfig(
-        model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
-        num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=256, pool_capacity_bytes=256 * 1024**2,
-        log_dir=tmp_path_factory.mktemp("nixl-cluster-logs"),
-    )
-    try:
-        with LocalCluster(config) as c:
-            c.start()
-            for key, value in saved.items():
-                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-            yield c
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    with transfer_cluster(tmp_path_factory.mktemp("nixl-cluster-logs"), env) as c:
+        yield c
 
 
 def test_nixl_writes_and_reads_and_grpc_reads_carry_requests(nixl_cluster):
@@ -90,7 +116,5 @@ def test_nixl_writes_and_reads_and_grpc_reads_carry_requests(nixl_cluster):
         tokens, _, finished = generate(nixl_cluster)
         assert tokens == expected
         assert finished.usage.cached_tokens == (full_cached_tokens() if round_ else 0)
-    for name in ("prefill", "decode"):
-        log = (nixl_cluster.config.log_dir / f"{name}.log").read_text()
-        assert f"kv transfer to pool {nixl_cluster.addresses['kv_pool']}: {'nixl' if name == 'prefill' else 'grpc'}" in log
+    assert_backends(nixl_cluster, "nixl", "grpc")
     poll_until(probe.is_idle, timeout_s=5, message="nixl cluster back to idle")
