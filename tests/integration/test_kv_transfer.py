@@ -246,3 +246,22 @@ def test_release_without_mapped_views_is_immediate(client, fp, pool):
     asyncio.run(io.release(pool.address, "req-r"))
     assert client.stats()["num_leases"] == 0
     io.close()
+
+
+def test_shm_long_read_is_located_in_batches_and_stops_at_a_gap(client, fp):
+    from core.kv_transfer.shm_backend import LOCATE_BATCH_BLOCKS
+
+    backend = connect("shm", client)
+    n = 2 * LOCATE_BATCH_BLOCKS + 44  # three LocateBlocks batches
+    keys = [BlockKey.content(fp, 1000 + h) for h in range(n)]
+    data = [block(h, 1024) for h in range(n)]
+    assert backend.write(keys, data, [], "", 30) == (n, 0)
+    gap = LOCATE_BATCH_BLOCKS + 72  # missing in the second batch: the third is never asked
+    asked = [*keys[:gap], BlockKey.content(fp, 99_999), *keys[gap:]]
+    out = memoryview(bytearray(n * 1024))
+    blocks = backend.read(asked, "req-r", 30, out=out)
+    assert [bytes(b.data) for b in blocks] == data[:gap] and bytes(out[: gap * 1024]) == b"".join(data[:gap])
+    assert client.stats()["num_leased_blocks"] == gap
+    assert [b.data for b in backend.read(keys, "req-r", 30)] == data  # into new bytes
+    client.release_request("req-r")
+    backend.close()
