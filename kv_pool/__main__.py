@@ -34,6 +34,8 @@ def _option(flag: str, **kwargs):
          help="Commit every arena page at start (first writes are then ~10x faster; costs the memory now).")
 @_option("--nvme-path", default="", help="Directory of the NVMe tier's block file; '' turns the tier off.")
 @_option("--nvme-capacity-bytes", type=int, default=_DEFAULTS.nvme_capacity_bytes, help="Bytes of the NVMe tier.")
+@_option("--nvme-io", default=_DEFAULTS.nvme_io, type=click.Choice(["os", "nixl"]),
+         help="NVMe tier I/O: os (pread/pwrite) or nixl (NIXL's POSIX backend; needs the nixl package).")
 @_option("--evict-high-watermark", type=float, default=_DEFAULTS.evict_high_watermark,
          help="DRAM occupancy (fraction) past which LRU blocks are evicted (demoted to NVMe) ...")
 @_option("--evict-low-watermark", type=float, default=_DEFAULTS.evict_low_watermark,

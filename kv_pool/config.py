@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_pool.eviction import Watermarks
+from kv_pool.nvme_io import NVME_IO_MODES
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -35,6 +36,7 @@ class PoolConfig:
     arena_prefault: bool = False  # commit the whole arena at start (pinned-memory behaviour)
     nvme_path: str = ""  # directory of the NVMe tier's block file; "" turns the tier off
     nvme_capacity_bytes: int = 16 * 1024**3
+    nvme_io: str = "os"  # how the NVMe tier reads and writes: os (pread/pwrite) or nixl (POSIX backend)
     # DRAM occupancy fractions (kv_pool.eviction): a write that would pass the high one evicts
     # (demotes, with an NVMe tier) LRU blocks until occupancy is down to the low one.
     evict_high_watermark: float = 0.95
@@ -53,6 +55,8 @@ class PoolConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         self.watermarks  # validates
+        if self.nvme_io not in NVME_IO_MODES:
+            raise ValueError(f"nvme_io must be one of {NVME_IO_MODES}, got {self.nvme_io!r}")
         if self.nixl not in ("auto", "on", "off"):
             raise ValueError(f"nixl must be auto, on or off, got {self.nixl!r}")
         for name in ("lease_ttl_s", "expiry_interval_s", "heartbeat_interval_s", "put_reservation_ttl_s"):

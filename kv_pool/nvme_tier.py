@@ -1,8 +1,9 @@
 """The NVMe tier: content-addressed blocks that DRAM evicted, in one preallocated file.
 
 ``blocks.bin`` in the tier's directory is cut into extents like the DRAM arena
-(:class:`kv_pool.arena.ExtentAllocator`); a block is written with one ``os.pwrite`` when DRAM
-demotes it and read with one ``os.pread`` when a hit promotes it back (then it leaves this tier:
+(:class:`kv_pool.arena.ExtentAllocator`); a block is written with one write when DRAM demotes it
+and read with one read when a hit promotes it back (``os.pwrite`` / ``os.pread``, or NIXL's
+POSIX backend: :mod:`kv_pool.nvme_io`) (then it leaves this tier:
 the tiers are exclusive, a block lives in exactly one). When the file is full the least recently
 used blocks here are dropped for good.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from core.block_key import BlockKey
 from kv_pool.arena import ExtentAllocator
 from kv_pool.lru import LruSet
+from kv_pool.nvme_io import NVME_IO_MODES, NixlFileIO, OsFileIO
 
 FILE_NAME = "blocks.bin"
 
@@ -30,16 +32,33 @@ class NvmeBlock:
 
 
 class NvmeTier:
-    """``capacity_bytes`` of block storage under directory ``path`` (created if missing)."""
+    """``capacity_bytes`` of block storage under directory ``path`` (created if missing).
 
-    def __init__(self, path: str, capacity_bytes: int):
+    ``io``: "os" or "nixl" (:mod:`kv_pool.nvme_io`); ``dram``: the DRAM arena's buffer, which
+    the nixl I/O registers so demotions write straight from it.
+
+    Raises:
+        ValueError: quoting the value, for a capacity <= 0 or an unknown ``io``.
+        ImportError: ``io`` "nixl" without the nixl package.
+    """
+
+    def __init__(self, path: str, capacity_bytes: int, io: str = "os", dram=None):
         if capacity_bytes <= 0:
             raise ValueError(f"nvme capacity_bytes must be > 0, got {capacity_bytes!r}")
+        if io not in NVME_IO_MODES:
+            raise ValueError(f"nvme io must be one of {NVME_IO_MODES}, got {io!r}")
         os.makedirs(path, exist_ok=True)
         self.path = os.path.join(path, FILE_NAME)
         self.capacity_bytes = capacity_bytes
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self._fd, capacity_bytes)
+        try:
+            self._io = OsFileIO(self._fd, self.path) if io == "os" else NixlFileIO(
+                self._fd, self.path, capacity_bytes, dram)
+        except BaseException:
+            self.close()
+            raise
+        self.io = io
         self._allocator = ExtentAllocator(capacity_bytes)
         self._blocks: dict[BlockKey, NvmeBlock] = {}
         self._lru = LruSet()
@@ -68,10 +87,11 @@ class NvmeTier:
             self._remove(dropped[-1])
             self.num_evicted_blocks += 1
             offset = self._allocator.allocate(num_bytes)
-        written = os.pwrite(self._fd, data, offset)
-        if written != num_bytes:
+        try:
+            self._io.write(offset, data)
+        except OSError:
             self._allocator.free(offset, num_bytes)
-            raise OSError(f"short write to {self.path}: {written} of {num_bytes} bytes")
+            raise
         self._blocks[key] = NvmeBlock(offset, num_bytes, checksum)
         self._lru.add(key, num_bytes)
         self.used_bytes += num_bytes
@@ -94,9 +114,7 @@ class NvmeTier:
     def read(self, key: BlockKey) -> bytes:
         """The bytes of ``key``, leaving it here. Mutates: LRU. Raises KeyError, OSError."""
         block = self._blocks[key]
-        data = os.pread(self._fd, block.num_bytes, block.offset_bytes)
-        if len(data) != block.num_bytes:
-            raise OSError(f"short read from {self.path}: {len(data)} of {block.num_bytes} bytes")
+        data = self._io.read(block.offset_bytes, block.num_bytes)
         self._lru.touch(key)
         return data
 
@@ -109,6 +127,9 @@ class NvmeTier:
 
     def close(self) -> None:
         """Closes and deletes the file. Idempotent."""
+        if getattr(self, "_io", None) is not None:
+            self._io.close()
+            self._io = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -70,7 +70,8 @@ class PoolServer:
         log.info(
             "kv_pool %s listening on %s:%d (advertised %s), DRAM %d bytes, NVMe %s, metrics port %d",
             self.config.node_id, self.config.host, port, self.address, self.config.capacity_bytes,
-            f"{self.config.nvme_capacity_bytes} bytes in {self.config.nvme_path}" if self.config.nvme_path else "off",
+            f"{self.config.nvme_capacity_bytes} bytes in {self.config.nvme_path} ({self.config.nvme_io} I/O)"
+            if self.config.nvme_path else "off",
             self.config.metrics_port,
             extra={"worker_id": self.config.node_id},
         )
@@ -104,7 +105,7 @@ class PoolServer:
             # The pid keeps two pools with one node id on a host (two test clusters) apart.
             arena_path = os.path.join(c.arena_dir, f"tandem-kv-{c.node_id}-{os.getpid()}.arena")
         arena = Arena(c.capacity_bytes, arena_path, prefault=c.arena_prefault)
-        nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes) if c.nvme_path else None
+        nvme = NvmeTier(c.nvme_path, c.nvme_capacity_bytes, c.nvme_io, arena.buffer) if c.nvme_path else None
         self.store = BlockStore(
             c.capacity_bytes, c.lease_ttl_s, on_event=self._mirror.report, arena=arena, nvme=nvme,
             watermarks=c.watermarks,

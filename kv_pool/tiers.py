@@ -201,9 +201,9 @@ class Tiers:
         return True
 
     def close(self) -> None:
-        self.arena.close()
-        if self.nvme is not None:
+        if self.nvme is not None:  # first: its I/O may hold a view of the arena
             self.nvme.close()
+        self.arena.close()
 
     def _evict(self, key: BlockKey) -> None:
         """Demotes an evictable block to NVMe (when there is a tier), else drops it."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import urllib.request
 
+import pytest
+
 from core.block_key import BlockKey
 from core.pool_client import PoolClient
 from kv_pool.index_mirror import hash_field, index_key
@@ -15,10 +17,11 @@ BLOCK = SMOLLM_BLOCK_BYTES
 ON_DEMAND_FLAGS = ("--evict-high-watermark", "1", "--evict-low-watermark", "1")
 
 
-def test_dram_to_nvme_to_dram_is_byte_identical(start_pool, rdb, fp, tmp_path, free_port, wait_until):
+@pytest.mark.parametrize("nvme_io", ["os", "nixl"])  # nixl: NIXL's POSIX backend does the file I/O
+def test_dram_to_nvme_to_dram_is_byte_identical(start_pool, rdb, fp, tmp_path, free_port, wait_until, nvme_io):
     pool = start_pool(
         2 * BLOCK, "--nvme-path", str(tmp_path / "nvme"), "--nvme-capacity-bytes", str(4 * BLOCK),
-        "--metrics-port", str(free_port), *ON_DEMAND_FLAGS,
+        "--metrics-port", str(free_port), "--nvme-io", nvme_io, *ON_DEMAND_FLAGS,
     )
     data = {h: block(h, BLOCK) for h in range(1, 8)}
     key = {h: BlockKey.content(fp, h) for h in data}
@@ -49,6 +52,7 @@ def test_dram_to_nvme_to_dram_is_byte_identical(start_pool, rdb, fp, tmp_path, f
         assert 'tandem:pool_tier_blocks{tier="dram"} 2.0' in metrics
     assert pool.stop() == 0, pool.logs()
     assert not os.path.exists(tmp_path / "nvme" / "blocks.bin")
+    assert f"({nvme_io} I/O)" in pool.logs()
 
 
 def test_watermark_flags_demote_in_one_batch(start_pool, fp, tmp_path):

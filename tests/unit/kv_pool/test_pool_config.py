@@ -20,6 +20,8 @@ from kv_pool.config import PoolConfig
         ({"nvme_capacity_bytes": -1}, "nvme_capacity_bytes must be > 0, got -1"),
         ({"nixl": "maybe"}, "nixl must be auto, on or off, got 'maybe'"),
         ({"put_reservation_ttl_s": 0.0}, "put_reservation_ttl_s must be > 0, got 0.0"),
+        ({"nvme_io": "spdk"}, "nvme_io must be one of \\('os', 'nixl'\\), got 'spdk'"),
+        ({"evict_low_watermark": 0.99}, "low watermark 0.99 must not exceed the high watermark 0.95"),
     ],
 )
 def test_bad_values_are_rejected(overrides, message):
