@@ -15,7 +15,6 @@ indexing does it.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 
@@ -26,16 +25,15 @@ import torch
 class LoadGuard:
     """Keeps pool blocks leased until their bytes are in the KV cache: ``on_done`` runs once, when
     ``done`` is called (after the copy) or when the last :class:`ArenaBlock` holding this guard
-    is garbage (the request went away before its KV was loaded). Thread-safe."""
+    is garbage (the request went away before its KV was loaded). Thread-safe: ``weakref.finalize``
+    runs its callback at most once."""
 
     def __init__(self, on_done: Callable[[], None]):
         self._finalizer = weakref.finalize(self, on_done)
-        self._lock = threading.Lock()
 
     def done(self) -> None:
         """Runs ``on_done`` unless it ran already. Called from the engine's step loop."""
-        with self._lock:
-            self._finalizer()
+        self._finalizer()
 
     @property
     def alive(self) -> bool:

@@ -72,7 +72,8 @@ class PoolIO:
         self.num_corrupt_blocks = 0  # blocks this worker found corrupt and reported
         self._clients: dict[str, PoolClient] = {}
         self._backends: dict[str, TransferBackend] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a LoadGuard's finalizer (garbage collection) may run while this thread holds it.
+        self._lock = threading.RLock()
         self.map_arena = map_arena
         self._pending_loads: dict[str, _PendingLoad] = {}  # request_id -> uncopied views
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pool-release")  # deferred releases
