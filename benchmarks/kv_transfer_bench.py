@@ -8,6 +8,10 @@ measured in the same run (only side-by-side ratios mean anything on a shared mac
 - shm  vs memcpy (one ``ctypes.memmove`` of the same bytes, private memory to private memory);
 - grpc and nixl vs loopback TCP (the same bytes through a 127.0.0.1 socket between two threads).
 
+The baseline is measured again in every round, right before the backend's write and read, and
+each is the best of its rounds: on a machine shared with other work a baseline measured once, at
+another moment, says little.
+
 Usage: ``.venv/bin/python benchmarks/kv_transfer_bench.py [--tokens 1024 16384] [--repeats 3]``.
 The pool prefaults its arena (``--arena-prefault``), as a pinned arena would be: first touches
 of tmpfs pages would otherwise dominate. Needs ``redis-server`` on PATH and, for nixl, the
@@ -56,15 +60,31 @@ def best_s(fn, repeats: int) -> float:
     return min(times)
 
 
-def memcpy_s(num_bytes: int, repeats: int) -> float:
-    src, dst = bytearray(os.urandom(1024)) * (num_bytes // 1024 + 1), bytearray(num_bytes + 1024)
-    src_addr = ctypes.addressof(ctypes.c_char.from_buffer(src))
-    dst_addr = ctypes.addressof(ctypes.c_char.from_buffer(dst))
-    return best_s(lambda: ctypes.memmove(dst_addr, src_addr, num_bytes), repeats)
+class Memcpy:
+    """One ``memmove`` of ``num_bytes`` between two private buffers (faulted in by the first)."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+        self._src, self._dst = bytearray(os.urandom(1024)) * (num_bytes // 1024 + 1), bytearray(num_bytes + 1024)
+        self._src_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._src))
+        self._dst_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._dst))
+        self.once_s()
+
+    def once_s(self) -> float:
+        return best_s(lambda: ctypes.memmove(self._dst_addr, self._src_addr, self.num_bytes), 1)
+
+
+class LoopbackTcp:
+    """One loopback TCP connection, 4 MiB sends, receiver reading into a preallocated buffer."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+
+    def once_s(self) -> float:
+        return tcp_s(self.num_bytes, 1)
 
 
 def tcp_s(num_bytes: int, repeats: int) -> float:
-    """One loopback TCP connection, 4 MiB sends, receiver reading into a preallocated buffer."""
     chunk = bytes(4 * 1024 * 1024)
     server = socket.create_server(("127.0.0.1", 0))
     sink = bytearray(num_bytes)
@@ -119,21 +139,23 @@ def start_services(capacity_bytes: int, workdir: Path) -> tuple[list[subprocess.
     raise RuntimeError(f"pool did not start:\n{(workdir / 'pool.log').read_text()}")
 
 
-def bench_backend(mode: str, client: PoolClient, num_blocks: int, repeats: int) -> tuple[float, float]:
-    """(write s, read s) of ``num_blocks`` fresh blocks, best of ``repeats``."""
+def bench_backend(mode: str, client: PoolClient, num_blocks: int, repeats: int, baseline) -> tuple[float, float, float]:
+    """(write s, read s, baseline s) of ``num_blocks`` fresh blocks, each the best of
+    ``repeats`` rounds; ``baseline.once_s()`` runs in every round."""
     backend = connect(mode, client)
     payloads = [os.urandom(BLOCK_BYTES) for _ in range(min(num_blocks, 8))]
     payloads = [payloads[i % len(payloads)] for i in range(num_blocks)]
     checksums = [block_checksum(p) for p in payloads]
     out = memoryview(bytearray(num_blocks * BLOCK_BYTES))  # the reader's memory, faulted in once
-    write_times, read_times = [], []
+    write_times, read_times, base_times = [], [], []
     # Two uncounted rounds: the pool alternates between two sets of slots (capacity), and a
     # worker's first touch of a slot faults its pages into this process's mapping (~4x slower).
     for round_ in range(repeats + 2):
         if round_ == 2:
-            write_times, read_times = [], []
+            write_times, read_times, base_times = [], [], []
         fp = uuid.uuid4().hex[:16]  # fresh keys: no duplicate skips the bytes
         keys = [BlockKey.content(fp, h) for h in range(num_blocks)]
+        base_times.append(baseline.once_s())
         t = time.perf_counter()
         backend.write(keys, payloads, checksums, "", 60)
         write_times.append(time.perf_counter() - t)
@@ -143,7 +165,7 @@ def bench_backend(mode: str, client: PoolClient, num_blocks: int, repeats: int) 
         assert len(blocks) == num_blocks and blocks[-1].data == payloads[-1]
         client.release_request("bench-reader")
     backend.close()
-    return min(write_times), min(read_times)
+    return min(write_times), min(read_times), min(base_times)
 
 
 def main() -> None:
@@ -162,13 +184,14 @@ def main() -> None:
             procs, address = start_services(2 * num_bytes + BLOCK_BYTES, Path(tmp))
             try:
                 with PoolClient(address, timeout_s=300) as client:
-                    base = {"memcpy": memcpy_s(num_bytes, args.repeats), "tcp": tcp_s(num_bytes, args.repeats)}
+                    memcpy = Memcpy(num_bytes)
                     for mode in args.backends:
-                        write_s, read_s = bench_backend(mode, client, num_blocks, args.repeats)
                         ref = "memcpy" if mode == "shm" else "tcp"
+                        baseline = memcpy if mode == "shm" else LoopbackTcp(num_bytes)
+                        write_s, read_s, base_s = bench_backend(mode, client, num_blocks, args.repeats, baseline)
                         for direction, seconds in (("write", write_s), ("read", read_s)):
                             rows.append((tokens, num_bytes, mode, direction, num_bytes / seconds / 1e9,
-                                         ref, num_bytes / base[ref] / 1e9, base[ref] / seconds))
+                                         ref, num_bytes / base_s / 1e9, base_s / seconds))
             finally:
                 for p in procs:
                     p.terminate()
