@@ -42,13 +42,14 @@ class CalibrationResult:
 
 
 def calibration_probes(config: EngineConfig) -> list[Probe]:
-    """Prompts of 16, 128 and 384 tokens alternating with decode batches of 2, 8 and 24
-    sequences and one long-context decode; every probe fits ``max_model_len``,
-    ``max_num_seqs`` and the KV cache (sizes are clipped, duplicates dropped)."""
+    """Prompts of 16, 128 and 256 tokens alternating with decode batches of 2, 8 and 16
+    sequences and one long-context decode (19 passes in all with a budget >= 256); every probe
+    fits ``max_model_len``, ``max_num_seqs`` and the KV cache (sizes are clipped, duplicates
+    dropped)."""
     limit = config.max_model_len
     probes = []
-    shapes = [(1, 16, 1), (2, 16, DECODE_TOKENS), (1, 128, 1), (8, 16, DECODE_TOKENS), (1, 384, 1),
-              (1, 256, DECODE_TOKENS), (24, 16, DECODE_TOKENS)]
+    shapes = [(1, 16, 1), (2, 16, DECODE_TOKENS), (1, 128, 1), (8, 16, DECODE_TOKENS), (1, 256, 1),
+              (1, 192, DECODE_TOKENS), (16, 16, DECODE_TOKENS)]
     for num_seqs, num_prompt_tokens, max_tokens in shapes:
         max_tokens = min(max_tokens, limit - 1)
         num_prompt_tokens = max(1, min(num_prompt_tokens, limit - max_tokens))
@@ -60,9 +61,10 @@ def calibration_probes(config: EngineConfig) -> list[Probe]:
     return probes
 
 
-def calibrate(engine: LLMEngine, num_steps: int, seed: int = 0) -> CalibrationResult:
+def calibrate(engine: LLMEngine, num_steps: int, max_duration_s: float = 5.0, seed: int = 0) -> CalibrationResult:
     """Runs at least ``num_steps`` timed passes (probes run to completion, so a few more) on an
-    idle engine, after one untimed warm-up probe.
+    idle engine, after one untimed warm-up probe; no new probe starts after ``max_duration_s``
+    (a worker on a busy machine starts with fewer samples rather than late; traffic adds more).
 
     Mutates: the engine's cost-model samples (kept); its prefix cache (emptied) and preemption
     counters (zeroed). Raises ValueError if the engine has requests or ``num_steps`` < 0.
@@ -80,7 +82,7 @@ def calibrate(engine: LLMEngine, num_steps: int, seed: int = 0) -> CalibrationRe
     engine.step_stats.fit.clear()
     first = engine.step_stats.num_steps
     for probe in itertools.cycle(probes):
-        if engine.step_stats.num_steps - first >= num_steps:
+        if engine.step_stats.num_steps - first >= num_steps or time.perf_counter() - started > max_duration_s:
             break
         _run_probe(engine, probe, rng)
     _reset(engine)

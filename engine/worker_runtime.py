@@ -44,7 +44,7 @@ class WorkerConfig:
     kv_transfer: str = "auto"  # how KV bytes reach the pool: auto, grpc, shm, nixl (core.kv_transfer)
     heartbeat_interval_s: float = 1.0
     # Synthetic passes timed at start-up so the cost model is fitted before traffic (0: none).
-    calibration_steps: int = 24
+    calibration_steps: int = 16
     heartbeat_ttl_s: float = 3.0
 
 
@@ -98,8 +98,8 @@ def worker_options(default_port: int):
             click.option("--kv-transfer", default="auto", show_default=True,
                          type=click.Choice(["auto", "grpc", "shm", "nixl"]),
                          help="KV transfer to the pool; auto: shm on the pool's host, else nixl, else grpc."),
-            click.option("--calibration-steps", default=24, show_default=True, type=click.IntRange(min=0),
-                         help="Synthetic passes timed at start-up to fit the cost model (0: off)."),
+            click.option("--calibration-steps", default=16, show_default=True, type=click.IntRange(min=0),
+                         help="Synthetic passes timed at start-up to fit the cost model (0: off; at most ~5 s)."),
             click.option("--log-level", default="INFO", show_default=True),
         ]
         for option in reversed(options):
@@ -123,7 +123,7 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         advertise_address=kwargs["advertise_address"],
         metrics_port=kwargs["metrics_port"],
         kv_transfer=kwargs["kv_transfer"],
-        calibration_steps=kwargs.get("calibration_steps", 24),
+        calibration_steps=kwargs.get("calibration_steps", 16),
     )
     return worker, engine_config, kwargs["log_level"]
 
@@ -139,6 +139,14 @@ def _export_gauges(engine: AsyncEngine, role: str) -> None:
     Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use", ["role"]).labels(**labels).set_function(
         lambda: engine.stats().num_used_blocks / max(1, engine.stats().num_total_blocks)
     )
+    coefficient = Gauge("tandem:cost_model_coefficient_seconds",
+                        "Fitted step-time coefficient (seconds per step, token, sequence or 1k attention pairs)",
+                        ["role", "coefficient"])
+    for name in ("base_s", "per_token_s", "per_seq_s", "per_attn_s"):
+        coefficient.labels(role=role, coefficient=name).set_function(
+            lambda name=name: getattr(engine.stats().cost_model, name))
+    Gauge("tandem:kv_load_bandwidth_bytes_per_second", "Measured pool -> worker KV bandwidth (EWMA)",
+          ["role"]).labels(**labels).set_function(lambda: engine.kv_load.bytes_per_s)
 
 
 def load_dict(engine: AsyncEngine) -> dict[str, float]:

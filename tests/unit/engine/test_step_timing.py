@@ -106,11 +106,14 @@ def test_calibration_probes_fit_the_config():
     assert calibration_probes(config) == [
         Probe(1, 16, 1), Probe(2, 16, 4), Probe(1, 63, 1), Probe(4, 16, 4), Probe(1, 60, 4),
     ]
+    default = calibration_probes(EngineConfig())
+    assert default == [Probe(1, 16, 1), Probe(2, 16, 4), Probe(1, 128, 1), Probe(8, 16, 4), Probe(1, 256, 1),
+                       Probe(1, 192, 4), Probe(16, 16, 4)]
 
 
 def test_calibration_leaves_the_engine_idle_and_outputs_unchanged(tiny):
     engine = make_engine(tiny, enable_prefix_caching=True)
-    result = calibrate(engine, num_steps=10)
+    result = calibrate(engine, num_steps=10, max_duration_s=float("inf"))
     # after the untimed warm-up, budget 8: 16 tokens (2 passes), then 2 x (16 tokens + 3 decodes)
     # where the second prompt's chunks ride beside the first one's decodes (8 passes): 10 >= 10
     assert result.num_steps == len(engine.step_stats.fit) == 2 + 8
@@ -133,6 +136,12 @@ def test_calibration_leaves_the_engine_idle_and_outputs_unchanged(tiny):
             out += [t for o in e.step() for t in o.new_token_ids]
         tokens[name] = out
     assert tokens["calibrated"] == tokens["fresh"] and len(tokens["fresh"]) == 6
+
+
+def test_calibration_stops_starting_probes_after_its_time_budget(tiny):
+    engine = make_engine(tiny)
+    result = calibrate(engine, num_steps=1000, max_duration_s=0.0)
+    assert result.num_steps == 0 and engine.stats().num_used_blocks == 0  # only the warm-up ran
 
 
 def test_calibration_zero_steps_is_a_no_op(tiny):
