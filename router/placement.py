@@ -15,6 +15,8 @@ Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
     colocated on D:           ttft = queue(D) + prefill_D(uncached locally)
                                      + chunks x (running batch's share of each mixed step)
                               tbt = max(decode step, one mixed step: chunk + running batch)
+                              (fits only if the mixed step meets the TBT SLO; without one,
+                              if it is at most MAX_COLOCATED_STALL_STEPS decode steps)
 
 ``queue(W)`` drains the prompt tokens queued ahead at W: the larger of its heartbeat's
 ``num_waiting_tokens + num_batched_tokens`` and this router's pending tokens there.
@@ -33,6 +35,9 @@ from core.registry import WorkerInfo
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 DEFAULT_BLOCK_SIZE = 16  # a worker that does not say its block size (older heartbeat)
+# Without a TBT SLO, a colocated prefill chunk may take at most this many of the running batch's
+# decode steps (the running requests wait for it): a long uncached prompt goes to a prefill worker.
+MAX_COLOCATED_STALL_STEPS = 4.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,15 @@ class Predictor:
         tbt_ok = not self.slo.tbt_s or tbt_s <= self.slo.tbt_s
         return tbt_s, batch, free_ok and slot_ok and tbt_ok
 
+    def decode_fit(self, decode: WorkerInfo, request: RoutingRequest) -> tuple[float, bool] | None:
+        """(predicted decode step with the request added, fits: blocks, slot and TBT SLO) of
+        ``decode``; None without a cost model."""
+        cost = CostModel.from_load(decode.load)
+        if cost is None:
+            return None
+        tbt_s, _, fits = self._decode_side(decode, cost, request)
+        return tbt_s, fits
+
     def disaggregated(self, prefill: WorkerInfo, decode: WorkerInfo, request: RoutingRequest) -> Prediction | None:
         """Prefill on ``prefill`` (cached prefix loaded from the pool), decode on ``decode``;
         None when either has no cost model."""
@@ -234,6 +248,8 @@ class Predictor:
         chunks = math.ceil(uncached / max(1, cost.max_num_batched_tokens))
         ttft_s = queue_s + cost.prefill_s(uncached, cached) + chunks * share_s
         mixed_step_s = cost.prefill_s(chunk, cached) + share_s  # what running decodes wait for
-        tbt_s = max(tbt_s, mixed_step_s)
-        fits = fits and (not self.slo.tbt_s or tbt_s <= self.slo.tbt_s)
-        return Prediction(ttft_s, queue_s, 0.0, tbt_s, fits, cached)
+        if self.slo.tbt_s:
+            fits = fits and mixed_step_s <= self.slo.tbt_s
+        elif batch:  # no TBT SLO: still never stall running decodes by many steps' worth
+            fits = fits and mixed_step_s <= MAX_COLOCATED_STALL_STEPS * cost.decode_step_s(batch, running_kv_tokens)
+        return Prediction(ttft_s, queue_s, 0.0, max(tbt_s, mixed_step_s), fits, cached)

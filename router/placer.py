@@ -81,8 +81,9 @@ class Placer:
                 context.local_cache.record(worker.address, request.block_hashes)
         self.metrics.placed(placement.policy, placement.mode)
         prediction = placement.prediction
-        log.info("placed %s: prefill %s, decode %s, predicted TTFT %s", placement.mode,
-                 placement.prefill.worker_id if placement.prefill else "-", placement.decode.worker_id,
+        log.info("placed %s: prefill %s, decode %s, %d of %d prompt tokens cached, predicted TTFT %s",
+                 placement.mode, placement.prefill.worker_id if placement.prefill else "-",
+                 placement.decode.worker_id, cached, request.num_prompt_tokens,
                  f"{prediction.ttft_s:.3f} s" if prediction else "n/a", extra={"request_id": request_id})
         return placement
 

@@ -191,8 +191,8 @@ class PredictedLatencyPolicy(RoutingPolicy):
             predictions = [predictor.prefill_ttft(w, request) for w in workers]
             keys = [None if p is None else (p[0],) for p in predictions]
         else:
-            predictions = [predictor.colocated(w, request, 0) for w in workers]
-            keys = [None if p is None else (not p.fits, p.tbt_s) for p in predictions]
+            fits = [predictor.decode_fit(w, request) for w in workers]
+            keys = [None if f is None else (not f[1], f[0]) for f in fits]
         if any(k is None for k in keys):
             return self.least_loaded(workers)
         return min(zip(keys, workers), key=lambda kw: (*kw[0], self.load(kw[1]), kw[1].worker_id))[1]

@@ -152,13 +152,18 @@ def test_conditional_disaggregation_colocates_a_mostly_cached_prompt() -> None:
     assert pl.place([], [decode], long_new).mode == COLOCATED  # no prefill worker at all
 
 
-def test_a_long_prompt_is_not_colocated_beside_decodes_under_a_tbt_slo() -> None:
-    decode = worker("d1", "decode", running=8, kv_tokens=4000)
-    prefills = [worker("p1", waiting_tokens=2000)]
+def test_a_long_prompt_is_not_colocated_beside_running_decodes() -> None:
+    prefills = [worker("p1", waiting_tokens=2000)]  # a 2 s queue at the prefill worker
     prompt = request(1500)
-    assert policy("predicted_latency").place(prefills, [decode], prompt).mode == COLOCATED
-    tight = policy("predicted_latency", slo=SLO(tbt_s=0.1))  # a 512-token chunk stalls decodes > 0.1 s
-    assert tight.place(prefills, [decode], prompt).mode == DISAGGREGATED
+    idle = worker("d1", "decode")
+    assert policy("predicted_latency").place(prefills, [idle], prompt).mode == COLOCATED  # nobody to stall
+    busy = worker("d1", "decode", running=8, kv_tokens=4000)
+    # A 512-token chunk (0.52 s) would stall 8 decodes for > 4 of their 22 ms steps: not colocated,
+    # with or without a TBT SLO.
+    assert policy("predicted_latency").place(prefills, [busy], prompt).mode == DISAGGREGATED
+    assert policy("predicted_latency", slo=SLO(tbt_s=0.1)).place(prefills, [busy], prompt).mode == DISAGGREGATED
+    short = request(40)  # one 40-token chunk: 51 ms + the batch's 12 ms share, under 4 x 22 ms
+    assert policy("predicted_latency").place(prefills, [busy], short).mode == COLOCATED
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", DISAGGREGATED), ("never", COLOCATED)])
