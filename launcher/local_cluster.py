@@ -1,6 +1,6 @@
 """LocalCluster: every Tandem service as its own process on this machine (DESIGN.md §9).
 
-Start order: Redis → KV pool → prefill worker → decode worker → router; stop order is the
+Start order: Redis → KV pool → prefill workers → decode workers → router; stop order is the
 reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
 behind even when the launcher is killed.
 """

@@ -1,0 +1,31 @@
+"""ClusterConfig's worker counts: names, thread budgets, bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.local_cluster import ClusterConfig, worker_threads
+
+
+def test_two_by_two_worker_names_in_start_order():
+    config = ClusterConfig(model="m", num_prefill_workers=2, num_decode_workers=2)
+    assert config.worker_names == (("prefill", "prefill"), ("prefill-1", "prefill"),
+                                   ("decode", "decode"), ("decode-1", "decode"))
+
+
+def test_colocated_starts_decode_workers_only():
+    config = ClusterConfig(model="m", colocated=True, num_prefill_workers=3, num_decode_workers=2)
+    assert config.worker_names == (("decode", "decode"), ("decode-1", "decode"))
+
+
+def test_threads_are_split_per_worker():
+    assert worker_threads(16, num_prefill_workers=2, num_decode_workers=4) == {"prefill": 4, "decode": 2}
+    assert worker_threads(2, num_prefill_workers=2, num_decode_workers=2) == {"prefill": 1, "decode": 1}
+    assert worker_threads(8, colocated=True, num_decode_workers=3) == {"decode": 2}
+
+
+@pytest.mark.parametrize("field", ["num_prefill_workers", "num_decode_workers"])
+def test_zero_workers_is_refused(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+        ClusterConfig(model="m", **{field: 0})
+
