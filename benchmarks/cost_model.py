@@ -12,7 +12,7 @@ lengths without it). Prints the fitted coefficients and the mean absolute % erro
 each for the model right after start-up calibration (what the router sees first) and after the
 model was fitted on a separate mixed workload.
 
-    python benchmarks/cost_model.py [--prompts PATH] [--num-fit 48] [--num-heldout 24] [--quick]
+    python benchmarks/cost_model.py [--prompts PATH] [--num-fit 32] [--num-heldout 12] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def load_prompts_ids(args, tokenizer, n: int) -> list[list[int]]:
         ids = []
         for text in load_prompts(args.prompts, n, max_chars=4000):
             chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids.append(list(chat["input_ids"] if hasattr(chat, "keys") else chat)[:1024])
+            ids.append(list(chat["input_ids"] if hasattr(chat, "keys") else chat)[:768])
         return ids
     rng = random.Random(1)
-    return [[rng.randrange(3, 40000) for _ in range(min(1024, int(rng.lognormvariate(5, 1)) + 8))] for _ in range(n)]
+    return [[rng.randrange(3, 40000) for _ in range(min(768, int(rng.lognormvariate(5, 1)) + 8))] for _ in range(n)]
 
 
 def mixed_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str):
@@ -132,16 +132,16 @@ def decode_batches(engine: LLMEngine, prompts, sizes: list[int]) -> list[tuple[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, default=SHAREGPT_DEFAULT if SHAREGPT_DEFAULT.exists() else None)
-    parser.add_argument("--num-fit", type=int, default=48)
-    parser.add_argument("--num-heldout", type=int, default=24)
+    parser.add_argument("--num-fit", type=int, default=32)
+    parser.add_argument("--num-heldout", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=16, help="mean output length")
     parser.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
-    parser.add_argument("--calibration-steps", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="16 fit, 8 held-out prompts, 8 tokens")
+    parser.add_argument("--calibration-steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="12 fit, 6 held-out prompts, 8 tokens")
     args = parser.parse_args()
     if args.quick:
-        args.num_fit, args.num_heldout, args.max_tokens = 16, 8, 8
+        args.num_fit, args.num_heldout, args.max_tokens = 12, 6, 8
     import torch
     from transformers import AutoTokenizer
 
@@ -158,7 +158,7 @@ def main() -> None:
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min), {os.cpu_count()} CPUs, {args.threads} threads; "
           f"{len(prompts)} prompts ({args.prompts or 'synthetic'}), mean {statistics.fmean(map(len, prompts)):.0f} tokens")
 
-    result = calibrate(engine, args.calibration_steps)
+    result = calibrate(engine, args.calibration_steps, max_duration_s=float("inf"))
     calibrated = engine.stats().cost_model
     print(f"calibration: {result.num_steps} passes in {result.duration_s:.2f} s")
     started = time.perf_counter()

@@ -85,6 +85,10 @@ def test_grpc_tokens_equal_hf_and_repeat_hits_the_pool(cluster, probe):
                 # every full block is loaded; the last prompt token is always recomputed for its logits
                 assert finished.usage.cached_tokens == min(len(ids) // BLOCK_SIZE * BLOCK_SIZE, len(ids) - 1) > 0
     assert probe.prefill_stats().num_cached_tokens > 0
+    # both workers measured their pool reads (the router's KV-load estimate) and fitted a cost model
+    for stats in (probe.prefill_stats(), probe.decode_stats()):
+        assert stats.cost_kv_load_bytes_per_s > 0 and stats.cost_num_samples > 0
+        assert stats.cost_kv_bytes_per_token == 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers, K+V, kv heads, head_dim, fp32
 
 
 @pytest.mark.parametrize("num_prompt_tokens", [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1])
