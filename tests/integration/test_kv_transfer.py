@@ -18,6 +18,7 @@ from core.block_key import BlockKey
 from core.kv_cache_spec import KVCacheSpec
 from core.kv_transfer.checksum import block_checksum
 from core.kv_transfer.select import connect
+from core.kv_transfer.shm_backend import BATCH_BLOCKS
 from core.pool_client import PoolClient
 from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
 from engine.pool_io import PoolIO
@@ -93,19 +94,13 @@ def test_shm_write_that_fails_midway_rolls_back(client, fp):
     with pytest.raises(ValueError, match="one size"):
         backend.write(keys, [b"x" * BLOCK, b"y" * 10], [], "", 30)
 
-    real_mapping = backend._mapping
+    real_copy_in = backend._copy_in
 
-    class DiesOnSecondCopy:
-        def __init__(self):
-            self.view, self.num_copies = real_mapping(), 0
+    def dies_after_the_first_block(reserved, views, block_bytes):
+        real_copy_in(reserved[:1], views[:1], block_bytes)
+        raise RuntimeError("worker died mid-copy")
 
-        def __setitem__(self, index, value):
-            self.num_copies += 1
-            if self.num_copies == 2:
-                raise RuntimeError("worker died mid-copy")
-            self.view[index] = value
-
-    backend._mapping = DiesOnSecondCopy
+    backend._copy_in = dies_after_the_first_block
     with pytest.raises(RuntimeError, match="mid-copy"):
         backend.write(keys, [block(1, BLOCK), block(2, BLOCK)], [], "", 30)
     assert client.lookup(fp, [1]) == 0 and client.stats()["num_writing_blocks"] == 0
@@ -249,14 +244,13 @@ def test_release_without_mapped_views_is_immediate(client, fp, pool):
 
 
 def test_shm_long_read_is_located_in_batches_and_stops_at_a_gap(client, fp):
-    from core.kv_transfer.shm_backend import LOCATE_BATCH_BLOCKS
 
     backend = connect("shm", client)
-    n = 2 * LOCATE_BATCH_BLOCKS + 44  # three LocateBlocks batches
+    n = 2 * BATCH_BLOCKS + 44  # three ReserveBlocks / LocateBlocks batches
     keys = [BlockKey.content(fp, 1000 + h) for h in range(n)]
     data = [block(h, 1024) for h in range(n)]
     assert backend.write(keys, data, [], "", 30) == (n, 0)
-    gap = LOCATE_BATCH_BLOCKS + 72  # missing in the second batch: the third is never asked
+    gap = BATCH_BLOCKS + 72  # missing in the second batch: the third is never asked
     asked = [*keys[:gap], BlockKey.content(fp, 99_999), *keys[gap:]]
     out = memoryview(bytearray(n * 1024))
     blocks = backend.read(asked, "req-r", 30, out=out)
@@ -264,4 +258,16 @@ def test_shm_long_read_is_located_in_batches_and_stops_at_a_gap(client, fp):
     assert client.stats()["num_leased_blocks"] == gap
     assert [b.data for b in backend.read(keys, "req-r", 30)] == data  # into new bytes
     client.release_request("req-r")
+    backend.close()
+
+
+def test_shm_pipelined_write_failing_in_a_later_batch_rolls_back_every_batch(client, fp):
+    backend = connect("shm", client)
+    size = 80 * 1024  # one batch (10.5 MB) fits the 11.8 MB pool, two do not
+    keys = [BlockKey.content(fp, 5000 + h) for h in range(2 * BATCH_BLOCKS)]
+    with pytest.raises(grpc.RpcError) as excinfo:
+        backend.write(keys, [block(h, size) for h in range(len(keys))], [], "", 30)
+    assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    stats = client.stats()
+    assert stats["num_writing_blocks"] == 0 and client.lookup(fp, [5000 + h for h in range(len(keys))]) == 0
     backend.close()
