@@ -2,8 +2,9 @@
 
 Moves the KV of a 1k- and a 16k-token prompt of the default model (SmolLM2-135M, fp32,
 block_size 16: 737,280 bytes a block) into the pool (write: reserve/put + commit) and out of it
-(read: lease + copy into a buffer of this process that is already faulted in, as a KV cache is), and reports each as GB/s and as a ratio to its baseline,
-measured in the same run (only side-by-side ratios mean anything on a shared machine):
+(read: lease + copy into a buffer of this process that is already faulted in, as a KV cache
+is), and reports each as GB/s and as a ratio to its baseline, measured in the same run (only
+side-by-side ratios mean anything on a shared machine):
 
 - shm  vs memcpy (one ``ctypes.memmove`` of the same bytes, private memory to private memory);
 - grpc and nixl vs loopback TCP (the same bytes through a 127.0.0.1 socket between two threads).
@@ -116,8 +117,10 @@ def tcp_s(num_bytes: int, repeats: int) -> float:
 
 def start_services(capacity_bytes: int, workdir: Path) -> tuple[list[subprocess.Popen], str]:
     redis_port, pool_port = free_port(), free_port()
-    redis = subprocess.Popen([shutil.which("redis-server"), "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL)
+    redis = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     log = open(workdir / "pool.log", "wb")
     pool = subprocess.Popen(

@@ -114,7 +114,9 @@ class PoolIO:
         keys = [BlockKey.content(self.spec.fingerprint, h) for h in hashes]
         return await self.fetch(pool, keys, request_id)
 
-    async def store(self, pool: PoolTarget, request_id: str, keys: list[BlockKey], payloads: list[bytes], skip: int) -> None:
+    async def store(
+        self, pool: PoolTarget, request_id: str, keys: list[BlockKey], payloads: list[bytes], skip: int
+    ) -> None:
         """Writes blocks ``skip..`` (those not loaded from the pool), with checksums, leased to
         the request, each to its node. A node that fails loses only its share (logged): readers
         recompute what they do not find."""

@@ -16,8 +16,9 @@ class PoolConfig:
 
     Raises:
         ValueError: quoting the bad value, for an out-of-range port, a non-positive capacity or
-            duration, watermarks outside (0, 1] or low above high, an empty node id, a Redis URL without a known scheme, or an advertise
-            address that is not ``HOST:PORT``.
+            duration, watermarks outside (0, 1] or low above high, an unknown NVMe I/O, an empty
+            node id, a Redis URL without a known scheme, or an advertise address that is not
+            ``HOST:PORT``.
     """
 
     host: str = "127.0.0.1"

@@ -65,7 +65,7 @@ class ShmBackend(TransferBackend):
         if not batches:
             return []
         blocks: list[ReadBlock] = []
-        pending = self._call_async(self.client.locate_blocks, batches[0], request_id, ttl_s) if len(batches) > 1 else None
+        pending = None  # the next batch's LocateBlocks, in flight
         offset = 0  # into ``out``
         for i, batch in enumerate(batches):
             # Leased before any byte is copied: the slots stay put.
@@ -109,7 +109,7 @@ class ShmBackend(TransferBackend):
 
         ids: list[int] = []
         num_duplicates = 0
-        pending = self._call_async(reserve, 0) if len(starts) > 1 else None
+        pending = None  # the next batch's ReserveBlocks, in flight
         try:
             for start in starts:
                 reserved = pending.result() if pending is not None else reserve(start)
