@@ -147,7 +147,9 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     def _convert(self, request) -> tuple[Request, list]:
         """Raises ValueError on a malformed request or a manifest of another KV spec."""
         params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
-        engine_request = Request(request.request_id, list(request.prompt_token_ids), params)
+        # EOS known before resumed outputs are appended: one inside them ends the request there.
+        engine_request = Request(request.request_id, list(request.prompt_token_ids), params,
+                                 eos_token_id=self.engine.engine.eos_token_id)
         if request.HasField("first_token_id") != request.HasField("manifest"):
             raise ValueError("first_token_id and manifest come together (disaggregated) or not at all (colocated)")
         if request.output_token_ids and request.HasField("manifest"):
