@@ -65,7 +65,7 @@ class RouterServer:
         self.registry = WorkerRegistry(config.redis_url)
         self.clients = WorkerClients()
         # A worker marked down after a failure comes back only once it answers health checks.
-        self.view = WorkerView(self.registry, config.worker_refresh_interval_s, probe=self.clients.healthy)
+        self.view = WorkerView(self.registry, config.worker_refresh_interval_s, probe=self.clients.health)
         self.generation = Generation(
             self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
         )

@@ -20,6 +20,7 @@ from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
 from router.logprobs import TokenLogprob
 from router.validation import ValidatedRequest
+from router.worker_view import Health
 from tandem.v1 import (
     common_pb2,
     decode_worker_pb2,
@@ -183,14 +184,15 @@ class WorkerClients:
             message.output_token_ids.extend(output_token_ids)
         return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s, address)
 
-    async def healthy(self, address: str) -> bool:
-        """True when the worker at ``address`` answers grpc.health.v1 Check with SERVING."""
+    async def health(self, address: str) -> Health:
+        """The worker's grpc.health.v1 answer: SERVING, NOT_SERVING (said so, or nothing listens
+        at ``address``), UNKNOWN (no answer within HEALTH_TIMEOUT_S, or another error)."""
         stub = health_pb2_grpc.HealthStub(self._channel(address))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as err:
+            return Health.NOT_SERVING if err.code() == grpc.StatusCode.UNAVAILABLE else Health.UNKNOWN
+        return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
 
     async def release(self, pool_address: str, request_id: str) -> None:
         """Asks the pool to free the request's scoped blocks and leases; failures are logged."""

@@ -1,8 +1,10 @@
 """The router's view of live workers, re-read from the Redis registry in the background.
 
 A worker leaves the view at once when the router sees it fail (:meth:`WorkerView.mark_down`: a
-broken RPC or stream), and by itself when it stops heartbeating (its registry key expires after
-the heartbeat TTL). A marked-down worker comes back only when it proves healthy again: a
+broken RPC or stream), when its grpc.health.v1 check says NOT_SERVING or nothing listens at its
+address (checked every ``health_interval_s``; a check that times out proves nothing), and by
+itself when it stops heartbeating (its registry key expires after the heartbeat TTL). A
+marked-down worker comes back only when it proves healthy again: a
 heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING; one that
 disappears from the registry is forgotten (a restarted worker registers afresh).
 """
@@ -10,6 +12,7 @@ disappears from the registry is forgotten (a restarted worker registers afresh).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +22,18 @@ from core.registry import ROLES, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-HealthProbe = Callable[[str], Awaitable[bool]]  # address -> answers SERVING
+
+
+class Health(enum.Enum):
+    """What one health check of a worker said."""
+
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"  # it said so (draining), or nothing listens at its address
+    UNKNOWN = "unknown"  # no answer in time: proves nothing either way
+
+
+HealthProbe = Callable[[str], Awaitable[Health]]  # address -> its health
+PROBED_ROLES = ("prefill", "decode")
 
 
 @dataclass
@@ -36,11 +50,13 @@ class WorkerView:
     """
 
     def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 5.0,
-                 probe: HealthProbe | None = None):
+                 probe: HealthProbe | None = None, health_interval_s: float = 2.0):
         self.registry = registry
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
         self.probe = probe
+        self.health_interval_s = health_interval_s
+        self._checked_at_s = 0.0  # time.monotonic() of the last health sweep
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refreshed_at_s = 0.0  # time.monotonic() of the last successful refresh
         self._down: dict[str, _Down] = {}  # by address
@@ -66,29 +82,40 @@ class WorkerView:
         log.warning("worker %s marked down: %s", address, reason)
 
     async def refresh(self) -> None:
-        """Re-reads every role from Redis and brings back marked-down workers that heartbeat
-        again and pass a health probe (mutates the down set). Raises redis errors (the loop
-        logs them)."""
+        """Re-reads every role from Redis; every ``health_interval_s`` marks down the workers
+        whose health check fails; brings back marked-down workers that heartbeat again and
+        answer SERVING (mutates the down set). Raises redis errors (the loop logs them)."""
         fresh = {role: await self.registry.list_workers(role) for role in ROLES}
         listed = {w.address: w for ws in fresh.values() for w in ws}
         for address in [a for a in self._down if a not in listed]:
             log.info("worker %s left the registry; forgotten", address)
             del self._down[address]
         for address, down in list(self._down.items()):
-            if listed[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address):
+            if listed[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
                 del self._down[address]
                 log.info("worker %s is healthy again (was down: %s)", address, down.reason)
+        if self.probe is not None and time.monotonic() - self._checked_at_s >= self.health_interval_s:
+            self._checked_at_s = time.monotonic()
+            self._workers = fresh  # mark_down reads the fresh heartbeats
+            await self._check_health([a for a, w in listed.items() if w.role in PROBED_ROLES and a not in self._down])
         self._workers = fresh
         self._refreshed_at_s = time.monotonic()
 
-    async def _probe(self, address: str) -> bool:
+    async def _check_health(self, addresses: list[str]) -> None:
+        """Probes ``addresses`` concurrently; marks down those that are NOT_SERVING."""
+        results = await asyncio.gather(*(self._probe(a) for a in addresses))
+        for address, health in zip(addresses, results):
+            if health is Health.NOT_SERVING:
+                self.mark_down(address, "health check: not serving")
+
+    async def _probe(self, address: str) -> Health:
         if self.probe is None:
-            return True
+            return Health.SERVING
         try:
             return await self.probe(address)
         except Exception:  # a probe that cannot run proves nothing
             log.debug("health probe of %s failed", address, exc_info=True)
-            return False
+            return Health.UNKNOWN
 
     async def start(self) -> None:
         """Reads the registry once (errors logged, not raised), then keeps refreshing."""

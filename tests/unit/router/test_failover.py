@@ -28,7 +28,7 @@ from router.validation import InvalidRequestError, ValidatedRequest
 from router.worker_clients import (
     DecodeFinished, DecodeTokens, PrefillResult, WorkerFailedError, _router_error,
 )
-from router.worker_view import WorkerView
+from router.worker_view import Health, WorkerView
 from tandem.v1 import common_pb2
 
 POOL = "pool:1"
@@ -80,7 +80,7 @@ class FakeClients:
         self.prefill_calls: list[tuple[str, str]] = []  # (address, request id)
         self.decode_calls: list[tuple[str, str, bool, tuple[int, ...]]] = []  # (address, id, has prefill, resume)
         self.released: list[tuple[str, str]] = []
-        self.healthy_addresses: set[str] = set()
+        self.health_of: dict[str, Health] = {}  # default SERVING
 
     async def prefill(self, address, request_id, request, timeout_s):
         self.prefill_calls.append((address, request_id))
@@ -101,8 +101,8 @@ class FakeClients:
     async def release(self, pool_address, request_id):
         self.released.append((pool_address, request_id))
 
-    async def healthy(self, address):
-        return address in self.healthy_addresses
+    async def health(self, address):
+        return self.health_of.get(address, Health.SERVING)
 
 
 def workers(num_prefill: int, num_decode: int) -> list[WorkerInfo]:
@@ -116,7 +116,7 @@ async def make_generation(tokenizer, num_prefill=2, num_decode=2, answer=None):
     assert len(answer) == 12
     clients = FakeClients(answer)
     registry = FakeRegistry(workers(num_prefill, num_decode))
-    view = WorkerView(registry, probe=clients.healthy)
+    view = WorkerView(registry, probe=clients.health)
     await view.refresh()
     metrics = RouterMetrics()
     # least_loaded: ties go to the first worker_id, so the first choices are prefill:0, decode:0.
@@ -256,11 +256,22 @@ async def test_marked_down_worker_returns_after_a_newer_heartbeat_and_a_healthy_
     view.mark_down("decode:0", "test")
     assert addresses(view, "decode") == ["decode:1"]
     await view.refresh()  # same heartbeat: still down
-    registry.workers[2].heartbeat_time_s = 2.0  # decode:0 beats again ...
-    await view.refresh()  # ... but does not answer its health check
     assert addresses(view, "decode") == ["decode:1"]
-    clients.healthy_addresses.add("decode:0")
+    registry.workers[2].heartbeat_time_s = 2.0  # decode:0 beats again ...
+    clients.health_of["decode:0"] = Health.UNKNOWN  # ... but its health check does not answer
     await view.refresh()
+    assert addresses(view, "decode") == ["decode:1"]
+    clients.health_of["decode:0"] = Health.SERVING
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:0", "decode:1"]
+
+
+async def test_a_failed_health_check_marks_down_and_a_slow_one_does_not(tokenizer):
+    _, clients, view, _ = await make_generation(tokenizer)
+    view.health_interval_s = 0.0  # a health sweep at every refresh
+    clients.health_of.update({"prefill:0": Health.NOT_SERVING, "decode:1": Health.UNKNOWN})
+    await view.refresh()
+    assert addresses(view, "prefill") == ["prefill:1"]
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
 
 
