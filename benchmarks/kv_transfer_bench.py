@@ -9,6 +9,10 @@ side-by-side ratios mean anything on a shared machine):
 - shm  vs memcpy (one ``ctypes.memmove`` of the same bytes, private memory to private memory);
 - grpc and nixl vs loopback TCP (the same bytes through a 127.0.0.1 socket between two threads).
 
+For shm, a third row ``cache`` is the worker's read path: lease, checksums verified in the mapped
+arena, each block copied straight from the mapping into its slot of a paged KV cache
+``[30, 2, num_blocks, 16, 3, 64]`` fp32 (``engine.kv_connector``), no copy in between.
+
 The baseline is measured again in every round, right before the backend's write and read, and
 each is the best of its rounds: on a machine shared with other work a baseline measured once, at
 another moment, says little.
@@ -142,33 +146,56 @@ def start_services(capacity_bytes: int, workdir: Path) -> tuple[list[subprocess.
     raise RuntimeError(f"pool did not start:\n{(workdir / 'pool.log').read_text()}")
 
 
-def bench_backend(mode: str, client: PoolClient, num_blocks: int, repeats: int, baseline) -> tuple[float, float, float]:
-    """(write s, read s, baseline s) of ``num_blocks`` fresh blocks, each the best of
-    ``repeats`` rounds; ``baseline.once_s()`` runs in every round."""
+def read_into_cache(backend, keys: list[BlockKey], kv_cache) -> None:
+    """The worker's shm read: views of the arena, verified in place, copied into the cache."""
+    from core.kv_transfer.checksum import matches
+    from engine.kv_connector import ArenaBlock, LoadGuard, unpack_blocks
+
+    blocks = backend.read_views(keys, "bench-reader", 60)
+    assert all(matches(b.data, b.checksum) for b in blocks)
+    guard = LoadGuard(lambda: None)
+    unpack_blocks(kv_cache, list(range(len(blocks))), [ArenaBlock.wrap(b.data, guard) for b in blocks])
+
+
+def bench_backend(mode: str, client: PoolClient, num_blocks: int, repeats: int, baseline) -> dict[str, float]:
+    """Seconds by direction (write, read, for shm cache) and of the baseline ("base") for
+    ``num_blocks`` fresh blocks, each the best of ``repeats`` rounds; ``baseline.once_s()`` runs
+    in every round."""
     backend = connect(mode, client)
     payloads = [os.urandom(BLOCK_BYTES) for _ in range(min(num_blocks, 8))]
     payloads = [payloads[i % len(payloads)] for i in range(num_blocks)]
     checksums = [block_checksum(p) for p in payloads]
     out = memoryview(bytearray(num_blocks * BLOCK_BYTES))  # the reader's memory, faulted in once
-    write_times, read_times, base_times = [], [], []
+    kv_cache = None
+    if mode == "shm":
+        import torch
+
+        kv_cache = torch.zeros(30, 2, num_blocks, BLOCK_TOKENS, 3, 64)  # faulted in (zeroed) once
+    times: dict[str, list[float]] = {}
     # Two uncounted rounds: the pool alternates between two sets of slots (capacity), and a
     # worker's first touch of a slot faults its pages into this process's mapping (~4x slower).
     for round_ in range(repeats + 2):
         if round_ == 2:
-            write_times, read_times, base_times = [], [], []
+            times = {}
         fp = uuid.uuid4().hex[:16]  # fresh keys: no duplicate skips the bytes
         keys = [BlockKey.content(fp, h) for h in range(num_blocks)]
-        base_times.append(baseline.once_s())
+        times.setdefault("base", []).append(baseline.once_s())
         t = time.perf_counter()
         backend.write(keys, payloads, checksums, "", 60)
-        write_times.append(time.perf_counter() - t)
+        times.setdefault("write", []).append(time.perf_counter() - t)
         t = time.perf_counter()
         blocks = backend.read(keys, "bench-reader", 60, out=out)
-        read_times.append(time.perf_counter() - t)
+        times.setdefault("read", []).append(time.perf_counter() - t)
         assert len(blocks) == num_blocks and blocks[-1].data == payloads[-1]
         client.release_request("bench-reader")
+        if kv_cache is not None:
+            t = time.perf_counter()
+            read_into_cache(backend, keys, kv_cache)
+            times.setdefault("cache", []).append(time.perf_counter() - t)
+            assert kv_cache[:, :, num_blocks - 1].numpy().tobytes() == payloads[-1]
+            client.release_request("bench-reader")
     backend.close()
-    return min(write_times), min(read_times), min(base_times)
+    return {name: min(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -191,8 +218,9 @@ def main() -> None:
                     for mode in args.backends:
                         ref = "memcpy" if mode == "shm" else "tcp"
                         baseline = memcpy if mode == "shm" else LoopbackTcp(num_bytes)
-                        write_s, read_s, base_s = bench_backend(mode, client, num_blocks, args.repeats, baseline)
-                        for direction, seconds in (("write", write_s), ("read", read_s)):
+                        times = bench_backend(mode, client, num_blocks, args.repeats, baseline)
+                        base_s = times.pop("base")
+                        for direction, seconds in times.items():
                             rows.append((tokens, num_bytes, mode, direction, num_bytes / seconds / 1e9,
                                          ref, num_bytes / base_s / 1e9, base_s / seconds))
             finally:
