@@ -86,7 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         arrival_time_s = time.monotonic()
         try:
             request_id = client_request_id(request.request_id, "request_id", "gen-")  # traced, never a key
-            validated = self.validator.validate(request_input_from_proto(request))
+            validated = await self.validator.validate_async(request_input_from_proto(request))
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             await context.abort(err.grpc_code, err.message)

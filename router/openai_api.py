@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input 400 (also
-malformed JSON and wrong types, where FastAPI would say 422), unknown model 404, worker overload
+malformed JSON, unknown fields and wrong types, where FastAPI would say 422), unknown model or
+path 404, a body over 16 MiB 413 (router.http_errors), worker overload
 429, no healthy worker or a worker failure 503. A failure after the first chunk was streamed
 ends the stream with a ``finish_reason: "abort"`` chunk, an ``{"error": ...}`` event and
 ``[DONE]``. A client that disconnects cancels its request's worker calls at once.
@@ -21,10 +22,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import ErrorKind, RouterError
 from router.choices import ChoiceEvent, generate_choices, total_usage
 from router.generation import Finished, Generation
+from router.http_errors import BodyLimitMiddleware, http_exception_response
 from router.metrics import RouterMetrics
 from router.request_ids import client_request_id
 from router.openai_models import (
@@ -34,6 +37,7 @@ from router.openai_models import (
     CompletionRequest,
     CompletionShape,
     ResponseShape,
+    body_error,
 )
 from router.validation import InvalidRequestError, Validator
 from router.worker_view import WorkerView
@@ -75,17 +79,6 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _validation_error(err: RequestValidationError) -> InvalidRequestError:
-    """The first pydantic/JSON error as an OpenAI 400, naming the field."""
-    first = err.errors()[0] if err.errors() else {"msg": "invalid request body", "loc": ()}
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", first["msg"])
-        return InvalidRequestError(f"malformed JSON body: {detail}", None)
-    fields = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(fields) or None
-    return InvalidRequestError(f"{param or 'body'}: {first['msg']}", param)
-
-
 class OpenAIApi:
     """Builds the FastAPI app over the shared validator and generation."""
 
@@ -94,6 +87,7 @@ class OpenAIApi:
         self.token_text = validator.tokenizer.token_text
         self.model = validator.served_model_name
         self.app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
+        self.app.add_middleware(BodyLimitMiddleware)
         self._add_routes()
 
     def _add_routes(self) -> None:
@@ -104,10 +98,15 @@ class OpenAIApi:
             return JSONResponse(err.to_openai(), status_code=err.http_status, headers=err.http_headers())
 
         @app.exception_handler(RequestValidationError)
-        async def _bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        async def _bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
             self.metrics.rejected(ErrorKind.INVALID_REQUEST.value)
-            error = _validation_error(err)
+            json_body = "json" in request.headers.get("content-type", "")
+            error = body_error(list(err.errors()), json_body)
             return JSONResponse(error.to_openai(), status_code=error.http_status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            return http_exception_response(request, err)
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -151,7 +150,7 @@ class OpenAIApi:
         """
         arrival_time_s = time.monotonic()
         try:
-            validated = self.validator.validate(body.to_input())
+            validated = await self.validator.validate_async(body.to_input())
             # The client's x-request-id: echoed and logged, never a key inside the cluster.
             header_id = request.headers.get("x-request-id")
             header_id = client_request_id(header_id, "x-request-id", "") if header_id else ""

@@ -21,11 +21,20 @@ class ModelTokenizer:
         eos_token_ids: tokens that end generation unless ``ignore_eos`` (tokenizer EOS and
             ``generation_config.json``'s ``eos_token_id``, which may be a list).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_token_chars: the most characters of input text one token can cover (the longest
+            vocabulary entry, special tokens included), so a text of ``c`` characters has at least
+            ``ceil(c / max_token_chars)`` tokens; 0: no such bound is known (no pre-check).
     """
 
     hf: Any
     eos_token_ids: frozenset[int]
     vocab_size: int
+    max_token_chars: int = 0
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on the tokens of a text of ``num_chars`` characters, found without
+        tokenizing it (0 when ``max_token_chars`` is unknown)."""
+        return -(-num_chars // self.max_token_chars) if self.max_token_chars else 0
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt, with the tokenizer's own special tokens (BOS)."""
@@ -74,4 +83,24 @@ def load_tokenizer(source: ModelSource) -> ModelTokenizer:
     if config_path.is_file():
         value = json.loads(config_path.read_text()).get("eos_token_id")
         eos.update(int(v) for v in ([] if value is None else value if isinstance(value, list) else [value]))
-    return ModelTokenizer(hf=hf, eos_token_ids=frozenset(eos), vocab_size=len(hf))
+    return ModelTokenizer(hf=hf, eos_token_ids=frozenset(eos), vocab_size=len(hf), max_token_chars=max_token_chars(hf))
+
+
+def max_token_chars(hf: Any) -> int:
+    """The most input characters one token of ``hf`` can cover; 0 when no bound holds.
+
+    Byte-level BPE (GPT-2, Llama 3, SmolLM) writes each byte as one character of a vocabulary
+    entry, SentencePiece writes a space as one ``▁``: an entry's length bounds the characters it
+    covers (an input character is at least one byte). A BPE that fuses unknown characters into one
+    token without byte fallback has no bound; an NFC/NFKC normalizer may compose up to 3
+    characters (Hangul jamo) into one, so the bound triples.
+    """
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: nothing to inspect
+        return 0
+    model = backend.model
+    if getattr(model, "fuse_unk", False) and not getattr(model, "byte_fallback", False):
+        return 0
+    longest = max((len(token) for token in hf.get_vocab()), default=0)
+    normalizer = repr(backend.normalizer)
+    return 3 * longest if "NFC" in normalizer or "NFKC" in normalizer else longest

@@ -1,11 +1,16 @@
 """Turns what a client sent into prompt token ids, SamplingParams and stop strings, or says why not.
 
 Every check names the offending field (``param``) and quotes the real numbers, so a client can
-fix its request from the message alone.
+fix its request from the message alone. Text that cannot fit the context is refused before it is
+tokenized (a token covers at most ``ModelTokenizer.max_token_chars`` characters), and
+:meth:`Validator.validate_async` tokenizes on a worker thread, so one huge prompt never stalls
+the event loop that serves every other request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 from dataclasses import dataclass
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -50,6 +55,9 @@ class RequestInput:
 
 
 MAX_N = 64  # choices per request: each is a sub-request on the workers
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+# Chat roles the template renders; "developer" is OpenAI's newer name for "system" and is sent as it.
+CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,22 @@ class Validator:
     """Checks requests against the served model's name, vocabulary and context limit."""
 
     def __init__(self, tokenizer: ModelTokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int):
+        """``default_max_tokens``: a completion's ``max_tokens`` when absent (OpenAI's legacy
+        completions use 16); a chat's absent ``max_tokens`` is the rest of the context, as vLLM
+        and OpenAI chat do."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
+
+    async def validate_async(self, request: RequestInput) -> ValidatedRequest:
+        """:meth:`validate` on a worker thread: tokenizing a long prompt or rendering a chat
+        template takes up to a second, during which the event loop keeps serving.
+
+        Raises:
+            InvalidRequestError: as :meth:`validate`.
+        """
+        return await asyncio.to_thread(self.validate, request)
 
     def validate(self, request: RequestInput) -> ValidatedRequest:
         """Tokenizes and checks ``request``.
@@ -85,9 +105,10 @@ class Validator:
                 ErrorKind.MODEL_NOT_FOUND,
             )
         self._check_sampling(request)
+        self._check_text(request)
         prompt_token_ids = self._tokenize(request)
-        prompt_param = "messages" if request.messages is not None else "prompt"
-        max_tokens = self._max_tokens(len(prompt_token_ids), request.max_tokens, prompt_param)
+        chat = request.messages is not None
+        max_tokens = self._max_tokens(len(prompt_token_ids), request.max_tokens, "messages" if chat else "prompt", chat)
         if request.min_tokens > max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
@@ -111,8 +132,10 @@ class Validator:
     def _check_sampling(self, request: RequestInput) -> None:
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens")
-        if not request.temperature >= 0.0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {request.temperature}", "temperature")
+        if not 0.0 <= request.temperature <= MAX_TEMPERATURE:  # also refuses NaN and infinities
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {request.temperature}", "temperature"
+            )
         if not 0.0 < request.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {request.top_p}", "top_p")
         if request.top_k < -1:
@@ -134,9 +157,9 @@ class Validator:
             value = getattr(request, param)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{param} must be in [-2, 2], got {value}", param)
-        if not request.repetition_penalty > 0.0:
+        if not 0.0 < request.repetition_penalty < math.inf:
             raise InvalidRequestError(
-                f"repetition_penalty must be > 0, got {request.repetition_penalty}", "repetition_penalty"
+                f"repetition_penalty must be > 0 and finite, got {request.repetition_penalty}", "repetition_penalty"
             )
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
@@ -145,12 +168,34 @@ class Validator:
         if not 1 <= request.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {request.n}", "n")
 
-    def _tokenize(self, request: RequestInput) -> list[int]:
+    def _check_text(self, request: RequestInput) -> None:
+        """Chat roles, text that is valid Unicode (JSON can carry a lone UTF-16 surrogate, which
+        no tokenizer takes), and a prompt that may fit the context, checked without tokenizing."""
+        texts = [("prompt", request.prompt or "")]
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequestError("messages must not be empty", "messages")
+            texts = [(f"messages.{i}.content", m["content"]) for i, m in enumerate(request.messages)]
+            for i, message in enumerate(request.messages):
+                _check_role(message["role"], f"messages.{i}.role")
+        for param, text in [*texts, *((f"stop.{i}", s) for i, s in enumerate(request.stop))]:
+            _check_unicode(text, param)
+        num_chars = sum(len(text) for _, text in texts)
+        min_tokens = self.tokenizer.min_num_tokens(num_chars)
+        if min_tokens > self.max_model_len:
+            param = "messages" if request.messages is not None else "prompt"
+            raise InvalidRequestError(
+                f"{param} has {num_chars} characters, so at least {min_tokens} tokens (a token covers at most "
+                f"{self.tokenizer.max_token_chars} characters), but the context is {self.max_model_len}",
+                param,
+            )
+
+    def _tokenize(self, request: RequestInput) -> list[int]:
+        if request.messages is not None:
+            messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                        for m in request.messages]
             try:
-                return self.tokenizer.encode_chat(list(request.messages))
+                return self.tokenizer.encode_chat(messages)
             except ValueError as err:
                 raise InvalidRequestError(str(err), "messages") from err
         if request.prompt_token_ids is not None:
@@ -170,8 +215,9 @@ class Validator:
                     f"{param} has token id {token_id}, outside the vocabulary [0, {vocab_size})", param
                 )
 
-    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-        """The request's max_tokens, checked against (or clamped to) the context left."""
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str, chat: bool) -> int:
+        """The request's max_tokens, checked against the context left; when absent, the rest of
+        the context (chat) or the default clamped to it (completions)."""
         limit = self.max_model_len
         if num_prompt_tokens > limit:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens but the context is {limit}", param)
@@ -182,7 +228,7 @@ class Validator:
                     "no room is left to generate",
                     param,
                 )
-            return min(self.default_max_tokens, limit - num_prompt_tokens)
+            return limit - num_prompt_tokens if chat else min(self.default_max_tokens, limit - num_prompt_tokens)
         if num_prompt_tokens + max_tokens > limit:
             raise InvalidRequestError(
                 f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
@@ -190,3 +236,23 @@ class Validator:
                 "max_tokens",
             )
         return max_tokens
+
+
+def _check_role(role: str, param: str) -> None:
+    if role in ("tool", "function"):
+        raise InvalidRequestError(f"{param} {role!r} is not supported: this server does not call tools", param)
+    if role not in CHAT_ROLES:
+        allowed = ", ".join(repr(r) for r in CHAT_ROLES)
+        raise InvalidRequestError(f"{param} must be one of {allowed}, got {role!r}", param)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Raises InvalidRequestError naming ``param`` and the character position when ``text``
+    holds a lone surrogate (it cannot be encoded as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code_point = ord(text[err.start])
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: lone surrogate U+{code_point:04X} at character {err.start}", param
+        ) from None

@@ -366,7 +366,24 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/completions", {"prompt": LONG[:60], "max_tokens": 10}, 400,
          "prompt has 60 tokens and max_tokens is 10: 70 tokens exceed the context of 64", "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0", "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0, got -1.0", "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be in [0, 2], got -1.0",
+         "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_token": 2, "temprature": 0}, 400,
+         "unrecognized request arguments: max_token, temprature", "max_token"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, 400,
+         "best_of is not supported (only 1 is accepted), got 2", "best_of"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+         400, "response_format is not supported (only {\"type\": \"text\"} is accepted), got {'type': 'json_object'}",
+         "response_format"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream: Input should be a valid boolean", "stream"),
+        ("/v1/completions", {"prompt": 42}, 400,
+         "prompt: expected one of str, list[int], list[str], list[list[int]], got 42", "prompt"),
+        ("/v1/completions", {"prompt": "hi \ud800"}, 400,
+         "prompt is not valid Unicode: lone surrogate U+D800 at character 3", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
+         "messages.0.content is not valid Unicode: lone surrogate U+D800 at character 3", "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
+         "messages.0.role must be one of 'system', 'user', 'assistant', 'developer', got 'bot'", "messages.0.role"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be in [1, 64], got 0", "n"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2], got 3.0",
@@ -383,7 +400,8 @@ LONG = list(range(100, 170))  # 70 token ids
     ],
 )
 async def test_bad_request_then_good_one(cluster: Cluster, path, body, status, message, param) -> None:
-    response = await cluster.http.post(path, json=body)
+    # json.dumps escapes a lone surrogate as \\ud800, as a JSON client sends it (httpx's json= cannot).
+    response = await cluster.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert response.status_code == status
     error = response.json()["error"]
     assert (error["message"], error["param"], error["type"]) == (message, param, "invalid_request_error")
@@ -395,6 +413,93 @@ async def assert_serves(cluster: Cluster) -> None:
     response = await cluster.http.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "ok"
+
+
+async def test_huge_prompt_is_refused_without_stalling_a_concurrent_request(cluster: Cluster) -> None:
+    cluster.script_text("ok")
+    huge = {"prompt": "lorem ipsum dolor sit amet " * 200000}  # 5.4 M characters, ~1.2 M tokens
+    refused, served, health = await asyncio.gather(
+        cluster.http.post("/v1/completions", json=huge),
+        cluster.http.post("/v1/completions", json={"prompt": "x"}),
+        cluster.http.get("/health"),
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "prompt has 5400000 characters, so at least 66667 tokens (a token covers at most 81 characters), "
+        f"but the context is {MAX_MODEL_LEN}")
+    assert (served.status_code, served.json()["choices"][0]["text"]) == (200, "ok")
+    assert (health.status_code, health.json()["workers"]) == (200, {"prefill": 1, "decode": 1, "pool": 1})
+
+
+async def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster: Cluster) -> None:
+    cluster.script_text("Hi")
+    response = await cluster.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200, response.text
+    sent = cluster.fakes.prefill_requests[-1]
+    assert sent.sampling_params.max_tokens == MAX_MODEL_LEN - len(sent.prompt_token_ids)
+    await cluster.http.post("/v1/completions", json={"prompt": "hi"})
+    assert cluster.fakes.prefill_requests[-1].sampling_params.max_tokens == 16  # completions: OpenAI's legacy 16
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "message"),
+    [
+        ("POST", "/v1/completions", {"content": b'{"prompt": "x"}',
+                                     "headers": {"content-type": "application/x-www-form-urlencoded"}},
+         400, "the request body must be a JSON object (send it with Content-Type: application/json)"),
+        ("POST", "/v1/completions", {"content": b'["x"]', "headers": {"content-type": "application/json"}},
+         400, "the request body must be a JSON object"),
+        ("POST", "/v1/completions", {"content": b'{"prompt": "\xff"}', "headers": {"content-type": "application/json"}},
+         400, "the request body is not valid UTF-8 (byte 0xff at offset 12)"),
+        ("POST", "/v1/nope", {"json": {}}, 404,
+         "no such endpoint: POST /v1/nope; this server serves /v1/completions, /v1/chat/completions, /v1/models, "
+         "/health, /metrics"),
+        ("GET", "/v1/completions", {}, 405, "method not allowed: GET /v1/completions"),
+        ("POST", "/v1/completions", {"content": b"x" * (16 * 1024 * 1024 + 1),
+                                     "headers": {"content-type": "application/json"}},
+         413, "the request body is over the limit of 16777216 bytes"),
+    ],
+)
+async def test_http_errors_use_the_openai_format(cluster: Cluster, method, path, kwargs, status, message) -> None:
+    response = await cluster.http.request(method, path, **kwargs)
+    assert response.status_code == status
+    assert response.json()["error"]["message"] == message
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    await assert_serves(cluster)
+
+
+async def test_chunked_body_over_the_limit_is_413(cluster: Cluster) -> None:
+    async def chunks():  # no Content-Length: the router counts the bytes as they arrive
+        for _ in range(17):
+            yield b" " * (1024 * 1024)
+
+    response = await cluster.http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["message"] == "the request body is over the limit of 16777216 bytes"
+    await assert_serves(cluster)
+
+
+async def test_openai_client_with_vllm_extras(cluster: Cluster) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.router.http_port}/v1", api_key="unused")
+    cluster.script_text("Hi there!")
+    extras = {"top_k": 5, "min_tokens": 1, "repetition_penalty": 1.1, "ignore_eos": False, "stop_token_ids": [7]}
+    reply = await client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=20, temperature=0,
+        top_p=0.9, seed=3, user="someone", extra_body=extras)
+    assert reply.choices[0].message.content == "Hi there!"
+    params = cluster.fakes.prefill_requests[-1].sampling_params
+    assert (params.top_k, params.min_tokens, list(params.stop_token_ids)) == (5, 1, [7])
+    assert params.repetition_penalty == pytest.approx(1.1)
+    cluster.script_text("ok")
+    stream = await client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=5, stream=True,
+                                             stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "ok"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=DEFAULT_MODEL, prompt="x", extra_body={"temprature": 0})
+    assert info.value.body["message"] == "unrecognized request argument: temprature"
+    await client.close()
 
 
 async def test_malformed_json_is_400(cluster: Cluster) -> None:

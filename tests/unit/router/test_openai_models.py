@@ -1,14 +1,15 @@
-"""OpenAI request bodies: unknown fields ignored, vLLM extras honoured, unsupported ones refused."""
+"""OpenAI request bodies: unknown fields refused by name, vLLM extras honoured, unsupported ones refused."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_models import ChatCompletionRequest, CompletionRequest, body_error
 from router.validation import InvalidRequestError
 
 
-def test_completion_fields_and_unknown_ones() -> None:
+def test_completion_fields_and_vllm_extras() -> None:
     body = CompletionRequest.model_validate(
         {"model": "m", "prompt": "hi", "stop": "\n", "top_k": 5, "ignore_eos": True, "stop_token_ids": [7],
          "logit_bias": {}, "user": "u", "stream": True, "stream_options": {"include_usage": True}}
@@ -84,3 +85,90 @@ def test_chat_top_logprobs_refused(body: dict, message: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         request.to_input()
     assert (info.value.message, info.value.param) == (message, "top_logprobs")
+
+
+def body_error_of(model, body, json_body: bool = True) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    error = body_error(info.value.errors(), json_body)
+    return error.message, error.param
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "message", "param"),
+    [
+        (CompletionRequest, {"prompt": "x", "temprature": 0}, "unrecognized request argument: temprature",
+         "temprature"),
+        (CompletionRequest, {"prompt": "x", "max_token": 2, "temprature": 0},
+         "unrecognized request arguments: max_token, temprature", "max_token"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "nmae": "a"}]},
+         "unrecognized request argument: messages.0.nmae", "messages.0.nmae"),
+        (ChatCompletionRequest, {"messages": [], "stream_options": {"include_usage": True, "continuous": True}},
+         "unrecognized request argument: stream_options.continuous", "stream_options.continuous"),
+        (CompletionRequest, {"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
+        (CompletionRequest, {"prompt": "x", "ignore_eos": 1}, "ignore_eos: Input should be a valid boolean",
+         "ignore_eos"),
+        (ChatCompletionRequest, {"messages": [], "logprobs": "true"}, "logprobs: Input should be a valid boolean",
+         "logprobs"),
+        (CompletionRequest, {"prompt": 42}, "prompt: expected one of str, list[int], list[str], list[list[int]], got 42",
+         "prompt"),
+        (CompletionRequest, {"prompt": "x", "stop": 5}, "stop: expected one of str, list[str], got 5", "stop"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": 7}]},
+         "messages.0.content: expected one of str, list[ContentPart], got 7", "messages.0.content"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": "ten"},
+         "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
+        (CompletionRequest, {"max_tokens": 3}, "prompt: Field required", "prompt"),
+        (CompletionRequest, [1, 2], "the request body must be a JSON object", None),
+    ],
+)
+def test_body_errors_name_the_field(model, body, message: str, param: str | None) -> None:
+    assert body_error_of(model, body) == (message, param)
+
+
+def test_form_encoded_body_hints_at_the_content_type() -> None:
+    assert body_error_of(CompletionRequest, b"prompt=hi", json_body=False) == (
+        "the request body must be a JSON object (send it with Content-Type: application/json)", None)
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "message", "param"),
+    [
+        (CompletionRequest, {"echo": True}, "echo is not supported (only false is accepted), got True", "echo"),
+        (CompletionRequest, {"suffix": "end"}, "suffix is not supported (only null or \"\" is accepted), got 'end'",
+         "suffix"),
+        (CompletionRequest, {"best_of": 3}, "best_of is not supported (only 1 is accepted), got 3", "best_of"),
+        (CompletionRequest, {"logit_bias": {"50256": -100}},
+         "logit_bias is not supported (only {} is accepted), got {'50256': -100}", "logit_bias"),
+        (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools is not supported (only [] is accepted), got [{'type': 'function', 'function': {'name': 'f'}}]",
+         "tools"),
+        (ChatCompletionRequest, {"tool_choice": "required"},
+         "tool_choice is not supported (only \"none\" is accepted), got 'required'", "tool_choice"),
+        (ChatCompletionRequest, {"response_format": {"type": "json_object"}},
+         "response_format is not supported (only {\"type\": \"text\"} is accepted), got {'type': 'json_object'}",
+         "response_format"),
+        (ChatCompletionRequest, {"modalities": ["text", "audio"]},
+         "modalities is not supported (only [\"text\"] is accepted), got ['text', 'audio']", "modalities"),
+        (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
+         "messages.0.tool_calls is not supported (only [] is accepted), got [{'id': '1'}]", "messages.0.tool_calls"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+         "unrecognized request argument: messages.0.content.0.x", "messages.0.content.0"),
+    ],
+)
+def test_unsupported_fields_with_a_value_are_refused(model, body: dict, message: str, param: str) -> None:
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(InvalidRequestError) as info:
+        model.model_validate({**base, **body}).to_input()
+    assert (info.value.message, info.value.param) == (message, param)
+
+
+def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> None:
+    completion = {"prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logit_bias": {}, "user": "u",
+                  "top_k": 3, "min_tokens": 1, "repetition_penalty": 1.1, "ignore_eos": True, "stop_token_ids": [2]}
+    assert CompletionRequest.model_validate(completion).to_input().top_k == 3
+    chat = {"messages": [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "x"}],
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True,
+            "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "modalities": ["text"],
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    request = ChatCompletionRequest.model_validate(chat).to_input()
+    assert request.messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "x"})

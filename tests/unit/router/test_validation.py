@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 
 from core.model_source import DEFAULT_MODEL
@@ -37,8 +40,13 @@ def ids(n: int) -> tuple[int, ...]:
             "prompt",
         ),
         (RequestInput(prompt="hi", max_tokens=0), "max_tokens must be >= 1, got 0", "max_tokens"),
-        (RequestInput(prompt="hi", temperature=-0.5), "temperature must be >= 0, got -0.5", "temperature"),
-        (RequestInput(prompt="hi", temperature=float("nan")), "temperature must be >= 0, got nan", "temperature"),
+        (RequestInput(prompt="hi", temperature=-0.5), "temperature must be in [0, 2], got -0.5", "temperature"),
+        (RequestInput(prompt="hi", temperature=float("nan")), "temperature must be in [0, 2], got nan", "temperature"),
+        (RequestInput(prompt="hi", temperature=2.5), "temperature must be in [0, 2], got 2.5", "temperature"),
+        (RequestInput(prompt="hi", temperature=float("inf")), "temperature must be in [0, 2], got inf", "temperature"),
+        (RequestInput(prompt="hi", top_p=float("nan")), "top_p must be in (0, 1], got nan", "top_p"),
+        (RequestInput(prompt="hi", presence_penalty=float("-inf")), "presence_penalty must be in [-2, 2], got -inf",
+         "presence_penalty"),
         (RequestInput(prompt="hi", top_p=0.0), "top_p must be in (0, 1], got 0.0", "top_p"),
         (RequestInput(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5", "top_p"),
         (RequestInput(prompt="hi", top_k=-2), "top_k must be -1, 0 (disabled) or positive, got -2", "top_k"),
@@ -62,8 +70,20 @@ def ids(n: int) -> tuple[int, ...]:
          "presence_penalty"),
         (RequestInput(prompt="hi", frequency_penalty=-2.1), "frequency_penalty must be in [-2, 2], got -2.1",
          "frequency_penalty"),
-        (RequestInput(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0",
+        (RequestInput(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0 and finite, got 0.0",
          "repetition_penalty"),
+        (RequestInput(prompt="hi", repetition_penalty=float("inf")),
+         "repetition_penalty must be > 0 and finite, got inf", "repetition_penalty"),
+        (RequestInput(prompt="hi \ud800"), "prompt is not valid Unicode: lone surrogate U+D800 at character 3",
+         "prompt"),
+        (RequestInput(messages=({"role": "user", "content": "ok"}, {"role": "user", "content": "a\udfffb"})),
+         "messages.1.content is not valid Unicode: lone surrogate U+DFFF at character 1", "messages.1.content"),
+        (RequestInput(prompt="hi", stop=("x", "\ud83d")),
+         "stop.1 is not valid Unicode: lone surrogate U+D83D at character 0", "stop.1"),
+        (RequestInput(messages=({"role": "bot", "content": "x"},)),
+         "messages.0.role must be one of 'system', 'user', 'assistant', 'developer', got 'bot'", "messages.0.role"),
+        (RequestInput(messages=({"role": "user", "content": "x"}, {"role": "tool", "content": "42"})),
+         "messages.1.role 'tool' is not supported: this server does not call tools", "messages.1.role"),
         (RequestInput(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21", "logprobs"),
         (RequestInput(prompt="hi", logprobs=-1), "logprobs must be in [0, 20], got -1", "logprobs"),
         (RequestInput(prompt="hi", n=0), "n must be in [1, 64], got 0", "n"),
@@ -106,6 +126,80 @@ def test_completion_prompt_is_tokenized_and_params_kept(validator: Validator, to
 def test_default_max_tokens_is_clamped_to_the_context(validator: Validator) -> None:
     assert validator.validate(RequestInput(prompt_token_ids=ids(10))).sampling_params.max_tokens == 16
     assert validator.validate(RequestInput(prompt_token_ids=ids(60))).sampling_params.max_tokens == 4
+
+
+def test_chat_default_max_tokens_is_the_rest_of_the_context(validator: Validator) -> None:
+    request = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},)))
+    assert request.sampling_params.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
+    explicit = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},), max_tokens=5))
+    assert explicit.sampling_params.max_tokens == 5
+
+
+def test_developer_role_is_rendered_as_system(validator: Validator) -> None:
+    as_developer = validator.validate(RequestInput(messages=({"role": "developer", "content": "Be brief."},
+                                                             {"role": "user", "content": "hi"})))
+    as_system = validator.validate(RequestInput(messages=({"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "hi"})))
+    assert as_developer.prompt_token_ids == as_system.prompt_token_ids
+
+
+class CountingHF:
+    """Wraps a HF tokenizer and counts encode / apply_chat_template calls."""
+
+    def __init__(self, hf):
+        self.hf, self.calls = hf, 0
+        self.chat_template = hf.chat_template
+
+    def encode(self, text):
+        self.calls += 1
+        return self.hf.encode(text)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.hf.apply_chat_template(*args, **kwargs)
+
+
+def test_smollm_tokens_cover_at_most_81_characters(tokenizer) -> None:
+    # The longest SmolLM2 vocabulary entry: a newline and 80 spaces (byte-level BPE).
+    assert tokenizer.max_token_chars == 81
+    assert tokenizer.min_num_tokens(81 * 64) == 64 and tokenizer.min_num_tokens(81 * 64 + 1) == 65
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_that_cannot_fit_is_refused_without_tokenizing(tokenizer, chat: bool) -> None:
+    hf = CountingHF(tokenizer.hf)
+    counting = dataclasses.replace(tokenizer, hf=hf)
+    validator = Validator(counting, DEFAULT_MODEL, MAX_MODEL_LEN, default_max_tokens=16)
+    text = "lorem ipsum dolor sit amet " * 200  # 5400 characters: at least 67 tokens > 64
+    request = RequestInput(messages=({"role": "user", "content": text},)) if chat else RequestInput(prompt=text)
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(request)
+    param = "messages" if chat else "prompt"
+    assert (info.value.message, info.value.param) == (
+        f"{param} has 5400 characters, so at least 67 tokens (a token covers at most 81 characters), "
+        "but the context is 64", param)
+    assert hf.calls == 0
+    validator.validate(RequestInput(prompt="lorem ipsum"))  # short text is tokenized as before
+    assert hf.calls == 1
+
+
+async def test_validate_async_tokenizes_off_the_event_loop(validator: Validator) -> None:
+    loop_thread = threading.get_ident()
+    threads = []
+    original = validator.tokenizer.hf.encode
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(validator.tokenizer.hf, name)
+
+        def encode(self, text):
+            threads.append(threading.get_ident())
+            return original(text)
+
+    spied = Validator(dataclasses.replace(validator.tokenizer, hf=Spy()), DEFAULT_MODEL, MAX_MODEL_LEN, 16)
+    request = await spied.validate_async(RequestInput(prompt="Hello world"))
+    assert request.prompt_token_ids == validator.tokenizer.encode("Hello world")
+    assert threads and loop_thread not in threads
 
 
 def test_chat_uses_the_template_with_generation_prompt(validator: Validator, tokenizer) -> None:
