@@ -41,7 +41,9 @@ class GrpcService:
         self.address = f"{host}:{port}"
         self.service_names = list(service_names)
         self.grace_s = grace_s
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        # No SO_REUSEPORT (grpc sets it by default): a second server on a taken port must fail to
+        # bind, not silently share the port's connections with the first.
+        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.bound_port = 0
@@ -50,11 +52,17 @@ class GrpcService:
         """Binds and starts; returns the bound port (useful with port 0).
 
         Raises:
-            RuntimeError: if the address cannot be bound.
+            RuntimeError: the address cannot be bound (the port is in use, or the host is not
+                an interface of this machine); the message names the port.
         """
-        self.bound_port = self.server.add_insecure_port(self.address)
+        try:
+            self.bound_port = self.server.add_insecure_port(self.address)
+        except RuntimeError:  # grpc >= 1.49 raises instead of returning 0
+            self.bound_port = 0
         if self.bound_port == 0:
-            raise RuntimeError(f"cannot bind gRPC server to {self.address}")
+            port = self.address.rsplit(":", 1)[1]
+            raise RuntimeError(f"cannot bind gRPC server to {self.address}: port {port} is in use "
+                               "(another Tandem service?) or the host is not an interface of this machine")
         await self.server.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
