@@ -14,6 +14,13 @@ from rich.table import Table
 from bench.cli import bench as bench_command
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.local_cluster import ClusterConfig, LocalCluster
+from launcher.preflight import (
+    ByteSize,
+    PreflightError,
+    check_engine_sizes,
+    check_max_model_len,
+    check_ports_free,
+)
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
 
 console = Console()
@@ -34,9 +41,12 @@ def main() -> None:
 @click.option("--num-kv-blocks", default=1024, show_default=True, type=int, help="Decode/prefill KV cache blocks.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
-@click.option("--max-model-len", default=2048, show_default=True, type=int)
-@click.option("--pool-capacity-bytes", default=2 * 1024**3, show_default=True, type=int)
-@click.option("--num-threads", default=0, type=int, help="CPU threads split between the workers (0: all cores).")
+@click.option("--max-model-len", default=2048, show_default=True, type=int,
+              help="Longest prompt + output in tokens; at most the model's max_position_embeddings.")
+@click.option("--pool-capacity-bytes", default="2GiB", show_default=True, type=ByteSize(),
+              help="KV pool DRAM capacity: bytes or a size such as 512MiB, 2GiB.")
+@click.option("--num-threads", default=0, show_default=True, type=int,
+              help="CPU threads split between the workers; 0: every core of this machine.")
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
 @click.option("--num-prefill-workers", default=1, show_default=True, type=int, help="Prefill worker processes.")
 @click.option("--num-decode-workers", default=1, show_default=True, type=int, help="Decode worker processes.")
@@ -60,7 +70,7 @@ def main() -> None:
 @click.option("--max-queue-s", default=0.5, show_default=True, type=float,
               help="The router refuses (429) a request missing the SLOs only past this much queued work.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
-@click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), default=None,
+@click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
                    "if present, else built-in prompts.")
 @click.option("--num-prompts", default=8, show_default=True, type=int)
@@ -77,13 +87,16 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         raise click.UsageError("--address needs --ray")
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
-    config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
-                           extra_router_args=_router_flags(kwargs), **kwargs)
-    source = resolve_model(config.model)
+    config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
+                                       demo, check_ports=not address)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
+    try:
+        check_max_model_len(source.converted_dir, config.max_model_len)
+    except PreflightError as err:
+        raise click.ClickException(str(err)) from None
     if use_ray:
         try:
             import ray  # noqa: F401
@@ -104,9 +117,6 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
         if demo:
-            if prompts_path is None and SHAREGPT_DEFAULT.exists():
-                prompts_path = SHAREGPT_DEFAULT
-            prompts = load_prompts(prompts_path, num_prompts, max_chars=400)
             _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
         else:
             console.print("Ctrl-C stops every service.")
@@ -116,6 +126,45 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
+
+
+def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts: int, demo: bool,
+             check_ports: bool) -> tuple[ClusterConfig, object, list[str]]:
+    """(cluster config, model source, demo prompts), checked before any process starts or any
+    log file opens: free ports, engine and router sizes, the model, the demo prompt file.
+
+    Raises:
+        click.ClickException: one line naming the flag to change.
+    """
+    from router.config import RouterConfig  # torch-free
+
+    try:
+        if check_ports:
+            check_ports_free(kwargs["host"], {"--http-port": kwargs["http_port"], "--grpc-port": kwargs["grpc_port"]})
+        check_engine_sizes(*(kwargs[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
+                                                  "max_num_batched_tokens", "max_model_len")))
+        RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
+                     max_model_len=kwargs["max_model_len"])
+        prompts = _demo_prompts(prompts_path, num_prompts) if demo else []
+        config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
+                               extra_router_args=_router_flags(kwargs), **kwargs)
+        source = resolve_model(config.model)
+    except (ValueError, FileNotFoundError) as err:
+        raise click.ClickException(str(err)) from None
+    return config, source, prompts
+
+
+def _demo_prompts(path: Path | None, num_prompts: int) -> list[str]:
+    """--demo's prompts: ``path``, else the ShareGPT file when present, else the built-in ones."""
+    if path is None and SHAREGPT_DEFAULT.exists():
+        path = SHAREGPT_DEFAULT
+    try:
+        prompts = load_prompts(path, num_prompts, max_chars=400)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PreflightError(f"cannot read prompts from {path}: {err}") from None
+    if not prompts:
+        raise PreflightError(f"no prompt of at most 400 characters in {path}; pass --prompts")
+    return prompts
 
 
 def _engine_flags(kwargs: dict) -> tuple[str, ...]:

@@ -1,0 +1,103 @@
+"""Checks ``tandem up`` runs before it starts (or touches) anything: free ports, sizes that fit,
+a model that exists and a context it supports. Each failure is one line naming the flag to change.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import socket
+from pathlib import Path
+
+import click
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3, "t": 1024**4,
+          "tib": 1024**4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class PreflightError(ValueError):
+    """A setting ``tandem up`` cannot start with; the message is one line for the user."""
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes of ``2GiB``, ``512MiB``, ``1.5GB``, ``64k`` or a plain number (KiB/K binary, KB decimal).
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; use bytes or a unit: 2GiB, 512MiB, 1.5GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class ByteSize(click.ParamType):
+    """A click option taking sizes like ``2GiB`` (see :func:`parse_bytes`)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(value)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Raises PreflightError for the first port (by its flag, e.g. ``--http-port``) that another
+    process listens on; port 0 (pick a free one) is skipped.
+
+    Binds with SO_REUSEADDR as the servers do, so a port left in TIME_WAIT by a stopped cluster
+    counts as free.
+    """
+    for flag, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise PreflightError(f"port {port} is in use (another tandem up?); pass {flag}") from None
+                raise PreflightError(f"cannot bind {host}:{port} ({err.strerror}); check --host and {flag}") from None
+
+
+def check_engine_sizes(block_size: int, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                       max_model_len: int) -> None:
+    """The workers' engine limits, checked as the workers will (engine.config.EngineConfig).
+
+    Raises:
+        PreflightError: with the flags and numbers.
+    """
+    from engine.config import EngineConfig  # torch-free
+
+    try:
+        EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    except ValueError as err:
+        flags = (f"--num-kv-blocks {num_kv_blocks} --block-size {block_size} --max-model-len {max_model_len} "
+                 f"--max-num-seqs {max_num_seqs} --max-num-batched-tokens {max_num_batched_tokens}")
+        raise PreflightError(f"{err} ({flags})") from None
+
+
+def check_max_model_len(model_dir: Path, max_model_len: int) -> None:
+    """``max_model_len`` against the model's ``max_position_embeddings`` (config.json in
+    ``model_dir``); a model without one is not checked.
+
+    Raises:
+        PreflightError: the context is longer than the model was trained for.
+    """
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return
+    limit = json.loads(config_path.read_text()).get("max_position_embeddings")
+    if limit is not None and max_model_len > limit:
+        raise PreflightError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({limit}); pass --max-model-len {limit} or less")
