@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from bench.metrics import SLO, summarize
 from bench.runner import run
 from bench.synthesis import SynthesisConfig
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, BenchRequest, WorkloadConfig, load_workload
-from launcher.prompts import SHAREGPT_DEFAULT
+from launcher.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT
 
 console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: one table row a line
 
@@ -28,6 +29,27 @@ def run_once(requests: list[BenchRequest], arrivals: ArrivalConfig, client: Clie
     """Runs one load and returns its JSON (label, settings, summary, records)."""
     result = asyncio.run(run(requests, arrivals, client, show_progress=show_progress, label=label))
     return report.run_json(label, settings or {}, result, summarize(result.records, result.duration_s, slo))
+
+
+def base_url(url: str) -> str:
+    """The server's base URL: ``http://h:8000/v1/`` and ``http://h:8000`` both give ``http://h:8000``."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def failure_message(records: list[dict]) -> str | None:
+    """None when some request succeeded; else a line quoting the first failure, with the
+    server's own error message when it sent an OpenAI error body."""
+    if not records or any(not r["error_kind"] for r in records):
+        return None
+    first = records[0]
+    message = first["error"]
+    try:
+        error = json.loads(message)
+        message = (error.get("error", error) or {}).get("message", message)
+    except (ValueError, AttributeError):
+        pass
+    return f"all {len(records)} requests failed; the first ({first['error_kind']}): {message}"
 
 
 def served_model(url: str) -> str:
@@ -64,12 +86,14 @@ def _rates(text: str) -> list[float]:
 
 
 @click.command("bench")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Base URL (without /v1).")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="Server URL, with or without the trailing /v1.")
 @click.option("--model", default="", help="Model name to send; default: the first of GET /v1/models.")
 @click.option("--workload", "kind", type=click.Choice(PROMPT_SET_KINDS + TRACE_KINDS), default="sharegpt",
               show_default=True)
 @click.option("--path", type=click.Path(exists=True, path_type=Path), default=None,
-              help=f"Prompt set or trace file. Default for prompt sets: {SHAREGPT_DEFAULT}.")
+              help=f"Prompt set or trace file. Default for prompt sets: {SHAREGPT_DEFAULT} if present, "
+                   "else the built-in prompts, repeated.")
 @click.option("--num-requests", default=64, show_default=True, type=int, help="Cap on requests (0: all rows).")
 @click.option("--max-tokens", default=0, type=int,
               help="Output tokens per request. Prompt sets: default 64; traces: 0 keeps the trace's lengths.")
@@ -97,10 +121,15 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
           rate: float, rates: str, time_scale: float, max_in_flight: int, duration_s: float, slo_ttft_ms: float,
           slo_tbt_ms: float, output_dir: Path, seed: int, roofline_model: str, no_progress: bool) -> None:
     """Load-test an OpenAI-compatible endpoint with a prompt set or a real trace; write JSON and plots."""
+    url = base_url(url)
     if path is None:
         if kind in TRACE_KINDS:
             raise click.UsageError(f"--workload {kind} needs --path")
-        path = SHAREGPT_DEFAULT
+        if SHAREGPT_DEFAULT.exists():
+            path = SHAREGPT_DEFAULT
+        else:
+            console.print(f"[yellow]no prompt set at {SHAREGPT_DEFAULT}[/]: sending the {len(BUILTIN_PROMPTS)} "
+                          "built-in prompts in turn (repeats hit the prefix cache); pass --path FILE for a real set")
     try:
         workload = WorkloadConfig(kind, path, num_requests, max_tokens or (64 if kind in PROMPT_SET_KINDS else 0),
                                   max_total_tokens=max_total_tokens,
@@ -113,7 +142,8 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
     requests = load_workload(workload)
     if not requests:
         raise click.ClickException(f"no requests from {path}")
-    settings = {"url": url, "model": client.model, "workload": kind, "path": str(path), "num_requests": len(requests),
+    settings = {"url": url, "model": client.model, "workload": kind, "path": str(path or "built-in prompts"),
+                "num_requests": len(requests),
                 "ignore_eos": ignore_eos, "length_scale": length_scale, "seed": seed}
     limit = roofline_inputs(roofline_model) if roofline_model else None
     if rates:
@@ -125,6 +155,7 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
 def _single(requests, arrivals, client, slo, settings, output_dir: Path, limit, show_progress: bool) -> None:
     label = f"{settings['workload']} {arrivals.mode}"
     data = run_once(requests, arrivals, client, slo, label, {**settings, "arrival": vars_of(arrivals)}, show_progress)
+    _fail_if_nothing_succeeded(data, output_dir / "run.json")
     if limit:
         data["roofline"] = report.roofline_entry(data["summary"], *limit)
     console.print(report.summary_table({label: data["summary"]}))
@@ -143,6 +174,7 @@ def _sweep(requests, base, client, slo, rates: list[float], settings, output_dir
                                  base.seed)
         data = run_once(requests, arrivals, client, slo, f"rate {r:g}/s", {**settings, "arrival": vars_of(arrivals)},
                         show_progress)
+        _fail_if_nothing_succeeded(data, output_dir / f"run_rate_{r:g}.json")
         if limit:
             data["roofline"] = report.roofline_entry(data["summary"], *limit)
         report.save_json(data, output_dir / f"run_rate_{r:g}.json")
@@ -151,6 +183,15 @@ def _sweep(requests, base, client, slo, rates: list[float], settings, output_dir
     out = report.save_json({"settings": settings, "sweep": points}, output_dir / "sweep.json")
     plots.plot_sweep(points, output_dir / "rate_sweep.png")
     console.print(f"wrote {out}, rate_sweep.png and run_rate_*.json in {output_dir}")
+
+
+def _fail_if_nothing_succeeded(data: dict, path: Path) -> None:
+    """Saves the run to ``path`` and exits non-zero when no request succeeded (a wrong --model,
+    a wrong URL, a server down): the summary of such a run means nothing."""
+    message = failure_message(data["records"])
+    if message is not None:
+        report.save_json(data, path)
+        raise click.ClickException(f"{message} (records in {path})")
 
 
 def vars_of(config) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig
 from bench.traces import read_trace
-from launcher.prompts import load_prompts
+from launcher.prompts import BUILTIN_PROMPTS, load_prompts
 
 PROMPT_SET_KINDS = ("sharegpt", "alpaca", "prompts")
 TRACE_KINDS = ("mooncake", "azure", "burstgpt")
@@ -29,7 +29,7 @@ class BenchRequest:
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str  # sharegpt | alpaca | prompts (any prompt JSON/text file) | mooncake | azure | burstgpt
-    path: Path
+    path: Path | None  # None: prompt sets use the built-in prompts (launcher.prompts), repeated
     num_requests: int = 0  # 0: every row
     max_tokens: int = 0  # prompt sets: required; traces: 0 keeps the trace's output lengths
     max_prompt_chars: int = 2000  # prompt sets: longer prompts are skipped
@@ -41,13 +41,19 @@ class WorkloadConfig:
             raise ValueError(f"unknown workload kind {self.kind!r}; expected one of {PROMPT_SET_KINDS + TRACE_KINDS}")
         if self.kind in PROMPT_SET_KINDS and self.max_tokens <= 0:
             raise ValueError(f"a prompt set needs max_tokens > 0, got {self.max_tokens}")
+        if self.kind in TRACE_KINDS and self.path is None:
+            raise ValueError(f"the {self.kind} workload needs a trace file (--path)")
         if self.num_requests < 0 or self.max_tokens < 0 or self.max_total_tokens < 0:
             raise ValueError(f"counts must be >= 0: {self.num_requests}, {self.max_tokens}, {self.max_total_tokens}")
 
 
 def load_workload(config: WorkloadConfig) -> list[BenchRequest]:
-    """Reads ``config.path``; returns at most ``num_requests`` requests in file order."""
+    """Reads ``config.path``; returns at most ``num_requests`` requests in file order (without a
+    path, ``num_requests`` built-in prompts, repeated in turn: prefix caching then hits)."""
     limit = config.num_requests or 10**9
+    if config.kind in PROMPT_SET_KINDS and config.path is None:
+        count = config.num_requests or len(BUILTIN_PROMPTS)
+        return [BenchRequest(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)], config.max_tokens) for i in range(count)]
     if config.kind in PROMPT_SET_KINDS:
         prompts = load_prompts(Path(config.path), limit, max_chars=config.max_prompt_chars)
         return [BenchRequest(p, config.max_tokens) for p in prompts]

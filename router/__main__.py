@@ -26,7 +26,7 @@ def _option(name: str, **kwargs):
 @_option("--model", default=DEFAULT_MODEL, help="Bundled model name, .gguf file or HF folder.")
 @_option("--served-model-name", default="", help="Name clients send as `model` (default: the model's).")
 @_option("--max-model-len", default=2048, type=int, help="Context limit in tokens.")
-@_option("--default-max-tokens", default=16, type=int, help="max_tokens when a request omits it.")
+@_option("--default-max-tokens", default=16, type=int, help="max_tokens of a completion that omits it (a chat may use the rest of the context).")
 @_option("--request-timeout-s", default=600.0, type=float, help="Deadline of one request's worker calls.")
 @_option("--routing-policy", default="predicted_latency", type=click.Choice(list(ROUTING_POLICIES)),
          help="How requests are placed on workers.")

@@ -23,7 +23,8 @@ class RouterConfig:
         model: bundled model name, ``.gguf`` file or Hugging Face folder (tokenizer source).
         served_model_name: the name clients send as ``model``; empty means the model's own name.
         max_model_len: context limit in tokens, prompt plus generated tokens.
-        default_max_tokens: ``max_tokens`` when a request leaves it out (clamped to the context).
+        default_max_tokens: a completion's ``max_tokens`` when it leaves it out (clamped to the
+            context); a chat that leaves it out may use the rest of the context.
         request_timeout_s: deadline of one request's worker calls, prefill through last token.
         worker_refresh_interval_s: how often the worker view is re-read from Redis.
         shutdown_grace_s: how long in-flight requests may run on after SIGTERM.

@@ -502,6 +502,29 @@ async def test_openai_client_with_vllm_extras(cluster: Cluster) -> None:
     await client.close()
 
 
+async def test_bench_cli_takes_a_v1_url_and_fails_when_every_request_fails(cluster: Cluster, tmp_path,
+                                                                              monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    import bench.cli
+
+    monkeypatch.setattr(bench.cli, "SHAREGPT_DEFAULT", tmp_path / "no-sharegpt.json")  # a clone without ../shared
+    cluster.script_text("ok")
+    args = ["--url", f"http://127.0.0.1:{cluster.router.http_port}/v1", "--num-requests", "2", "--concurrency", "1",
+            "--max-tokens", "4", "--no-progress", "--roofline-model", "", "--output-dir", str(tmp_path / "out")]
+    # bench runs its own event loop: on a thread, while this loop serves the router
+    wrong = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, [*args, "--model", "foo"])
+    assert wrong.exit_code == 1
+    assert wrong.output.splitlines()[-1] == (
+        f"Error: all 2 requests failed; the first (http_404): model 'foo' does not exist; this cluster serves "
+        f"'{DEFAULT_MODEL}' (records in {tmp_path / 'out' / 'run.json'})")
+    good = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, args)
+    assert good.exit_code == 0, good.output
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert (run["summary"]["num_ok"], run["settings"]["url"]) == (2, f"http://127.0.0.1:{cluster.router.http_port}")
+    assert run["settings"]["path"] == "built-in prompts"
+
+
 async def test_malformed_json_is_400(cluster: Cluster) -> None:
     response = await cluster.http.post(
         "/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}

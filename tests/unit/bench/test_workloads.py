@@ -32,3 +32,13 @@ def test_token_prompts_go_to_completions_and_text_to_chat():
     path, body = request_body(BenchRequest("hello", 7), ClientConfig("http://h:1", "m"))
     assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hello"}]
     assert "ignore_eos" not in body
+
+
+def test_without_a_path_prompt_sets_repeat_the_builtin_prompts():
+    from launcher.prompts import BUILTIN_PROMPTS
+
+    requests = load_workload(WorkloadConfig("sharegpt", None, num_requests=10, max_tokens=4))
+    assert [r.prompt for r in requests] == BUILTIN_PROMPTS + BUILTIN_PROMPTS[:2]
+    assert {r.max_tokens for r in requests} == {4}
+    with pytest.raises(ValueError, match=r"^the mooncake workload needs a trace file \(--path\)$"):
+        WorkloadConfig("mooncake", None)
