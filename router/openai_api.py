@@ -30,15 +30,8 @@ from router.generation import Finished, Generation
 from router.http_errors import BodyLimitMiddleware, http_exception_response
 from router.metrics import RouterMetrics
 from router.request_ids import client_request_id
-from router.openai_models import (
-    ChatCompletionRequest,
-    ChatShape,
-    ChoiceResult,
-    CompletionRequest,
-    CompletionShape,
-    ResponseShape,
-    body_error,
-)
+from router.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
+from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
 from router.validation import InvalidRequestError, Validator
 from router.worker_view import WorkerView
 

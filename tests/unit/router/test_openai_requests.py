@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from router.openai_models import ChatCompletionRequest, CompletionRequest, body_error
+from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
 from router.validation import InvalidRequestError
 
 

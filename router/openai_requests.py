@@ -1,0 +1,283 @@
+"""OpenAI request bodies (pydantic) and how their validation errors read.
+
+Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
+and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
+``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
+parameter never changes the output silently. vLLM's extra fields (``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) are honoured; ``user``, ``metadata``
+and the like are accepted and ignored. Booleans are strict (``"stream": "yes"`` is refused).
+One prompt per request; ``n`` choices of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from core.sampling_params import MAX_TOP_LOGPROBS
+from router.validation import InvalidRequestError, RequestInput
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == {} or value == [] or value == "" or value is False
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value in ("none", "auto")  # "auto" without tools chooses none
+
+
+# Unsupported OpenAI fields: name -> (is the value harmless, what is accepted).
+COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (_empty, "{}"),
+}
+COMPLETION_UNSUPPORTED = {
+    **COMMON_UNSUPPORTED,
+    "echo": (_empty, "false"),
+    "suffix": (_empty, 'null or ""'),
+    "best_of": (lambda v: v is None or v == 1, "1"),
+}
+CHAT_UNSUPPORTED = {
+    **COMMON_UNSUPPORTED,
+    "tools": (_empty, "[]"),
+    "functions": (_empty, "[]"),
+    "tool_choice": (_no_tool_choice, '"none"'),
+    "function_call": (_no_tool_choice, '"none"'),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
+    "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
+    "audio": (_none, "null"),
+    "prediction": (_none, "null"),
+    "reasoning_effort": (_none, "null"),
+    "verbosity": (_none, "null"),
+    "web_search_options": (_none, "null"),
+    "store": (_empty, "false"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
+}
+MESSAGE_UNSUPPORTED = {
+    "tool_calls": (_empty, "[]"),
+    "tool_call_id": (_none, "null"),
+    "function_call": (_none, "null"),
+    "audio": (_none, "null"),
+    "refusal": (_none, "null"),
+}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    unsupported_fields: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def _refuse_unsupported(self, prefix: str = "") -> None:
+        """Raises InvalidRequestError for the first unsupported field set to a non-default value."""
+        for name, (harmless, accepted) in self.unsupported_fields.items():
+            value = getattr(self, name)
+            if not harmless(value):
+                raise InvalidRequestError(
+                    f"{prefix}{name} is not supported (only {accepted} is accepted), got {_short(value)}",
+                    f"{prefix}{name}",
+                )
+
+
+class StreamOptions(_OpenAIModel):
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # accepted, ignored: no padding is sent
+
+
+class _SamplingFields(_OpenAIModel):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # absent: 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None  # absent or null: 0
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # absent or null: 1 (disabled)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: Any = None
+    # Accepted and ignored: end-user and caching metadata.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _input(self, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> RequestInput:
+        self._refuse_unsupported()
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return RequestInput(
+            model=self.model,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+            n=self.n,
+            **prompt,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    unsupported_fields = COMPLETION_UNSUPPORTED
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the k best tokens' logprobs per position (0: the sampled one's)
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    def to_input(self) -> RequestInput:
+        """Raises InvalidRequestError for several prompts in one request or an unsupported field."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequestError(f"a list of {len(prompt)} prompts is not supported yet; send one", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._input(self.max_tokens, self.logprobs, prompt=prompt)
+        return self._input(self.max_tokens, self.logprobs, prompt_token_ids=tuple(prompt))
+
+
+class ContentPart(BaseModel):
+    """A content part; other part types (images, audio) carry fields of their own, so only
+    ``type`` is checked first."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_OpenAIModel):
+    unsupported_fields = MESSAGE_UNSUPPORTED
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted, ignored (the chat template has no place for it)
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+    def text(self, index: int) -> str:
+        """Raises InvalidRequestError for non-text content parts (images, audio), unknown fields
+        of a text part, or an unsupported field of message ``index``."""
+        self._refuse_unsupported(f"messages.{index}.")
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for j, part in enumerate(self.content):
+            param = f"messages.{index}.content.{j}"
+            if part.type != "text":
+                raise InvalidRequestError(f"only text content parts are supported, got {part.type!r}", param)
+            if part.model_extra:
+                names = ", ".join(sorted(part.model_extra))
+                raise InvalidRequestError(f"unrecognized request argument: {param}.{names}", param)
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    unsupported_fields = CHAT_UNSUPPORTED
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None  # with logprobs: the k best tokens per position
+    parallel_tool_calls: StrictBool | None = None  # accepted, ignored: no tools
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    def to_input(self) -> RequestInput:
+        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], and
+        for unsupported fields or content parts."""
+        messages = tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages))
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._input(max_tokens, logprobs, messages=messages)
+
+
+def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
+    """The pydantic/JSON errors of a request body as one OpenAI 400, naming the field.
+
+    Unknown fields are listed together ("unrecognized request argument: temprature"); a value
+    that matches no member of a union (``"prompt": 42``) names the field itself, not the member
+    (``prompt``, not ``prompt.str``); a body that is not a JSON object says so, with the
+    Content-Type hint when the client sent another (``curl -d`` sends form data).
+    """
+    if not errors:
+        return InvalidRequestError("invalid request body", None)
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return InvalidRequestError(f"malformed JSON body: {detail}", None)
+    unknown = [_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        return InvalidRequestError(f"unrecognized request argument{plural}: {', '.join(unknown)}", unknown[0])
+    if not _path(first["loc"]):
+        hint = "" if json_body else " (send it with Content-Type: application/json)"
+        return InvalidRequestError(f"the request body must be a JSON object{hint}", None)
+    loc = tuple(first["loc"])
+    tag_at = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
+    if tag_at is None:
+        return InvalidRequestError(f"{_path(loc)}: {first['msg']}", _path(loc))
+    prefix, param = loc[:tag_at], _path(loc[:tag_at])  # "prompt", not "prompt.str"
+    members = [tuple(e["loc"])[tag_at] for e in errors if tuple(e["loc"])[:tag_at] == prefix
+               and len(e["loc"]) > tag_at and _is_union_member(e["loc"][tag_at])]
+    accepted = ", ".join(dict.fromkeys(members))
+    return InvalidRequestError(f"{param}: expected one of {accepted}, got {_short(first.get('input'))}", param)
+
+
+def _is_union_member(part: Any) -> bool:
+    """pydantic tags each member of a union in the error location with its type (``str``,
+    ``list[int]``); field names are snake_case and list indices ints."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper())
+
+
+def _path(loc) -> str:
+    """A pydantic location as a dotted param, without the leading ``body``; a field name that
+    is not valid Unicode is escaped (the error body must encode as UTF-8)."""
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts).encode("utf-8", "backslashreplace").decode("utf-8")
