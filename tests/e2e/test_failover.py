@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from kv_pool.config import PoolConfig
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests import reference
@@ -32,6 +33,7 @@ MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
 NUM_REQUESTS = 40
 REQUEST_TIMEOUT_S = 150.0
+PUT_RESERVATION_TTL_S = PoolConfig().put_reservation_ttl_s
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +167,9 @@ def test_kill_one_of_two_prefill_workers_mid_run(two_by_two):
     assert router_counter(two_by_two, "tandem:worker_failures_total") >= 1
     assert router_counter(two_by_two, "tandem:prefill_retries_total") >= 1
     assert probe.live_workers() == ["prefill", "decode", "decode-1"]
-    poll_until(probe.is_idle, timeout_s=15, message="survivors and pool back to idle")
+    # Blocks the victim reserved in the pool but never committed (it died mid-write) are rolled
+    # back by the pool once their reservation TTL (kv_pool put_reservation_ttl_s, 30 s) lapses.
+    poll_until(probe.is_idle, timeout_s=PUT_RESERVATION_TTL_S + 15, message="survivors and pool back to idle")
 
 
 def test_kill_one_of_two_decode_workers_mid_answer(two_by_two):
