@@ -115,7 +115,8 @@ class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
         for key_index, (data, checksum) in enumerate(blocks):
             view = memoryview(data)
             for offset in range(0, len(view), MAX_CHUNK_BYTES):
-                chunk = bytes(view[offset : offset + MAX_CHUNK_BYTES])
+                # A block of one chunk goes as it is (no second copy).
+                chunk = data if len(view) <= MAX_CHUNK_BYTES else bytes(view[offset : offset + MAX_CHUNK_BYTES])
                 self._metrics.count_get_bytes(len(chunk))
                 yield kv_pool_pb2.GetBlocksResponse(
                     key_index=key_index, block_bytes=len(view), offset_bytes=offset, data=chunk, checksum=checksum
