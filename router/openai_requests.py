@@ -256,6 +256,10 @@ def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
         return InvalidRequestError(f"unrecognized request argument{plural}: {', '.join(unknown)}", unknown[0])
+    if first.get("type") == "string_unicode":  # pydantic refuses a field name with a lone surrogate
+        where = _path(first["loc"])
+        return InvalidRequestError(f"a field name {'in ' + where + ' ' if where else ''}is not valid Unicode "
+                                   "(it holds a lone UTF-16 surrogate)", where or None)
     if not _path(first["loc"]):
         hint = "" if json_body else " (send it with Content-Type: application/json)"
         return InvalidRequestError(f"the request body must be a JSON object{hint}", None)

@@ -119,6 +119,8 @@ def body_error_of(model, body, json_body: bool = True) -> tuple[str, str | None]
          "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
         (CompletionRequest, {"max_tokens": 3}, "prompt: Field required", "prompt"),
         (CompletionRequest, [1, 2], "the request body must be a JSON object", None),
+        (CompletionRequest, {"prompt": "x", "\ud800": 1},
+         "a field name is not valid Unicode (it holds a lone UTF-16 surrogate)", None),
     ],
 )
 def test_body_errors_name_the_field(model, body, message: str, param: str | None) -> None:
