@@ -200,6 +200,8 @@ class Validator:
                 raise InvalidRequestError(str(err), "messages") from err
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
+            if len(ids) > self.max_model_len:  # before scanning every id of a huge list
+                raise _too_long(len(ids), self.max_model_len, "prompt")
             self._check_token_ids(ids, "prompt")
         else:
             ids = self.tokenizer.encode(request.prompt) if request.prompt else []
@@ -220,7 +222,7 @@ class Validator:
         the context (chat) or the default clamped to it (completions)."""
         limit = self.max_model_len
         if num_prompt_tokens > limit:
-            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens but the context is {limit}", param)
+            raise _too_long(num_prompt_tokens, limit, param)
         if max_tokens is None:
             if num_prompt_tokens == limit:
                 raise InvalidRequestError(
@@ -236,6 +238,10 @@ class Validator:
                 "max_tokens",
             )
         return max_tokens
+
+
+def _too_long(num_prompt_tokens: int, max_model_len: int, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"prompt has {num_prompt_tokens} tokens but the context is {max_model_len}", param)
 
 
 def _check_role(role: str, param: str) -> None:
