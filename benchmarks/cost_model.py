@@ -9,8 +9,9 @@ lengths without it). Prints the fitted coefficients and the mean absolute % erro
    of the passes (prompts with and without a cached shared prefix);
 3. decode passes of batches of 1..32 sequences, decode_step_s(batch, kv_tokens) vs wall time;
 
-each for the model right after start-up calibration (what the router sees first) and after the
-model was fitted on a separate mixed workload.
+each for the model right after start-up calibration (what the router sees first), the model
+fitted on a separate mixed workload (frozen), and "online": the model the worker publishes at
+that moment (its sliding window refitted every 16 passes, as in a running worker).
 
     python benchmarks/cost_model.py [--prompts PATH] [--num-fit 32] [--num-heldout 12] [--threads 1] [--quick]
 """
@@ -18,7 +19,6 @@ model was fitted on a separate mixed workload.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import statistics
@@ -83,50 +83,77 @@ def mixed_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
                 admit()
 
 
-def heldout_steps(engine: LLMEngine, prompts, max_tokens: int, models: dict[str, CostModel]) -> dict:
-    kinds: dict[str, list] = {"prefill": [], "decode": [], "mixed": []}
+Row = tuple[str, dict[str, float], float]  # (what, predicted seconds per model, measured seconds)
+
+
+class Models:
+    """The models compared: after calibration, after the fit workload (both frozen), and
+    "online": what the worker would publish right now (refitted as it runs)."""
+
+    def __init__(self, engine: LLMEngine, calibrated: CostModel, fitted: CostModel):
+        self.engine, self.frozen = engine, {"calibrated": calibrated, "fitted": fitted}
+
+    def now(self) -> dict[str, CostModel]:
+        return {**self.frozen, "online": self.engine.stats().cost_model}
+
+
+def heldout_steps(engine: LLMEngine, models: Models, prompts, max_tokens: int) -> list[Row]:
+    rows, current = [], models.now()
     for s in mixed_workload(engine, prompts, max_tokens, "steps"):
-        kind = "decode" if s.num_new_tokens == s.num_seqs else "prefill" if s.num_seqs == 1 else "mixed"
-        kinds[kind].append(s)
-    return {name: {kind: (mape([(m.step_s(s.num_new_tokens, s.num_seqs, s.attn_pairs), s.duration_s) for s in ss]),
-                          len(ss)) for kind, ss in kinds.items()} for name, m in models.items()}
+        kind = "decode-only" if s.num_new_tokens == s.num_seqs else "prefill-only" if s.num_seqs == 1 else "mixed"
+        predicted = {name: m.step_s(s.num_new_tokens, s.num_seqs, s.attn_pairs) for name, m in current.items()}
+        rows.append((f"step_s vs forward time, {kind} passes", predicted, s.duration_s))
+        current = models.now()
+    return rows
 
 
-def heldout_prefills(engine: LLMEngine, prompts, system: list[int]) -> list[tuple[str, int, int, float]]:
-    """(kind, uncached, cached, wall_s) of each prompt prefilled alone ("plain": only the chat
-    template's few shared tokens may be cached), then after a cached shared system prompt
-    ("shared"; prefix cache on, warmed first)."""
+def heldout_prefills(engine: LLMEngine, models: Models, prompts, system: list[int]) -> list[Row]:
+    """Each prompt prefilled alone (only the chat template's shared tokens may be cached), then
+    after a cached shared system prompt: prefill_s(uncached, cached) vs the passes' wall time."""
     rows = []
     engine.add_request(Request("warm", system + prompts[0], SamplingParams(temperature=0, max_tokens=1)))
     while engine.has_unfinished_requests():
         engine.step()
     for i, p in enumerate(prompts):
-        for tag, ids in (("plain", p), ("shared", system + p)):
-            engine.add_request(Request(f"pf-{tag}-{i}", ids, SamplingParams(temperature=0, max_tokens=1)))
+        for label, ids in (("own prompt", p), ("after a cached system prompt", system + p)):
+            current = models.now()
+            engine.add_request(Request(f"pf-{label[:3]}-{i}", ids, SamplingParams(temperature=0, max_tokens=1)))
             started, cached = time.perf_counter(), 0
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     cached = o.num_cached_tokens
-            rows.append((tag, len(ids) - cached, cached, time.perf_counter() - started))
+            wall = time.perf_counter() - started
+            rows.append((f"prefill_s vs wall, {label}", {n: m.prefill_s(len(ids) - cached, cached)
+                                                         for n, m in current.items()}, wall))
     return rows
 
 
-def decode_batches(engine: LLMEngine, prompts, sizes: list[int]) -> list[tuple[int, int, float]]:
-    """(batch, kv_tokens, wall_s) of decode passes of each batch size."""
+def decode_batches(engine: LLMEngine, models: Models, prompts, sizes: list[int]) -> list[Row]:
+    """decode_step_s(batch, kv_tokens) vs the wall time of each pure decode pass."""
     rows = []
     for b in sizes:
         for i in range(b):
             p = prompts[i % len(prompts)][:200]
             engine.add_request(Request(f"dec{b}-{i}", p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
-        last = time.perf_counter()
-        kv = 0
+        last, kv, current = time.perf_counter(), 0, models.now()
         for _ in engine.step_stream():
             now, s = time.perf_counter(), engine.step_stats.last
             if s.num_new_tokens == s.num_seqs == b:
-                rows.append((b, kv, now - last))
+                rows.append((f"decode_step_s vs wall, batch {b}", {n: m.decode_step_s(b, kv)
+                                                                   for n, m in current.items()}, now - last))
             kv = sum(r.num_computed_tokens for r in engine.scheduler.running)  # the next pass attends this
-            last = now
+            current = models.now()
+            last = time.perf_counter()
     return rows
+
+
+def report(rows: list[Row]) -> None:
+    names = list(rows[0][1])
+    print("\nMAPE (mean absolute % error) on held-out data".ljust(58) + "".join(f"{n:>12}" for n in names) + "     n")
+    for what in dict.fromkeys(r[0] for r in rows):
+        mine = [r for r in rows if r[0] == what]
+        errors = [mape([(r[1][n], r[2]) for r in mine]) for n in names]
+        print(f"  {what}".ljust(58) + "".join(f"{e:11.1f}%" for e in errors) + f"{len(mine):6d}")
 
 
 def main() -> None:
@@ -151,7 +178,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = load_model(hf_dir, "float32", "cpu", MAX_MODEL_LEN)
     config = EngineConfig(block_size=16, num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=args.budget,
-                          max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+                          max_model_len=MAX_MODEL_LEN)
     engine = LLMEngine(config, model, source)
     prompts = load_prompts_ids(args, tokenizer, args.num_fit + 2 * args.num_heldout)
     fit_prompts, held = prompts[: args.num_fit], prompts[args.num_fit:]
@@ -165,29 +192,20 @@ def main() -> None:
     n = sum(1 for _ in mixed_workload(engine, fit_prompts, args.max_tokens, "fit"))
     fitted = engine.step_stats.fit.model(max_num_batched_tokens=args.budget)
     print(f"fit workload: {n} passes in {time.perf_counter() - started:.1f} s; window {fitted.num_samples} samples")
-    models = {"calibrated": calibrated, "fitted": fitted}
-    for name, m in models.items():
+    for name, m in {"calibrated": calibrated, "fitted": fitted}.items():
         print(f"  {name:<10} base {m.base_s * 1e3:.2f} ms, {m.per_token_s * 1e6:.1f} us/token, "
               f"{m.per_seq_s * 1e6:.1f} us/seq, {m.per_attn_s * 1e6:.2f} us per 1k attention pairs")
 
-    steps = heldout_steps(engine, held[: args.num_heldout], args.max_tokens, models)
-    cache_engine = LLMEngine(dataclasses.replace(config, num_kv_blocks=256, enable_prefix_caching=True), model, source)
+    models = Models(engine, calibrated, fitted)
     system = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}])
     system = list(system["input_ids"] if hasattr(system, "keys") else system)
-    prefills = heldout_prefills(cache_engine, held[args.num_heldout:], system)
-    decodes = decode_batches(engine, held, [1, 4, 16, 32])
-    print("\nMAPE (mean absolute % error) on held-out data".ljust(54) + "calibrated    fitted   (n)")
-    for kind, label in (("prefill", "prefill-only"), ("decode", "decode-only"), ("mixed", "mixed")):
-        print(f"  step_s vs forward time, {label} passes".ljust(54) +
-              f"{steps['calibrated'][kind][0]:8.1f}% {steps['fitted'][kind][0]:8.1f}%   ({steps['fitted'][kind][1]})")
-    for tag, label in (("plain", "own prompt"), ("shared", "after a cached system prompt")):
-        rows = [r for r in prefills if r[0] == tag]
-        errs = [mape([(m.prefill_s(u, c), wall) for _, u, c, wall in rows]) for m in models.values()]
-        print(f"  prefill_s vs wall, {label}".ljust(54) + f"{errs[0]:8.1f}% {errs[1]:8.1f}%   ({len(rows)})")
-    for b in sorted({r[0] for r in decodes}):
-        rows = [r for r in decodes if r[0] == b]
-        errs = [mape([(m.decode_step_s(b, kv), wall) for _, kv, wall in rows]) for m in models.values()]
-        print(f"  decode_step_s vs wall, batch {b}".ljust(54) + f"{errs[0]:8.1f}% {errs[1]:8.1f}%   ({len(rows)})")
+    rows = heldout_steps(engine, models, held[: args.num_heldout], args.max_tokens)
+    rows += heldout_prefills(engine, models, held[args.num_heldout:], system)
+    rows += decode_batches(engine, models, held, [1, 4, 16, 32])
+    report(rows)
+    online = engine.stats().cost_model
+    print(f"  online at the end: base {online.base_s * 1e3:.2f} ms, {online.per_token_s * 1e6:.1f} us/token, "
+          f"{online.per_seq_s * 1e6:.1f} us/seq, {online.per_attn_s * 1e6:.2f} us per 1k attention pairs")
     print(f"\nload after: {os.getloadavg()[0]:.2f} (1-min)")
 
 
