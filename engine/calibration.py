@@ -66,8 +66,8 @@ def calibrate(engine: LLMEngine, num_steps: int, max_duration_s: float = 5.0, se
     idle engine, after one untimed warm-up probe; no new probe starts after ``max_duration_s``
     (a worker on a busy machine starts with fewer samples rather than late; traffic adds more).
 
-    Mutates: the engine's cost-model samples (kept); its prefix cache (emptied) and preemption
-    counters (zeroed). Raises ValueError if the engine has requests or ``num_steps`` < 0.
+    Mutates: the engine's cost-model samples (kept); its prefix cache (emptied) and its counters
+    (preemptions, swaps, evictions, prefix-cache queries and hits, busy time: zeroed). Raises ValueError if the engine has requests or ``num_steps`` < 0.
     """
     if num_steps < 0:
         raise ValueError(f"num_steps must be >= 0, got {num_steps}")
@@ -101,7 +101,10 @@ def _run_probe(engine: LLMEngine, probe: Probe, rng: random.Random) -> None:
 
 def _reset(engine: LLMEngine) -> None:
     """Leaves the engine as a fresh one, but for the cost model's samples."""
-    engine.scheduler.kv.block_pool.reset_prefix_cache()
+    kv = engine.scheduler.kv
+    kv.block_pool.reset_prefix_cache()
+    kv.block_pool.num_evictions = 0
+    kv.num_prefix_queries_tokens = kv.num_prefix_hit_tokens = 0
     engine.scheduler.num_preemptions = 0
     engine.num_swapped_out = 0
     engine.runner.busy_time_s = 0.0

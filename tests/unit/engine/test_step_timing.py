@@ -119,7 +119,9 @@ def test_calibration_leaves_the_engine_idle_and_outputs_unchanged(tiny):
     assert result.num_steps == len(engine.step_stats.fit) == 2 + 8
     stats = engine.stats()
     assert (stats.num_used_blocks, stats.num_free_blocks) == (0, 32)
-    assert engine.scheduler.kv.block_pool.num_cached_blocks == 0
+    kv = engine.scheduler.kv
+    assert (kv.block_pool.num_cached_blocks, kv.block_pool.num_evictions) == (0, 0)
+    assert (kv.num_prefix_queries_tokens, kv.num_prefix_hit_tokens, engine.runner.busy_time_s) == (0, 0, 0.0)
     assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_preemptions) == (0, 0, 0)
     assert (stats.num_batched_tokens, stats.num_waiting_tokens, stats.num_kv_tokens) == (0, 0, 0)
     assert stats.recent_step_time_s == 0.0 and engine.scheduler.requests == {}
