@@ -61,6 +61,9 @@ def cluster(tmp_path_factory):
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
         num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512,
         log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        # These tests check the disaggregated path (pool hits, manifests): no conditional
+        # colocation of repeated prompts the decode worker already holds (docs/routing.md).
+        extra_router_args=("--disaggregation", "always"),
     )
     with LocalCluster(config) as c:
         c.start()
