@@ -176,19 +176,21 @@ class PoolIO:
         """Reads runs of consecutive keys that live on one node, in order, until one comes short."""
         out: list[bytes | ArenaBlock] = []
         guard = self._guard(request_id) if self.map_arena else None
-        start = 0
-        while start < len(keys):
-            address = ring.address_for(keys[start])
-            end = start + 1
-            while end < len(keys) and ring.address_for(keys[end]) == address:
-                end += 1
-            run = self._read_run(address, keys[start:end], request_id, len(ring.nodes) == 1, guard)
-            out += run
-            if len(run) < end - start:
-                break
-            start = end
-        if guard is not None and not any(isinstance(b, ArenaBlock) for b in out):
-            guard.done()  # nothing mapped: no release to defer
+        try:
+            start = 0
+            while start < len(keys):
+                address = ring.address_for(keys[start])
+                end = start + 1
+                while end < len(keys) and ring.address_for(keys[end]) == address:
+                    end += 1
+                run = self._read_run(address, keys[start:end], request_id, len(ring.nodes) == 1, guard)
+                out += run
+                if len(run) < end - start:
+                    break
+                start = end
+        finally:
+            if guard is not None and not any(isinstance(b, ArenaBlock) for b in out):
+                guard.done()  # nothing mapped (or the read failed): no release to defer
         return out
 
     def _guard(self, request_id: str) -> LoadGuard:
