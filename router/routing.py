@@ -14,7 +14,8 @@ Four policies, selected by ``RouterConfig.routing_policy``:
 - ``predicted_latency`` (default): the minimum predicted TTFT (placement.Predictor) among the
   placements whose decode worker meets the TBT SLO and has the free blocks, colocated placements
   included (conditional disaggregation, DistServe §4.3 / Mooncake §5); predictions within
-  ``TIE_REL`` of the best are ties, broken by load, so one hot prefix cannot take every request.
+  ``TIE_REL`` of the best are ties, broken in favour of disaggregation, then by load, so one hot
+  prefix cannot take every request.
   Until every worker has a fitted cost model it behaves as ``least_loaded``.
 
 ``disaggregation``: ``auto`` (policies that predict may colocate; the others disaggregate when a
@@ -219,13 +220,15 @@ class PredictedLatencyPolicy(RoutingPolicy):
 
     def best(self, candidates: list[_Candidate]) -> _Candidate:
         """Among those meeting the SLOs (else those that fit the decode worker, else all): the
-        lowest predicted latency, predictions within TIE_REL of it tied and broken by load."""
+        lowest predicted latency, predictions within TIE_REL of it tied; ties prefer the
+        disaggregated path (colocation must be clearly faster: an idle cluster still fills the
+        pool), then the least load."""
         slo = self.context.predictor.slo
         pool = ([c for c in candidates if c.prediction.meets(slo)] or [c for c in candidates if c.prediction.fits]
                 or candidates)
         best_s = min(c.prediction.rank_s for c in pool)
         tied = [c for c in pool if c.prediction.rank_s <= best_s * (1 + TIE_REL) + TIE_ABS_S]
-        return min(tied, key=lambda c: (sum(c.load), c.prediction.rank_s, c.decode.worker_id,
+        return min(tied, key=lambda c: (c.prefill is None, sum(c.load), c.prediction.rank_s, c.decode.worker_id,
                                         c.prefill.worker_id if c.prefill else ""))
 
     def _least_loaded_placement(self, prefill_workers, decode_workers, request) -> Placement:

@@ -166,6 +166,13 @@ def test_a_long_prompt_is_not_colocated_beside_running_decodes() -> None:
     assert policy("predicted_latency").place(prefills, [busy], short).mode == COLOCATED
 
 
+def test_an_idle_cluster_disaggregates_a_fresh_prompt() -> None:
+    # Colocated would only save the decode worker's KV load (0.1 ms): a tie, and ties go to the
+    # disaggregated path, which also stores the prompt's blocks in the pool for later requests.
+    placement = policy("predicted_latency").place([worker("p1")], [worker("d1", "decode")], request(100))
+    assert placement.mode == DISAGGREGATED
+
+
 @pytest.mark.parametrize(("mode", "expected"), [("always", DISAGGREGATED), ("never", COLOCATED)])
 def test_disaggregation_setting_forces_the_mode(mode: str, expected: str) -> None:
     pl = policy("predicted_latency", disaggregation=mode)
