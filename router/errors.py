@@ -21,6 +21,7 @@ class ErrorKind(enum.Enum):
     SLO_UNATTAINABLE = "slo_unattainable"  # admission: no placement meets the SLOs, queues are full
     NO_WORKER = "no_worker"
     UNAVAILABLE = "unavailable"
+    SHUTTING_DOWN = "shutting_down"  # the router is stopping: no new request, in-flight ones end
 
 
 # kind -> (HTTP status, OpenAI error type, OpenAI error code, gRPC status code)
@@ -31,6 +32,7 @@ _TRANSPORT = {
     ErrorKind.SLO_UNATTAINABLE: (429, "rate_limit_error", "slo_unattainable", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ErrorKind.NO_WORKER: (503, "service_unavailable_error", "no_worker", grpc.StatusCode.UNAVAILABLE),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error", "unavailable", grpc.StatusCode.UNAVAILABLE),
+    ErrorKind.SHUTTING_DOWN: (503, "service_unavailable_error", "shutting_down", grpc.StatusCode.UNAVAILABLE),
 }
 
 

@@ -30,6 +30,7 @@ from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
 from router.request_ids import attempt_id
+from router.shutdown import Shutdown
 from router.placement import InFlightCounter, Placement
 from router.placer import Placer
 from router.routing import PerRolePolicy, RoutingPolicy
@@ -117,6 +118,7 @@ class Generation:
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
         self.metrics, self.policies, self.timeout_s = metrics, policies, timeout_s
         self._background: set[asyncio.Task] = set()  # pool releases in flight
+        self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
 
     async def generate(
         self, request_id: str, request: ValidatedRequest, arrival_time_s: float
@@ -127,8 +129,26 @@ class Generation:
         E2E latency and the request timeout count from it.
 
         Raises:
-            RouterError: no healthy worker, or a worker failed (before or after the first token).
+            RouterError: no healthy worker, or a worker failed (before or after the first token);
+                SHUTTING_DOWN when the router is stopping (refused at once once ``shutdown``
+                began; a running request when ``shutdown.abort()`` ends it).
         """
+        try:
+            self.shutdown.enter()
+        except RouterError as err:
+            self.metrics.rejected(err.kind.value)
+            raise
+        try:
+            async with contextlib.aclosing(self._generate(request_id, request, arrival_time_s)) as events:
+                while (event := await self.shutdown.guard(anext(events, None))) is not None:
+                    yield event
+        finally:
+            self.shutdown.leave()
+
+    async def _generate(
+        self, request_id: str, request: ValidatedRequest, arrival_time_s: float
+    ) -> AsyncIterator[GenerationEvent]:
+        """``generate`` without the shutdown guard."""
         params = request.sampling_params
         output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, self.tokenizer.decode)
         run = _Run(request_id, request, arrival_time_s, output)

@@ -2,7 +2,8 @@
 
 Errors end the RPC with a status: bad input INVALID_ARGUMENT, unknown model NOT_FOUND, worker
 overload RESOURCE_EXHAUSTED, no healthy worker or a worker failure UNAVAILABLE (also mid-stream,
-after some deltas were sent). Absent ``temperature`` means greedy here (0), unlike OpenAI's 1.0.
+after some deltas were sent), a router shutting down UNAVAILABLE "router shutting down" (new
+requests at once, running ones after the grace period; router.shutdown). Absent ``temperature`` means greedy here (0), unlike OpenAI's 1.0.
 With ``n`` > 1 the choices' events interleave, each carrying its ``index``.
 """
 

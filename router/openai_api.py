@@ -5,7 +5,9 @@ malformed JSON, unknown fields and wrong types, where FastAPI would say 422), un
 path 404, a body over 16 MiB 413 (router.http_errors), worker overload
 429, no healthy worker or a worker failure 503. A failure after the first chunk was streamed
 ends the stream with a ``finish_reason: "abort"`` chunk, an ``{"error": ...}`` event and
-``[DONE]``. A client that disconnects cancels its request's worker calls at once.
+``[DONE]``; so does a stream still running when the router stops (code ``shutting_down``, after
+the grace period; new requests then get 503, router.shutdown). A client that disconnects cancels
+its request's worker calls at once.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ class OpenAIApi:
         """200 when a decode worker is live (with no prefill worker the cluster runs colocated:
         decode workers prefill locally), else 503 saying what is missing."""
         counts = {role: len(self.view.workers(role)) for role in ("prefill", "decode", "pool")}
+        if self.generation.shutdown.stopping:
+            return JSONResponse({"status": "shutting_down", "reason": "the router is stopping", "workers": counts},
+                                status_code=503)
         if counts["decode"] == 0:
             return JSONResponse(
                 {"status": "unavailable", "reason": "no decode worker is registered", "workers": counts},

@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 import uvicorn
+from grpc_health.v1 import health_pb2
 
 from core.grpc_service import GrpcService
 from core.model_source import resolve_model
@@ -29,6 +30,7 @@ from tandem.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 30.0
+ABORT_FLUSH_S = 2.0  # requests ended at shutdown hand their last event to the front-ends by then
 
 
 class _UvicornServer(uvicorn.Server):
@@ -107,7 +109,20 @@ class RouterServer:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        """Stops taking requests, lets in-flight ones finish within the grace period, closes all."""
+        """Refuses new requests (HTTP 503, gRPC UNAVAILABLE, health 503 / NOT_SERVING), lets
+        in-flight ones run for ``shutdown_grace_s``, ends the rest with a last event of their own
+        (SSE abort chunk + ``{"error": {"code": "shutting_down"}}`` + ``[DONE]``, gRPC
+        UNAVAILABLE "router shutting down"; router.shutdown), then stops both servers (no request
+        is left for them to cut) and closes everything."""
+        shutdown = self.generation.shutdown
+        shutdown.begin()
+        for name in ["", SERVICE_NAME]:
+            await self.grpc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if not await shutdown.wait_idle(self.config.shutdown_grace_s):
+            log.warning("ending %d request(s) still running after the %g s grace period",
+                        shutdown.num_running, self.config.shutdown_grace_s)
+            shutdown.abort()
+            await shutdown.wait_idle(ABORT_FLUSH_S)
         self.uvicorn.should_exit = True
         await asyncio.gather(self.grpc.stop(), self._http_task, return_exceptions=True)
         await self.view.stop()
