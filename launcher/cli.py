@@ -22,6 +22,7 @@ from launcher.preflight import (
     check_ports_free,
 )
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
+from launcher.supervisor import RestartPolicy, ServiceExited
 
 console = Console()
 
@@ -79,6 +80,12 @@ def main() -> None:
               help="Place the services as Ray actors (workers get a GPU each where the cluster has GPUs).")
 @click.option("--address", default=None,
               help="With --ray: address of an existing Ray cluster (e.g. auto, HOST:6379). Default: a local Ray.")
+@click.option("--restart/--no-restart", default=True, show_default=True,
+              help="Supervise: a prefill/decode worker or KV pool process that exits is restarted with the same "
+                   "flags and port (log appended; backoff 0.5 s doubling; at most 5 restarts per service in 60 s, "
+                   "then the cluster stops); the router or Redis exiting always stops it. With --ray the actor "
+                   "restarts its service the same way; a dead actor stops the cluster. --no-restart: any exit "
+                   "stops the cluster (CI).")
 def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
        use_ray: bool, address: str | None, **kwargs) -> None:
     """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
@@ -121,7 +128,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         else:
             console.print("Ctrl-C stops every service.")
             while not stop.wait(timeout=1.0):
-                _check_alive(cluster)
+                _supervise(cluster)
     finally:
         with console.status("stopping services"):
             cluster.stop()
@@ -146,8 +153,9 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
         RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
                      max_model_len=kwargs["max_model_len"])
         prompts = _demo_prompts(prompts_path, num_prompts) if demo else []
+        restart = RestartPolicy() if kwargs.pop("restart") else RestartPolicy(max_restarts=0)
         config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
-                               extra_router_args=_router_flags(kwargs), **kwargs)
+                               extra_router_args=_router_flags(kwargs), restart=restart, **kwargs)
         source = resolve_model(config.model)
     except (ValueError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from None
@@ -186,16 +194,18 @@ def _router_flags(kwargs: dict) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _check_alive(cluster) -> None:
-    if not isinstance(cluster, LocalCluster):  # RayCluster
-        dead = cluster.dead_service()
-        if dead:
-            service, why = dead
-            raise click.ClickException(f"{service.name} {why}; see {service.log_path} on {service.node_ip}")
-        return
-    for service in cluster.services:
-        if service.process.poll() is not None:
-            raise click.ClickException(f"{service.name} exited ({service.process.returncode}); see {service.log_path}")
+def _supervise(cluster) -> None:
+    """One supervision pass of a LocalCluster or RayCluster; prints what it did.
+
+    Raises:
+        click.ClickException: the cluster must stop (router or Redis exited, --no-restart, or a
+            service restarted too often); the message names the service and its log.
+    """
+    try:
+        for event in cluster.supervise():
+            console.print(f"[yellow]{event}[/]")
+    except ServiceExited as err:
+        raise click.ClickException(str(err)) from None
 
 
 async def _demo(cluster, model: str, prompts: list[str], max_tokens: int):

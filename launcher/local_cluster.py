@@ -2,7 +2,8 @@
 
 Start order: Redis → KV pool → prefill workers → decode workers → router; stop order is the
 reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
-behind even when the launcher is killed.
+behind even when the launcher is killed. While it runs, :meth:`LocalCluster.supervise` restarts
+a worker or KV pool process that exited (launcher.supervisor).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from launcher.supervisor import RestartPolicy, Supervisor
 
 _PR_SET_PDEATHSIG = 1
 
@@ -64,6 +67,8 @@ class ClusterConfig:
     # Worker processes per role (colocated: no prefill worker whatever num_prefill_workers says).
     num_prefill_workers: int = 1
     num_decode_workers: int = 1
+    # Restarts of exited worker and pool processes (max_restarts 0: any exit stops the cluster).
+    restart: RestartPolicy = RestartPolicy()
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -85,12 +90,41 @@ class ClusterConfig:
                      for role in self.worker_roles for i in range(counts[role]))
 
 
+def _popen(argv: list[str], env: dict[str, str], log_path: Path, note: str = "") -> subprocess.Popen:
+    """Starts ``argv`` with ``env`` added, output to ``log_path``: truncated, or with ``note``
+    appended to it (a restart keeps the previous process's log)."""
+    with open(log_path, "ab" if note else "wb") as log_file:
+        log_file.write(note.encode())
+        log_file.flush()
+        return subprocess.Popen(
+            argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent, env={**os.environ, **env},
+        )
+
+
 @dataclass
 class Service:
+    """One process of the cluster, with what it takes to start it again."""
+
     name: str
     process: subprocess.Popen
     ready: Callable[[], bool]
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def log_location(self) -> str:
+        return str(self.log_path)
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def restart(self, note: str) -> None:
+        """Starts the same argv again (same port); ``note`` and its output appended to the log.
+        Mutates: ``process``. Must run on the thread that started the cluster: children get
+        SIGTERM when the thread that forked them ends (PR_SET_PDEATHSIG)."""
+        self.process = _popen(self.argv, self.env, self.log_path, note)
 
 
 def _grpc_ready(address: str) -> Callable[[], bool]:
@@ -176,18 +210,26 @@ class LocalCluster:
         self.grpc_address = f"{config.host}:{config.grpc_port}"
         # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
+        self._supervisor = Supervisor(config.restart)
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent, env={**os.environ, **(env or {})},
-            )
-        service = Service(name, process, ready, log_path)
+        env = env or {}
+        service = Service(name, _popen(argv, env, log_path), ready, log_path, argv, env)
         self.services.append(service)
         return service
+
+    def supervise(self) -> list[str]:
+        """One supervision pass over the started services (call it every second or so, from
+        the thread that started the cluster): restarts exited workers and pool processes with
+        their argv and port (launcher.supervisor). Returns what happened, one line each.
+
+        Raises:
+            launcher.supervisor.ServiceExited: the cluster must stop (router or Redis exited,
+                restarts off, or a service restarted too often).
+        """
+        return self._supervisor.poll(self.services)
 
     def start(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
         """Starts every service and waits until each is healthy.

@@ -11,6 +11,9 @@ Without ``address`` a local Ray instance is started and the services bind ``conf
 ``address`` (an existing cluster) every service binds the IP of the node Ray placed it on, and the
 private Redis binds this node's IP. ``stop()`` stops the services, kills the actors and disconnects
 from Ray (shutting the local instance down).
+
+``supervise()`` restarts a worker or KV pool subprocess that exited, inside its actor, with the
+local launcher's policy (launcher.supervisor); an actor that dies (its node lost) stops the cluster.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.local_cluster import (
@@ -34,6 +37,7 @@ from launcher.local_cluster import (
     service_argv,
     worker_threads,
 )
+from launcher.supervisor import ServiceExited, Supervisor
 
 ACTOR_START_TIMEOUT_S = 120.0  # an actor not placed by then: the cluster lacks the resources
 
@@ -60,9 +64,12 @@ class ServiceHost:
             port = s.getsockname()[1]
         return {"node_ip": node_ip, "pid": os.getpid(), "python": sys.executable, "port": port}
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
+    def start(self, argv: list[str], env: dict[str, str], note: str = "") -> int:
+        """Starts the service; its log truncated, or (a restart) with ``note`` appended."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log_file:
+        with open(self.log_path, "ab" if note else "wb") as log_file:
+            log_file.write(note.encode())
+            log_file.flush()
             self.process = subprocess.Popen(
                 argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent, env={**os.environ, **env},
@@ -103,6 +110,32 @@ class RayService:
     log_path: Path  # on node_ip
     ready: Callable[[], bool]
     python: str = ""  # the interpreter of the actor's node that runs the service
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def log_location(self) -> str:
+        return f"{self.log_path} on {self.node_ip}"
+
+    def exit_code(self) -> int | None:
+        """The subprocess's exit code, None while it runs.
+
+        Raises:
+            ServiceExited: the actor itself failed (its node is gone): nothing to restart it in.
+        """
+        import ray
+
+        try:
+            return ray.get(self.actor.poll.remote(), timeout=30)
+        except ray.exceptions.RayError as e:
+            raise ServiceExited(f"{self.name}'s Ray actor failed ({type(e).__name__}); "
+                                f"see {self.log_location}") from None
+
+    def restart(self, note: str) -> None:
+        """Starts the same argv again in the actor (same port), ``note`` appended to the log."""
+        import ray
+
+        self.pid = ray.get(self.actor.start.remote(self.argv, self.env, note))
 
 
 class RayCluster:
@@ -120,6 +153,7 @@ class RayCluster:
         self.use_gpus = False
         self._redis = LocalCluster(config)  # only for the private redis-server
         self._connected = False
+        self._supervisor = Supervisor(config.restart)
 
     def start(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
         """Connects to Ray (or starts a local instance), places the services, waits until each is healthy.
@@ -210,7 +244,8 @@ class RayCluster:
         import ray
 
         host, port = service.address.rsplit(":", 1)
-        service.pid = ray.get(service.actor.start.remote(argv(service.python, host, int(port)), env))
+        service.argv, service.env = argv(service.python, host, int(port)), env
+        service.pid = ray.get(service.actor.start.remote(service.argv, env))
         if on_progress is not None:
             self._wait(service, on_progress, timeout_s)
 
@@ -231,6 +266,14 @@ class RayCluster:
             time.sleep(0.2)  # polling a service's health, not synchronising threads
         raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; "
                            f"log {service.log_path} on {service.node_ip}")
+
+    def supervise(self) -> list[str]:
+        """One supervision pass (see :meth:`LocalCluster.supervise`): Redis, then the services.
+
+        Raises:
+            launcher.supervisor.ServiceExited: the cluster must stop.
+        """
+        return [*self._redis.supervise(), *self._supervisor.poll(self.services)]
 
     def dead_service(self) -> tuple[RayService, str] | None:
         """The first service whose process or actor has died, with why; None when all run."""
