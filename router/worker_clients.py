@@ -7,6 +7,7 @@ plain dataclasses and worker gRPC errors into :class:`RouterError`. Cancelling t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -127,11 +128,22 @@ class WorkerClients:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()  # replaced channels being closed
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = aio_channel(address)
-        return self._channels[address]
+        """The channel to ``address``; a new one when the cached one is in TRANSIENT_FAILURE.
+        Such a channel fails every call at once until its reconnect backoff (growing to 120 s)
+        ends, even when a worker is back at that address (``tandem up`` restarts a dead worker
+        on its port): a fresh channel connects now, or fails as fast if nothing listens."""
+        channel = self._channels.get(address)
+        if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            task = asyncio.create_task(channel.close())  # no call runs on a channel in that state
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            channel = None
+        if channel is None:
+            channel = self._channels[address] = aio_channel(address)
+        return channel
 
     async def prefill(self, address: str, request_id: str, request: ValidatedRequest, timeout_s: float) -> PrefillResult:
         """Runs Prefill on the worker at ``address``.
@@ -206,3 +218,4 @@ class WorkerClients:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
