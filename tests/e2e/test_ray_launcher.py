@@ -1,8 +1,11 @@
 """`tandem up --ray` on a local Ray instance: the services as Ray actors serve one real request with
-the Hugging Face greedy output, and stop() leaves no actor or service process behind."""
+the Hugging Face greedy output, the decode subprocess killed with -9 is restarted inside its actor
+and serves it again, and stop() leaves no actor or service process behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -24,6 +27,15 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def _completion(cluster) -> str | None:
+    reply = httpx.post(
+        f"{cluster.http_url}/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0},
+        timeout=120,
+    )
+    return reply.json()["choices"][0]["text"] if reply.status_code == 200 else None
 
 
 def test_ray_cluster_serves_greedy_completion_and_stops_everything(tmp_path):
@@ -56,6 +68,19 @@ def test_ray_cluster_serves_greedy_completion_and_stops_everything(tmp_path):
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
         assert cluster.dead_service() is None
+        assert cluster.supervise() == []
+        # Supervision: the decode subprocess killed with -9 is restarted inside its actor, same port.
+        decode = next(s for s in cluster.services if s.name == "decode")
+        old_pid, events = decode.pid, []
+        os.kill(old_pid, signal.SIGKILL)
+        poll_until(lambda: (events.extend(cluster.supervise()) or "decode is healthy again" in events)
+                   and httpx.get(f"{cluster.http_url}/health", timeout=5).status_code == 200,
+                   timeout_s=180, interval_s=0.2, message="decode restarted in its actor, healthy and routed to")
+        assert events[1:] == ["decode restarted", "decode is healthy again"]
+        assert events[0].startswith("decode exited (-9); restarting it in 0.5 s (restart 1 of at most 5 in 60 s)")
+        assert decode.pid != old_pid and psutil.Process(decode.pid).ppid() == decode.actor_pid
+        pids.append(decode.pid)
+        assert _completion(cluster) == expected
     finally:
         cluster.stop()
         print(f"ray cluster up, request and stop: {time.monotonic() - started:.1f} s")
