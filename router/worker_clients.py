@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.grpc_service import aio_channel
+from core.grpc_service import CHANNEL_OPTIONS
 from core.proto_convert import sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
@@ -35,6 +35,9 @@ from tandem.v1 import (
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+# Each channel its own subchannel: from gRPC's global pool a new channel would inherit the old
+# one's connection, reconnect backoff included (WorkerClients._channel).
+_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 HEALTH_TIMEOUT_S = 1.0
 # Statuses that say the worker (or the way to it) broke, not the request: the worker is marked
 # down and the request goes to another one. INVALID_ARGUMENT, RESOURCE_EXHAUSTED and
@@ -142,7 +145,7 @@ class WorkerClients:
             task.add_done_callback(self._closing.discard)
             channel = None
         if channel is None:
-            channel = self._channels[address] = aio_channel(address)
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         return channel
 
     async def prefill(self, address: str, request_id: str, request: ValidatedRequest, timeout_s: float) -> PrefillResult:
