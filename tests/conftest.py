@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import launcher  # noqa: F401  (first: disables grpc fork handlers before grpc loads; see its docstring)
+
 import shutil
 import socket
 import subprocess
