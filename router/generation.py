@@ -31,9 +31,8 @@ from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
 from router.request_ids import attempt_id
 from router.shutdown import Shutdown
-from router.placement import InFlightCounter, Placement
+from router.placement import Placement
 from router.placer import Placer
-from router.routing import PerRolePolicy, RoutingPolicy
 from router.tokenizer import ModelTokenizer
 from router.validation import ValidatedRequest
 from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
@@ -76,11 +75,6 @@ class Finished:
 
 
 GenerationEvent = TextDelta | Finished
-
-
-def RoutingPolicies(prefill: RoutingPolicy, decode: RoutingPolicy, in_flight: InFlightCounter) -> Placer:  # noqa: N802
-    """A Placer from one policy per role (the older API; tests): no admission, no pool index."""
-    return Placer(PerRolePolicy(prefill, decode, in_flight))
 
 
 @dataclass(eq=False)

@@ -45,7 +45,7 @@ from router.prefix_index import LocalPrefixCache
 
 __all__ = [
     "DISAGGREGATION_MODES", "POLICIES", "CacheAwarePolicy", "InFlightCounter", "LeastLoadedPolicy",
-    "PerRolePolicy", "PredictedLatencyPolicy", "RoundRobinPolicy", "RoutingContext", "RoutingPolicy", "RoutingRequest", "make_policy",
+    "PredictedLatencyPolicy", "RoundRobinPolicy", "RoutingContext", "RoutingPolicy", "RoutingRequest", "make_policy",
 ]
 
 TIE_REL = 0.10  # predictions within 10 % (plus TIE_ABS_S) of the best are ties
@@ -236,20 +236,6 @@ class PredictedLatencyPolicy(RoutingPolicy):
         if prefill_workers and self.context.disaggregation != "never":
             prefill = self.least_loaded(prefill_workers)
         return Placement(self.least_loaded(decode_workers), prefill, self.name, None)
-
-
-class PerRolePolicy(RoutingPolicy):
-    """One policy per role (any objects with ``choose(workers, request)`` and ``name``);
-    placement as the base class does: always disaggregated when a prefill worker is live."""
-
-    def __init__(self, prefill, decode, context: RoutingContext | InFlightCounter):
-        super().__init__(context)
-        self.prefill, self.decode = prefill, decode
-        self.name = decode.name
-
-    def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        _require(workers, "a", request)
-        return (self.prefill if workers[0].role == "prefill" else self.decode).choose(workers, request)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
