@@ -23,12 +23,13 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from core.kv_index import (  # noqa: F401  (re-exported: the pool's index layout)
+    EVENTS_STREAM, INDEX_KEY_PREFIX, hash_field, index_key, index_value, parse_index_value,
+)
 from kv_pool.block_types import BlockEvent
 
 log = logging.getLogger(__name__)
 
-INDEX_KEY_PREFIX = "tandem:kv_index:"
-EVENTS_STREAM = "tandem:kv_events"
 
 # HDEL the field only while it still names this node (ARGV[2], with or without ":tier"): another
 # node may have stored it since.
@@ -60,26 +61,6 @@ for i = 3, #ARGV, 5 do
 end
 return (#ARGV - 2) / 5
 """
-
-
-def index_key(spec_fingerprint: str) -> str:
-    return f"{INDEX_KEY_PREFIX}{spec_fingerprint}"
-
-
-def hash_field(block_hash: int) -> str:
-    """A 64-bit block hash as 16 lower-case hex chars."""
-    return f"{block_hash:016x}"
-
-
-def index_value(node_id: str, tier: str) -> str:
-    """What the index says about a block: ``{node_id}:{tier}``."""
-    return f"{node_id}:{tier}"
-
-
-def parse_index_value(value: str) -> tuple[str, str]:
-    """(node_id, tier) of an index value; tier "" for a value without one."""
-    node_id, _, tier = value.partition(":")
-    return node_id, tier
 
 
 class IndexMirror:

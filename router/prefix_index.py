@@ -22,15 +22,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from core.block_hash import hash_block_chain
-
-# kv_pool.index_mirror.INDEX_KEY_PREFIX: the router imports only core (DESIGN.md §3), so the
-# (stable, documented) key layout is repeated here.
-INDEX_KEY_PREFIX = "tandem:kv_index:"
-
-
-def index_key(spec_fingerprint: str) -> str:
-    return f"{INDEX_KEY_PREFIX}{spec_fingerprint}"
-
+from core.kv_index import hash_field, index_key
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[int]:
     """The prompt's full-block hash chain as the workers compute it (``len // block_size`` hashes).
@@ -59,7 +51,7 @@ class PoolPrefixIndex:
         """Leading blocks of ``block_hashes`` the pool holds (any node, any tier). Raises redis errors."""
         if not block_hashes or not spec_fingerprint:
             return 0
-        fields = [f"{h:016x}" for h in block_hashes]
+        fields = [hash_field(h) for h in block_hashes]
         return leading_present(await self.redis.hmget(index_key(spec_fingerprint), fields))
 
 

@@ -9,13 +9,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from core.block_hash import hash_block_chain
-from kv_pool.index_mirror import hash_field, index_key as pool_index_key, index_value
-from router.prefix_index import LocalPrefixCache, PoolPrefixIndex, index_key, leading_present, prompt_block_hashes
+from core.kv_index import hash_field, index_key, index_value, parse_index_value
+from router.prefix_index import LocalPrefixCache, PoolPrefixIndex, leading_present, prompt_block_hashes
 
 
-def test_key_layout_is_the_pools() -> None:
-    assert index_key("abc") == pool_index_key("abc")
-    assert f"{0x1234:016x}" == hash_field(0x1234)
+def test_index_layout_as_documented() -> None:
+    assert index_key("abc") == "tandem:kv_index:abc"
+    assert hash_field(0x1234) == "0000000000001234"
+    assert parse_index_value(index_value("node-a", "nvme")) == ("node-a", "nvme")
+    assert parse_index_value("node-a") == ("node-a", "")
 
 
 def test_prompt_hashes_are_the_workers_chain() -> None:
@@ -39,7 +41,7 @@ def test_pool_index_longest_present_prefix(redis_url: str) -> None:
         try:
             index = PoolPrefixIndex(redis)
             found = [await index.num_cached_blocks(fingerprint, hashes)]
-            await redis.hset(pool_index_key(fingerprint), mapping={
+            await redis.hset(index_key(fingerprint), mapping={
                 hash_field(hashes[0]): index_value("node-a", "dram"),
                 hash_field(hashes[1]): index_value("node-b", "nvme"),
                 hash_field(hashes[3]): index_value("node-a", "dram"),  # block 2 missing: 3 is unusable
