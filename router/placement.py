@@ -85,6 +85,8 @@ class Prediction:
         return self.ttft_s + self.handoff_s
 
     def meets(self, slo: SLO) -> bool:
+        """Whether the decode side fits (TBT SLO, blocks, batch slot) and the predicted TTFT
+        is within the TTFT SLO (0: none)."""
         return self.fits and (not slo.ttft_s or self.ttft_s <= slo.ttft_s)
 
 
@@ -140,6 +142,8 @@ class PendingPrefills:
         self._tokens: Counter[str] = Counter()
 
     def add(self, key: Hashable, address: str, num_tokens: int) -> None:
+        """Counts ``num_tokens`` prompt tokens queued at ``address`` under ``key`` (replacing an
+        earlier entry of that key)."""
         self.remove(key)
         self._by_key[key] = (address, num_tokens)
         self._tokens[address] += num_tokens
@@ -154,6 +158,7 @@ class PendingPrefills:
                 del self._tokens[address]
 
     def tokens(self, address: str) -> int:
+        """Prompt tokens this router has placed at ``address`` and not yet seen prefilled."""
         return self._tokens[address]
 
 
@@ -183,6 +188,9 @@ class Predictor:
         self.in_flight, self.pending, self.slo = in_flight, pending, slo
 
     def queued_tokens(self, worker: WorkerInfo) -> float:
+        """Prompt tokens ahead of a new request at ``worker``: its heartbeat's waiting tokens (plus
+        the pass in progress on a prefill worker) or this router's pending placements there,
+        whichever is larger."""
         heartbeat = _stat(worker, "num_waiting_tokens")
         if worker.role == "prefill":  # the pass in progress finishes first
             heartbeat += _stat(worker, "num_batched_tokens")

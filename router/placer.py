@@ -113,5 +113,7 @@ class Placer:
             self.metrics.ttft_predicted(placement.mode, placement.prediction.ttft_s, ttft_s)
 
     def finished(self, placement: Placement | None) -> None:
+        """The request ended (with or without a first token): its pending prefill tokens, if still
+        counted, leave the queue. A no-op for None (never placed)."""
         if placement is not None:
             self.policy.context.pending.remove(placement)
