@@ -136,3 +136,24 @@ def get_forward_context() -> ForwardContext:
     if _forward_context is None:
         raise RuntimeError("attention called outside forward_context()")
     return _forward_context
+
+
+@torch.library.custom_op("tandem::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                    scale: float) -> torch.Tensor:
+    """Layer ``layer_idx``'s attention through the forward context's backend, cache and metadata:
+    writes ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) into that layer's paged cache,
+    returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+
+    A custom op, so that ``torch.compile`` keeps it as one opaque call (block tables and
+    sequence lengths change every step; the rest of the layer is compiled around it). The KV
+    cache write is a side effect the compiler does not see, which is safe: nothing in the graph
+    reads the cache.
+    """
+    ctx = get_forward_context()
+    return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.meta, scale)
+
+
+@paged_attention.register_fake
+def _(query, key, value, layer_idx, scale):
+    return torch.empty_like(query)

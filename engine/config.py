@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from core.kv_cache_spec import DTYPE_BYTES
 from core.model_source import DEFAULT_MODEL
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SCHEDULING_POLICIES = ("continuous", "static")
 
 
@@ -48,7 +48,10 @@ class EngineConfig:
     preemption_mode: str = "swap"
     # Host-memory swap space when no pool is attached.
     swap_space_bytes: int = 1 << 30
+    # "auto": triton on CUDA, cpu elsewhere; "torch" is the readable reference.
     attention_backend: str = "auto"
+    # Run the model eagerly (no torch.compile): the switch back from the compiled forward.
+    enforce_eager: bool = False
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
     # Seed of the generator used by requests without their own seed.

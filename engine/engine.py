@@ -15,8 +15,10 @@ from core.model_source import ModelSource, resolve_model
 from core.request import Request
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.config import EngineConfig
+from engine.cpu_attention import CpuAttentionBackend
 from engine.kv_connector import pack_blocks
 from engine.loader import ensure_hf_dir
+from engine.model.compile import compile_layers, warm_up
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -52,12 +54,14 @@ class EngineStats:
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
-    """``auto`` picks Triton on a CUDA device and torch elsewhere."""
+    """``auto`` picks Triton on a CUDA device and the CPU backend elsewhere."""
     name = config.attention_backend
     if name == "auto":
-        name = "triton" if config.device.startswith("cuda") else "torch"
+        name = "triton" if config.device.startswith("cuda") else "cpu"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        return CpuAttentionBackend()
     if name == "triton":
         from engine.triton_attention import TritonAttentionBackend  # imports triton: only when chosen
 
@@ -112,7 +116,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
         model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
-        return cls(config, model, source, save_kv_on_finish, swap_space)
+        engine = cls(config, model, source, save_kv_on_finish, swap_space)
+        if not config.enforce_eager:
+            compile_layers(model)
+            warm_up(engine.runner.warm_up, (1, 2) if config.block_size >= 2 else (1,))
+        return engine
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
         """Queues a request.

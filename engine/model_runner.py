@@ -6,6 +6,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from core.cost_model import StepSample, prefill_attn_pairs
@@ -118,38 +119,63 @@ class ModelRunner:
                                  StepSample(*step.features, duration_s))
 
     def _prepare_inputs(self, out: SchedulerOutput):
+        """Step tensors with numpy, one Python operation per sequence, none per token::
+
+            q_lens          [3, 1, 5]            tokens each sequence computes this step
+            query_start_loc [0, 3, 4, 9]         prefix sums
+            positions       c0 c0+1 c0+2 | c1 | c2 .. c2+4     (c = num_computed_tokens)
+            slot_mapping    table[seq, pos // block_size] * block_size + pos % block_size
+        """
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
+        computed = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        starts = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_lens = computed + q_lens
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for item in out.scheduled:
-            start = item.request.num_computed_tokens
-            end = start + item.num_new_tokens
+        for item, start, end in zip(scheduled, computed.tolist(), seq_lens.tolist()):
             input_ids += item.request.all_token_ids[start:end]
-            positions += range(start, end)
-            slots += [item.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            starts.append(starts[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.samples:
-                logits_indices.append(starts[-1] - 1)
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.long)
-        for i, item in enumerate(out.scheduled):
-            tables[i, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.long)
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        tables = np.zeros((num_seqs, max_blocks), np.int64)  # padded with block 0, never read
+        for i, item in enumerate(scheduled):
+            tables[i, : len(item.block_ids)] = item.block_ids
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(starts[-1], dtype=np.int64) - starts[:-1][seq_of_token] + computed[seq_of_token]
+        bs = self.block_size
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        samples = np.fromiter((s.samples for s in scheduled), bool, num_seqs)
+        logits_indices = starts[1:][samples] - 1
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor(starts, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            block_tables=tables.to(self.device),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            query_start_loc=torch.from_numpy(starts),
+            seq_lens=torch.from_numpy(seq_lens),
+            block_tables=torch.from_numpy(tables).to(self.device),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
         )
         return (
             input_ids,
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.from_numpy(positions).to(self.device),
             meta,
-            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            torch.from_numpy(logits_indices).to(self.device),
         )
+
+    def warm_up(self, num_tokens: int) -> None:
+        """One forward of a single ``num_tokens``-token sequence (<= block_size) at positions
+        0.. in block 0, so a compiled model compiles that shape now rather than on a request.
+        Writes garbage K/V into block 0, which is free (every block is written before read)."""
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            query_start_loc=torch.tensor([0, num_tokens]),
+            seq_lens=torch.tensor([num_tokens]),
+            block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        # Inputs made outside inference mode, as prepare() makes them: a compiled graph guards on it.
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        logits_indices = torch.tensor([num_tokens - 1], device=self.device)
+        with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend, list(self.kv_cache.unbind(0)))):
+            self.model(input_ids, positions, logits_indices)

@@ -61,7 +61,11 @@ def engine_options(f):
         click.option("--max-num-batched-tokens", default=d.max_num_batched_tokens, show_default=True, type=int),
         click.option("--max-model-len", default=d.max_model_len, show_default=True, type=int),
         click.option("--attention-backend", default=d.attention_backend, show_default=True,
-                     type=click.Choice(["auto", "torch", "triton"])),
+                     type=click.Choice(["auto", "torch", "cpu", "triton"]),
+                     help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference."),
+        click.option("--enforce-eager/--no-enforce-eager", default=d.enforce_eager, show_default=True,
+                     help="Run the model eagerly instead of torch.compile'd (compiling takes ~1 min "
+                          "on the first start, cached afterwards)."),
         click.option("--num-threads", default=d.num_threads, show_default=True, type=int,
                      help="torch intra-op threads (0: torch's default)."),
         click.option("--seed", default=d.seed, show_default=True, type=int),

@@ -2,7 +2,11 @@
 
 Tokens of every request in a step are flattened into one ``[num_tokens, hidden]`` batch (no
 padding); attention reads each request's context through the forward context's block tables.
-Parameter names mirror transformers' ``LlamaForCausalLM`` so its checkpoints load unchanged.
+
+Q, K and V are one fused projection (``qkv_proj``), and so are the MLP's gate and up
+(``gate_up_proj``): one GEMM reads the input once instead of three or two times.
+:func:`engine.model.loader.load_model` fuses transformers' ``LlamaForCausalLM`` checkpoints
+(``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) on load, so they load unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import get_forward_context
+from engine.attention import paged_attention
+from engine.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -72,33 +77,36 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Rows: [q (num_heads x head_dim) | k (num_kv_heads x head_dim) | v (same)].
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = paged_attention(q, k, v, self.layer_idx, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = config.intermediate_size
+        # Rows: [gate (intermediate) | up (intermediate)].
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,10 +150,35 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model_type {config.model_type!r} is not one of {self.SUPPORTED_MODEL_TYPES}")
         self.config = config
         self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, positions)
         return self.lm_head(hidden[logits_indices]).float()
+
+
+# transformers' per-projection weights -> the fused ones: (fused, [parts in row order]).
+FUSED_PROJECTIONS = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
+def fuse_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rewrites a transformers Llama state dict's separate projections into the fused ones
+    (weights and biases concatenated along the output dim); other keys pass through. Returns a
+    new dict; a checkpoint already fused passes unchanged."""
+    fused = dict(state)
+    for key in list(state):
+        for target, parts in FUSED_PROJECTIONS:
+            first = parts[0]
+            for suffix in (".weight", ".bias"):
+                if not key.endswith(first + suffix):
+                    continue
+                prefix = key[: -len(first + suffix)]
+                names = [prefix + part + suffix for part in parts]
+                if all(name in fused for name in names):
+                    fused[prefix + target + suffix] = torch.cat([fused.pop(name) for name in names], dim=0)
+    return fused

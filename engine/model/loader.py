@@ -7,13 +7,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.model.llama import LlamaForCausalLM
+from engine.model.linear import prepack_linears
+from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int) -> LlamaForCausalLM:
-    """Loads weights from every ``*.safetensors`` file in ``hf_dir``.
+def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepack: bool = True) -> LlamaForCausalLM:
+    """Loads weights from every ``*.safetensors`` file in ``hf_dir`` (transformers' layout: the
+    separate Q/K/V and gate/up projections are fused on load), then, with ``prepack``, packs the
+    linear layers' weights for the CPU GEMM where it can (:mod:`engine.model.linear`).
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
@@ -30,6 +33,7 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int) -> Lla
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
+    state = fuse_checkpoint(state)
     expected = set(model.state_dict())
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     if tied:
@@ -47,4 +51,7 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int) -> Lla
     fresh = type(rotary)(config, rotary.cos.shape[-1], max_positions)
     for layer in model.model.layers:
         layer.self_attn.rotary = fresh
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if prepack:
+        prepack_linears(model)
+    return model
