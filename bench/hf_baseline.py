@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.client import RequestRecord
+
 
 @dataclass(frozen=True)
 class HFBaselineConfig:
@@ -41,8 +43,10 @@ def run_static(prompts: list[list[int]], config: HFBaselineConfig,
     """Greedy ``generate()`` over consecutive batches of ``batch_size`` prompts, in order.
 
     Returns the request and output-token throughput over the generation time (model loading
-    excluded) and the mean time of one batched step (prefill included). ``on_batch(done, total)``
-    is called after each batch with prompt counts.
+    excluded), the mean time of one batched step (prefill included), and per batch its start and
+    the moment each generated token reached the host (``batches``, seconds after the run started;
+    :func:`static_records` turns them into per-request records). ``on_batch(done, total)`` is
+    called after each batch with prompt counts.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -51,14 +55,18 @@ def run_static(prompts: list[list[int]], config: HFBaselineConfig,
     model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=torch.float32).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     output_tokens = 0
+    batches: list[dict] = []
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), config.batch_size):
             input_ids, attention_mask = _left_pad(prompts[first:first + config.batch_size], pad_id)
+            clock = _StepClock(start)
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                  max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens,
-                                 pad_token_id=pad_id)
+                                 pad_token_id=pad_id, streamer=clock)
             output_tokens += (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0]
+            batches.append({"first_prompt": first, "num_prompts": input_ids.shape[0], "start_s": clock.start_s,
+                            "token_times_s": clock.token_times_s})
             on_batch(min(first + config.batch_size, len(prompts)), len(prompts))
     duration_s = time.perf_counter() - start
     num_batches = -(-len(prompts) // config.batch_size)
@@ -70,7 +78,44 @@ def run_static(prompts: list[list[int]], config: HFBaselineConfig,
         "mean_step_ms": 1000 * duration_s / (num_batches * config.max_tokens),
         "batch_size": config.batch_size,
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "batches": batches,
     }
+
+
+def static_records(result: dict, prompts: list[list[int]]) -> list[RequestRecord]:
+    """One record per prompt of a :func:`run_static` result, as if a closed-loop client with
+    ``batch_size`` slots had sent each batch the moment the previous one ended: TTFT is the
+    batch's prefill, and every request of a batch shares the batch's token times."""
+    records = []
+    for batch in result["batches"]:
+        chunk_times_s = [t - batch["start_s"] for t in batch["token_times_s"]]
+        for index in range(batch["first_prompt"], batch["first_prompt"] + batch["num_prompts"]):
+            records.append(RequestRecord(index, batch["start_s"], ttft_s=chunk_times_s[0], chunk_times_s=chunk_times_s,
+                                         e2e_s=chunk_times_s[-1], prompt_tokens=len(prompts[index]),
+                                         output_tokens=len(chunk_times_s), finish_reason="length"))
+    return records
+
+
+class _StepClock:
+    """A ``generate()`` streamer that only notes when each step's tokens reach the host.
+
+    ``generate`` first puts the prompt (at the batch's start), then one ``[batch]`` tensor of new
+    tokens per step. Times are seconds after ``run_start``.
+    """
+
+    def __init__(self, run_start: float):
+        self.run_start = run_start
+        self.start_s = time.perf_counter() - run_start
+        self.token_times_s: list[float] = []
+        self._seen_prompt = False
+
+    def put(self, value) -> None:
+        if self._seen_prompt:
+            self.token_times_s.append(time.perf_counter() - self.run_start)
+        self._seen_prompt = True
+
+    def end(self) -> None:
+        pass
 
 
 def _left_pad(batch: list[list[int]], pad_id: int):

@@ -1,0 +1,87 @@
+"""benchmarks/peers.py without running any system: rows, ratios to vLLM and the table from given
+numbers, a peer that cannot be installed, the --systems parsing."""
+
+from __future__ import annotations
+
+import math
+
+import click
+import pytest
+from rich.console import Console
+
+from benchmarks import peer_report, vllm_peer
+from benchmarks.peers import parse_systems
+
+
+def summary(tps: float, tbt_p50_ms: float, ttft_p50_ms: float, goodput_rps: float, num_ok: int = 64) -> dict:
+    return {"num_ok": num_ok, "num_requests": 64, "output_throughput_tps": tps, "request_throughput_rps": tps / 64,
+            "tbt_ms": {"p50": tbt_p50_ms}, "ttft_ms": {"p50": ttft_p50_ms}, "goodput_rps": goodput_rps,
+            "slo_attainment": 0.5}
+
+
+def rendered(table) -> str:
+    console = Console(width=300, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def test_ratios_are_against_the_vllm_row():
+    rows = peer_report.with_ratios([
+        peer_report.metric_row("hf static", summary(10.0, 300.0, 4000.0, 0.0)),
+        peer_report.metric_row("vllm", summary(80.0, 100.0, 500.0, 0.8)),
+        peer_report.metric_row("tandem colocated", summary(60.0, 150.0, 700.0, 0.6)),
+    ])
+    by_name = {r["system"]: r for r in rows}
+    assert by_name["vllm"]["x_tps"] == 1.0
+    assert by_name["tandem colocated"]["x_tps"] == pytest.approx(0.75)
+    assert by_name["tandem colocated"]["x_tbt"] == pytest.approx(1.5)  # TBT: above 1 is slower than vLLM
+    assert by_name["tandem colocated"]["x_goodput"] == pytest.approx(0.75)
+    assert by_name["hf static"]["x_goodput"] == 0.0
+    text = rendered(peer_report.peer_table(rows))
+    assert "0.75" in text and "1.50" in text and "80.0" in text
+
+
+def test_unavailable_vllm_leaves_ratios_empty_and_says_why():
+    reason = "not installed (no virtualenv at /x): run scripts/install_vllm.sh /x, or pass --install-vllm"
+    rows = peer_report.with_ratios([
+        peer_report.unavailable_row("vllm", reason),
+        peer_report.metric_row("tandem colocated", summary(60.0, 150.0, 700.0, 0.6)),
+    ])
+    assert rows[0]["status"] == "unavailable" and "x_tps" not in rows[0]
+    assert rows[1]["x_tps"] is None and rows[1]["x_tbt"] is None
+    assert reason in rendered(peer_report.peer_table(rows))
+    markdown = peer_report.markdown_table(rows)
+    assert markdown.splitlines()[2].startswith("| vllm | - | - |")
+    assert "| tandem colocated | 64/64 | 60.0 | 150 | 700 | 0.600 | - | - | - |" in markdown
+
+
+def test_ratio_to_a_zero_or_missing_baseline_is_none():
+    rows = peer_report.with_ratios([
+        peer_report.metric_row("vllm", summary(80.0, math.nan, 500.0, 0.0)),
+        peer_report.metric_row("tandem colocated", summary(60.0, 150.0, 700.0, 0.6)),
+    ])
+    assert rows[1]["x_goodput"] is None and rows[1]["x_tbt"] is None and rows[1]["x_tps"] == pytest.approx(0.75)
+
+
+def test_missing_vllm_venv_is_reported_not_raised(tmp_path):
+    versions, why = vllm_peer.vllm_versions(tmp_path / "absent")
+    assert versions is None
+    assert why == f"no virtualenv at {tmp_path / 'absent'}"
+
+
+def test_thread_binding_lines_come_from_the_log(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO started\n(EngineCore pid=1) INFO \tlocal_rank=0, core ids=[0]\n"
+                   "(EngineCore pid=1) INFO \treserved_cpus=[1]\nINFO ready\n")
+    assert vllm_peer.thread_binding(log) == ["local_rank=0, core ids=[0]", "reserved_cpus=[1]"]
+
+
+def test_cpu_defaults_cap_the_kv_cache_and_context():
+    assert vllm_peer.default_args("cpu") == ("--max-model-len", "2048", "--kv-cache-memory-bytes", "1G")
+    assert vllm_peer.default_args("cuda") == ("--max-model-len", "2048")
+
+
+def test_systems_keep_the_table_order_and_reject_unknown_names():
+    assert parse_systems("disaggregated, vllm") == ["vllm", "disaggregated"]
+    with pytest.raises(click.BadParameter, match="sglang"):
+        parse_systems("vllm,sglang")
