@@ -225,7 +225,7 @@ def set_omp_wait_policy(policy: str) -> None:
 @click.option("--install-vllm", is_flag=True, help="Run scripts/install_vllm.sh when --vllm-venv lacks vllm.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Which vLLM build and flags; auto: cuda when torch sees a GPU.")
-@click.option("--omp-wait-policy", default="PASSIVE", show_default=True,
+@click.option("--omp-wait-policy", default="", show_default=True,
               help="OMP_WAIT_POLICY for every row ('' leaves it unset).")
 @click.option("--output-dir", default="bench-results/peers", show_default=True, type=click.Path(path_type=Path))
 def main(systems: str, prompts_path: Path, num_prompts: int, concurrency: int, max_tokens: int, max_prompt_chars: int,

@@ -61,6 +61,13 @@ def main() -> None:
               help="Schedule step k+1 while step k runs.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Prefix caching in the workers' KV caches.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Weights and KV cache of the workers.")
+@click.option("--attention-backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "cpu", "triton"]),
+              help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference.")
+@click.option("--enforce-eager/--no-enforce-eager", default=False, show_default=True,
+              help="Run the workers' model eagerly instead of torch.compile'd.")
 @click.option("--routing-policy", default="predicted_latency", show_default=True,
               type=click.Choice(["round_robin", "least_loaded", "cache_aware", "predicted_latency"]),
               help="How the router places requests on workers.")
@@ -179,10 +186,13 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
     """Moves the scheduling switches out of ``kwargs`` into worker flags."""
     policy, steps = kwargs.pop("scheduling_policy"), kwargs.pop("num_scheduler_steps")
     overlap, prefix = kwargs.pop("enable_overlap"), kwargs.pop("enable_prefix_caching")
+    eager = kwargs.pop("enforce_eager")
     return (
         "--scheduling-policy", policy, "--num-scheduler-steps", str(steps),
         "--enable-overlap" if overlap else "--no-enable-overlap",
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
+        "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
+        "--enforce-eager" if eager else "--no-enforce-eager",
     )
 
 

@@ -1,0 +1,127 @@
+"""Paged decode attention for the CPU: a small C kernel (``cpu/paged_decode_attention.c``) that
+reads each sequence's K/V in place through its block table, compiled once per machine.
+
+The C source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) and
+``-O3 -march=native -fopenmp`` into the Tandem cache folder, keyed by the source, the flags and
+this CPU's instruction-set flags, so every machine gets code for its own ISA (AVX-512 on one,
+AVX2 on another) and later starts load it in milliseconds. The kernel shares torch's OpenMP
+runtime (the same ``libgomp.so.1``) and uses torch's thread count.
+
+Where no compiler works, :func:`load_kernel` returns None and callers keep the torch path
+(:class:`engine.cpu_attention.CpuAttentionBackend` falls back to gather + SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from core.model_source import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, these flags and this CPU lives."""
+    key = hashlib.blake2b(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode(),
+                          digest_size=8).hexdigest()
+    return cache_dir() / "kernels" / f"paged_decode_attention-{key}.so"
+
+
+def _compile(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc or gcc; set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)  # atomic: a concurrent start sees the old file or the new one
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, compiling it first if needed; None (logged once) when it cannot be
+    built or loaded here. Thread-safe."""
+    global _kernel
+    with _lock:
+        if _kernel is False:
+            _kernel = _load()
+        return _kernel
+
+
+def _load() -> ctypes.CDLL | None:
+    path = library_path()
+    try:
+        if not path.exists():
+            started = time.perf_counter()
+            log.info("compiling the CPU paged-attention kernel (%s) ...", SOURCE.name)
+            _compile(path)
+            log.info("compiled the CPU paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", err)
+        return None
+    fn = lib.paged_decode_attention_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def paged_decode_attention_cpu(
+    kernel: ctypes.CDLL,
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], float32, contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], float32, contiguous
+    block_tables: torch.Tensor,  # [num_seqs, >= ceil(max seq_len / block_size)], int64, rows contiguous
+    seq_lens: torch.Tensor,  # [num_seqs], int64, >= 1
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], float32
+    """Attention of one query per sequence over its whole paged context, read in place.
+
+    Raises:
+        ValueError: a tensor with another dtype, device or layout than the above.
+    """
+    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.device.type != "cpu":
+        raise ValueError(f"float32 CPU tensors only, got {query.dtype} query and {kv_cache.dtype} cache on {query.device}")
+    if not kv_cache.is_contiguous() or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1 \
+            or seq_lens.dtype != torch.int64:
+        raise ValueError("kv_cache must be contiguous, block_tables and seq_lens int64 with contiguous rows")
+    query = query.contiguous()
+    seq_lens = seq_lens.contiguous()
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    kernel.paged_decode_attention_f32(
+        query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, scale, torch.get_num_threads(),
+    )
+    return out
