@@ -94,6 +94,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         raise click.UsageError("--address needs --ray")
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
+    if kwargs["colocated"] and _given("num_prefill_workers"):
+        raise click.UsageError("--colocated starts no prefill worker; drop --num-prefill-workers or --colocated")
     config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
                                        demo, check_ports=not address)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
@@ -149,6 +151,11 @@ def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     return stop, signals
+
+
+def _given(name: str) -> bool:
+    """Whether the user set option ``name`` (on the command line or through its environment variable)."""
+    return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
 
 def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts: int, demo: bool,
