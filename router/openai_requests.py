@@ -5,8 +5,10 @@ and an OpenAI field this server does not implement (``echo``, ``best_of``, ``too
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
 parameter never changes the output silently. vLLM's extra fields (``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) are honoured; ``user``, ``metadata``
-and the like are accepted and ignored. Booleans are strict (``"stream": "yes"`` is refused).
-One prompt per request; ``n`` choices of it.
+and the like are accepted and ignored. Types are strict, as OpenAI's and vLLM's: a number sent
+as a string (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a
+number sent as a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the
+field's name; an integer is a valid float. One prompt per request; ``n`` choices of it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict
 
 from core.sampling_params import MAX_TOP_LOGPROBS
 from router.validation import InvalidRequestError, RequestInput
@@ -73,7 +75,7 @@ def _short(value: Any) -> str:
 
 
 class _OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     def _refuse_unsupported(self, prefix: str = "") -> None:
@@ -88,8 +90,8 @@ class _OpenAIModel(BaseModel):
 
 
 class StreamOptions(_OpenAIModel):
-    include_usage: StrictBool = False
-    include_obfuscation: StrictBool | None = None  # accepted, ignored: no padding is sent
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: no padding is sent
 
 
 class _SamplingFields(_OpenAIModel):
@@ -102,12 +104,12 @@ class _SamplingFields(_OpenAIModel):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None  # absent or null: 0
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # absent or null: 1 (disabled)
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: Any = None
     # Accepted and ignored: end-user and caching metadata.
@@ -168,7 +170,7 @@ class ContentPart(BaseModel):
     """A content part; other part types (images, audio) carry fields of their own, so only
     ``type`` is checked first."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -206,9 +208,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
-    logprobs: StrictBool = False
+    logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
-    parallel_tool_calls: StrictBool | None = None  # accepted, ignored: no tools
+    parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
 from router.validation import InvalidRequestError
@@ -115,8 +117,8 @@ def body_error_of(model, body, json_body: bool = True) -> tuple[str, str | None]
         (CompletionRequest, {"prompt": "x", "stop": 5}, "stop: expected one of str, list[str], got 5", "stop"),
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": 7}]},
          "messages.0.content: expected one of str, list[ContentPart], got 7", "messages.0.content"),
-        (CompletionRequest, {"prompt": "x", "max_tokens": "ten"},
-         "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": "ten"}, "max_tokens: Input should be a valid integer",
+         "max_tokens"),
         (CompletionRequest, {"max_tokens": 3}, "prompt: Field required", "prompt"),
         (CompletionRequest, [1, 2], "the request body must be a JSON object", None),
         (CompletionRequest, {"prompt": "x", "\ud800": 1},
@@ -174,3 +176,71 @@ def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> Non
             "stream_options": {"include_usage": True, "include_obfuscation": False}}
     request = ChatCompletionRequest.model_validate(chat).to_input()
     assert request.messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "x"})
+
+
+def scalar_fields(model: type[BaseModel], prefix: str = "") -> dict[str, type]:
+    """Dotted name -> int, float or bool of every field typed so (optional or not), nested
+    models included (``stream_options.include_usage``)."""
+    fields = {}
+    for name, field in model.model_fields.items():
+        for arg in typing.get_args(field.annotation) or (field.annotation,):
+            if arg in (int, float, bool):
+                fields[prefix + name] = arg
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                fields.update(scalar_fields(arg, f"{prefix}{name}."))
+    return fields
+
+
+COMMON_SCALARS = {
+    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int,
+    "ignore_eos": bool, "min_tokens": int, "presence_penalty": float, "frequency_penalty": float,
+    "repetition_penalty": float, "stream": bool, "stream_options.include_usage": bool,
+    "stream_options.include_obfuscation": bool,
+}
+
+
+def test_every_numeric_and_boolean_field_is_listed() -> None:
+    assert scalar_fields(CompletionRequest) == {**COMMON_SCALARS, "logprobs": int}
+    assert scalar_fields(ChatCompletionRequest) == {**COMMON_SCALARS, "max_completion_tokens": int, "logprobs": bool,
+                                                    "top_logprobs": int, "parallel_tool_calls": bool}
+
+
+# What each type refuses: numbers as strings, booleans for numbers, 0/1 and strings for booleans.
+WRONG_VALUES = {int: ["5", True, 2.5, 2.0], float: ["0.5", True], bool: [0, 1, "true"]}
+TYPE_NAMES = {int: "integer", float: "number", bool: "boolean"}
+
+
+def _body_with(name: str, value) -> dict:
+    """``{"a": value}`` for ``a``, ``{"a": {"b": value}}`` for ``a.b``."""
+    head, _, rest = name.partition(".")
+    return {head: _body_with(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "value"),
+    [(model, name, value) for model in (CompletionRequest, ChatCompletionRequest)
+     for name, kind in scalar_fields(model).items() for value in WRONG_VALUES[kind]],
+)
+def test_scalar_fields_have_strict_types(model, name: str, value) -> None:
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    kind = scalar_fields(model)[name]
+    assert body_error_of(model, {**base, **_body_with(name, value)}) == (
+        f"{name}: Input should be a valid {TYPE_NAMES[kind]}", name)
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"prompt": "x", "stop_token_ids": [2, "5"]}, "stop_token_ids.1: Input should be a valid integer",
+         "stop_token_ids.1"),
+        ({"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids.0: Input should be a valid integer",
+         "stop_token_ids.0"),
+    ],
+)
+def test_token_id_lists_have_strict_types(body: dict, message: str, param: str) -> None:
+    assert body_error_of(CompletionRequest, body) == (message, param)
+
+
+def test_an_integer_is_a_valid_float() -> None:
+    request = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 1}).to_input()
+    assert (request.temperature, request.top_p) == (1.0, 1.0)
