@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from core.sampling_params import MAX_TOP_LOGPROBS
+from router.errors import as_json
 from router.validation import InvalidRequestError, RequestInput
 
 
@@ -70,7 +71,8 @@ MESSAGE_UNSUPPORTED = {
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """``value`` as the JSON the client sent, cut to 60 characters."""
+    text = as_json(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -196,7 +198,7 @@ class ChatMessage(_OpenAIModel):
         for j, part in enumerate(self.content):
             param = f"messages.{index}.content.{j}"
             if part.type != "text":
-                raise InvalidRequestError(f"only text content parts are supported, got {part.type!r}", param)
+                raise InvalidRequestError(f"only text content parts are supported, got {as_json(part.type)}", param)
             if part.model_extra:
                 names = ", ".join(sorted(part.model_extra))
                 raise InvalidRequestError(f"unrecognized request argument: {param}.{names}", param)
@@ -244,8 +246,9 @@ def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
     """The pydantic/JSON errors of a request body as one OpenAI 400, naming the field.
 
     Unknown fields are listed together ("unrecognized request argument: temprature"); a value
-    that matches no member of a union (``"prompt": 42``) names the field itself, not the member
-    (``prompt``, not ``prompt.str``); a body that is not a JSON object says so, with the
+    of the wrong type is quoted as JSON (``max_tokens: Input should be a valid integer, got "5"``);
+    one that matches no member of a union (``"prompt": 42``) names the field itself, not the
+    member (``prompt``, not ``prompt.str``); a body that is not a JSON object says so, with the
     Content-Type hint when the client sent another (``curl -d`` sends form data).
     """
     if not errors:
@@ -268,7 +271,8 @@ def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
     loc = tuple(first["loc"])
     tag_at = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
     if tag_at is None:
-        return InvalidRequestError(f"{_path(loc)}: {first['msg']}", _path(loc))
+        got = "" if first.get("type") == "missing" else f", got {_short(first.get('input'))}"
+        return InvalidRequestError(f"{_path(loc)}: {first['msg']}{got}", _path(loc))
     prefix, param = loc[:tag_at], _path(loc[:tag_at])  # "prompt", not "prompt.str"
     members = [tuple(e["loc"])[tag_at] for e in errors if tuple(e["loc"])[:tag_at] == prefix
                and len(e["loc"]) > tag_at and _is_union_member(e["loc"][tag_at])]

@@ -19,9 +19,9 @@ def record(error_kind: str = "", error: str = "") -> dict:
 
 
 def test_failure_message_quotes_the_servers_error() -> None:
-    body = json.dumps({"error": {"message": "model 'foo' does not exist", "type": "invalid_request_error"}})
+    body = json.dumps({"error": {"message": 'model "foo" does not exist', "type": "invalid_request_error"}})
     assert failure_message([record("http_404", body), record("http_404", body)]) == (
-        "all 2 requests failed; the first (http_404): model 'foo' does not exist")
+        'all 2 requests failed; the first (http_404): model "foo" does not exist')
     stream_error = json.dumps({"message": "decode worker failed", "type": "service_unavailable_error"})
     assert failure_message([record("stream_error", stream_error)]) == (
         "all 1 requests failed; the first (stream_error): decode worker failed")
