@@ -52,14 +52,30 @@ def failure_message(records: list[dict]) -> str | None:
     return f"all {len(records)} requests failed; the first ({first['error_kind']}): {message}"
 
 
-def served_model(url: str) -> str:
-    """The first model GET /v1/models lists. Raises click.ClickException when there is none."""
+def served_model(url: str, timeout_s: float = 10.0) -> str:
+    """The first model GET /v1/models lists.
+
+    Raises:
+        click.ClickException: nothing answers at ``url`` (refused, timed out: is the server up,
+            is --url right?), or it answers without listing a model (then --model helps).
+    """
+    models_url = f"{url.rstrip('/')}/v1/models"
     try:
-        models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as err:
-        raise click.ClickException(f"cannot list models at {url}/v1/models ({err}); pass --model") from err
+        response = httpx.get(models_url, timeout=timeout_s)
+    except httpx.TimeoutException:
+        raise click.ClickException(f"nothing answers at {url} (no reply within {timeout_s:g} s); "
+                                   "is the server up, and --url right?") from None
+    except httpx.TransportError as err:
+        raise click.ClickException(f"nothing answers at {url} ({err}); is the server up, and --url right?") from None
+    if not response.is_success:
+        raise click.ClickException(f"{models_url} answered HTTP {response.status_code}, not a model list; "
+                                   "pass --model")
+    try:
+        models = response.json()["data"]
+    except (KeyError, TypeError, ValueError):  # not JSON, or not OpenAI's shape
+        models = []
     if not models:
-        raise click.ClickException(f"{url}/v1/models lists no model; pass --model")
+        raise click.ClickException(f"{models_url} lists no model; pass --model")
     return models[0]["id"]
 
 

@@ -1,12 +1,20 @@
-"""`tandem bench` argument handling: URLs with /v1, and runs where every request failed."""
+"""`tandem bench` argument handling: URLs with /v1, runs where every request failed, and what it
+says when the server is down or lists no model."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import click
 import pytest
+from click.testing import CliRunner
 
-from bench.cli import base_url, failure_message
+from bench.cli import base_url, bench, failure_message, served_model
+from tests.conftest import find_free_port
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
@@ -32,3 +40,72 @@ def test_failure_message_quotes_the_servers_error() -> None:
 def test_no_failure_message_when_one_request_succeeded() -> None:
     assert failure_message([record("http_503", "{}"), record()]) is None
     assert failure_message([]) is None
+
+
+@pytest.fixture
+def models_server() -> Iterator:
+    """``start(status, body)`` -> the URL of a server answering every GET with them."""
+    servers = []
+
+    def start(status: int, body: bytes) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                self.send_response(status)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def run_bench(url: str) -> tuple[int, str]:
+    result = CliRunner().invoke(bench, ["--url", f"{url}/v1", "--roofline-model", "", "--no-progress"])
+    return result.exit_code, result.output.splitlines()[-1]
+
+
+def test_a_server_that_is_down_is_not_asked_for_a_model() -> None:
+    url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
+    assert run_bench(url) == (
+        1, f"Error: nothing answers at {url} ([Errno 111] Connection refused); is the server up, and --url right?")
+
+
+def test_a_server_that_never_replies_times_out() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(click.ClickException) as info:
+            served_model(url, timeout_s=0.2)
+    assert info.value.message == (
+        f"nothing answers at {url} (no reply within 0.2 s); is the server up, and --url right?")
+
+
+def test_a_server_listing_no_model_asks_for_model(models_server) -> None:
+    url = models_server(200, b'{"object": "list", "data": []}')
+    assert run_bench(url) == (1, f"Error: {url}/v1/models lists no model; pass --model")
+
+
+@pytest.mark.parametrize(("status", "body", "message"), [
+    (404, b"not found", "{url}/v1/models answered HTTP 404, not a model list; pass --model"),
+    (200, b"<html></html>", "{url}/v1/models lists no model; pass --model"),
+    (200, b'["m"]', "{url}/v1/models lists no model; pass --model"),
+])
+def test_a_server_without_a_model_list(models_server, status: int, body: bytes, message: str) -> None:
+    url = models_server(status, body)
+    with pytest.raises(click.ClickException) as info:
+        served_model(url)
+    assert info.value.message == message.format(url=url)
+
+
+def test_the_first_listed_model_is_used(models_server) -> None:
+    url = models_server(200, b'{"object": "list", "data": [{"id": "m1"}, {"id": "m2"}]}')
+    assert served_model(url) == "m1"
