@@ -79,6 +79,12 @@ def served_model(url: str, timeout_s: float = 10.0) -> str:
     return models[0]["id"]
 
 
+def workload_label(kind: str, path: Path | None) -> str:
+    """What the requests came from, for labels and plot titles: the kind of the file read
+    (``sharegpt``), or ``built-in prompts`` for a prompt set without a file."""
+    return kind if path is not None else "built-in prompts"
+
+
 def roofline_inputs(model: str) -> tuple[roofline.ModelFootprint, float] | None:
     """(footprint, copy bandwidth) for a bundled name or a HF folder; None when its files are not here."""
     from core.model_source import resolve_model
@@ -158,7 +164,8 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
     requests = load_workload(workload)
     if not requests:
         raise click.ClickException(f"no requests from {path}")
-    settings = {"url": url, "model": client.model, "workload": kind, "path": str(path or "built-in prompts"),
+    settings = {"url": url, "model": client.model, "workload": workload_label(kind, path),
+                "path": str(path or "built-in prompts"),
                 "num_requests": len(requests),
                 "ignore_eos": ignore_eos, "length_scale": length_scale, "seed": seed}
     limit = roofline_inputs(roofline_model) if roofline_model else None
@@ -196,8 +203,9 @@ def _sweep(requests, base, client, slo, rates: list[float], settings, output_dir
         report.save_json(data, output_dir / f"run_rate_{r:g}.json")
         points.append({"rate_per_s": r, "summary": data["summary"], "roofline": data.get("roofline")})
     console.print(report.summary_table({f"rate {p['rate_per_s']:g}/s": p["summary"] for p in points}))
-    out = report.save_json({"settings": settings, "sweep": points}, output_dir / "sweep.json")
-    plots.plot_sweep(points, output_dir / "rate_sweep.png")
+    sweep = {"label": f"{settings['workload']} poisson rate sweep", "settings": settings, "sweep": points}
+    out = report.save_json(sweep, output_dir / "sweep.json")
+    plots.plot_sweep(sweep, output_dir / "rate_sweep.png")
     console.print(f"wrote {out}, rate_sweep.png and run_rate_*.json in {output_dir}")
 
 

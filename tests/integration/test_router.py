@@ -531,7 +531,13 @@ async def test_bench_cli_takes_a_v1_url_and_fails_when_every_request_fails(clust
     assert good.exit_code == 0, good.output
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert (run["summary"]["num_ok"], run["settings"]["url"]) == (2, f"http://127.0.0.1:{cluster.router.http_port}")
-    assert run["settings"]["path"] == "built-in prompts"
+    assert (run["label"], run["settings"]["workload"], run["settings"]["path"]) == (
+        "built-in prompts concurrency", "built-in prompts", "built-in prompts")
+    swept = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, [*args, "--rates", "4"])
+    assert swept.exit_code == 0, swept.output
+    sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert (sweep["label"], [p["rate_per_s"] for p in sweep["sweep"]]) == ("built-in prompts poisson rate sweep", [4.0])
+    assert (tmp_path / "out" / "rate_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_malformed_json_is_400(cluster: Cluster) -> None:

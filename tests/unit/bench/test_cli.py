@@ -8,18 +8,25 @@ import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from bench.cli import base_url, bench, failure_message, served_model
+from bench.cli import base_url, bench, failure_message, served_model, workload_label
 from tests.conftest import find_free_port
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
 def test_base_url_strips_v1(url: str) -> None:
     assert base_url(url) == "http://h:8000"
+
+
+def test_workload_label_says_what_the_requests_came_from() -> None:
+    assert workload_label("sharegpt", None) == "built-in prompts"  # --workload's default, but no file
+    assert workload_label("sharegpt", Path("sharegpt.json")) == "sharegpt"
+    assert workload_label("mooncake", Path("trace.jsonl")) == "mooncake"
 
 
 def record(error_kind: str = "", error: str = "") -> dict:
