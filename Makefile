@@ -1,4 +1,5 @@
 # The two commands of the README. Both set everything up first (idempotent).
+# demo and up pass ARGS on to tandem up: make up ARGS="--http-port 8001 --grpc-port 50051".
 .PHONY: setup demo up test protos
 
 setup:
@@ -7,11 +8,11 @@ setup:
 # The main job: a local cluster (Redis, KV pool, prefill worker, decode worker, router) answering
 # real prompts with the real model, then stopping.
 demo: setup
-	.venv/bin/tandem up --demo
+	.venv/bin/tandem up --demo $(ARGS)
 
 # Serve until Ctrl-C.
 up: setup
-	.venv/bin/tandem up
+	.venv/bin/tandem up $(ARGS)
 
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -52,15 +52,37 @@ def failure_message(records: list[dict]) -> str | None:
     return f"all {len(records)} requests failed; the first ({first['error_kind']}): {message}"
 
 
-def served_model(url: str) -> str:
-    """The first model GET /v1/models lists. Raises click.ClickException when there is none."""
+def served_model(url: str, timeout_s: float = 10.0) -> str:
+    """The first model GET /v1/models lists.
+
+    Raises:
+        click.ClickException: nothing answers at ``url`` (refused, timed out: is the server up,
+            is --url right?), or it answers without listing a model (then --model helps).
+    """
+    models_url = f"{url.rstrip('/')}/v1/models"
     try:
-        models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as err:
-        raise click.ClickException(f"cannot list models at {url}/v1/models ({err}); pass --model") from err
+        response = httpx.get(models_url, timeout=timeout_s)
+    except httpx.TimeoutException:
+        raise click.ClickException(f"nothing answers at {url} (no reply within {timeout_s:g} s); "
+                                   "is the server up, and --url right?") from None
+    except httpx.TransportError as err:
+        raise click.ClickException(f"nothing answers at {url} ({err}); is the server up, and --url right?") from None
+    if not response.is_success:
+        raise click.ClickException(f"{models_url} answered HTTP {response.status_code}, not a model list; "
+                                   "pass --model")
+    try:
+        models = response.json()["data"]
+    except (KeyError, TypeError, ValueError):  # not JSON, or not OpenAI's shape
+        models = []
     if not models:
-        raise click.ClickException(f"{url}/v1/models lists no model; pass --model")
+        raise click.ClickException(f"{models_url} lists no model; pass --model")
     return models[0]["id"]
+
+
+def workload_label(kind: str, path: Path | None) -> str:
+    """What the requests came from, for labels and plot titles: the kind of the file read
+    (``sharegpt``), or ``built-in prompts`` for a prompt set without a file."""
+    return kind if path is not None else "built-in prompts"
 
 
 def roofline_inputs(model: str) -> tuple[roofline.ModelFootprint, float] | None:
@@ -142,7 +164,8 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
     requests = load_workload(workload)
     if not requests:
         raise click.ClickException(f"no requests from {path}")
-    settings = {"url": url, "model": client.model, "workload": kind, "path": str(path or "built-in prompts"),
+    settings = {"url": url, "model": client.model, "workload": workload_label(kind, path),
+                "path": str(path or "built-in prompts"),
                 "num_requests": len(requests),
                 "ignore_eos": ignore_eos, "length_scale": length_scale, "seed": seed}
     limit = roofline_inputs(roofline_model) if roofline_model else None
@@ -180,8 +203,9 @@ def _sweep(requests, base, client, slo, rates: list[float], settings, output_dir
         report.save_json(data, output_dir / f"run_rate_{r:g}.json")
         points.append({"rate_per_s": r, "summary": data["summary"], "roofline": data.get("roofline")})
     console.print(report.summary_table({f"rate {p['rate_per_s']:g}/s": p["summary"] for p in points}))
-    out = report.save_json({"settings": settings, "sweep": points}, output_dir / "sweep.json")
-    plots.plot_sweep(points, output_dir / "rate_sweep.png")
+    sweep = {"label": f"{settings['workload']} poisson rate sweep", "settings": settings, "sweep": points}
+    out = report.save_json(sweep, output_dir / "sweep.json")
+    plots.plot_sweep(sweep, output_dir / "rate_sweep.png")
     console.print(f"wrote {out}, rate_sweep.png and run_rate_*.json in {output_dir}")
 
 

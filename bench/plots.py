@@ -52,10 +52,16 @@ def plot_tbt_over_time(run: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_sweep(sweep: list[dict], path: Path) -> Path:
-    """p50/p90 TTFT and TBT, and goodput, against the offered request rate."""
-    rates = [point["rate_per_s"] for point in sweep]
-    summaries = [point["summary"] for point in sweep]
+def plot_sweep(sweep: dict, path: Path) -> Path:
+    """:func:`sweep_figure` saved to ``path``."""
+    return _save(sweep_figure(sweep), path)
+
+
+def sweep_figure(sweep: dict):
+    """p50/p90 TTFT and TBT, and goodput, against the offered request rate, titled with the
+    sweep's label. ``sweep``: as saved in sweep.json (``label``, ``sweep``: one point per rate)."""
+    rates = [point["rate_per_s"] for point in sweep["sweep"]]
+    summaries = [point["summary"] for point in sweep["sweep"]]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, name in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tbt_ms", "TBT (ms)")):
         for q in ("p50", "p90", "p99"):
@@ -70,7 +76,8 @@ def plot_sweep(sweep: list[dict], path: Path) -> Path:
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    fig.suptitle(sweep.get("label", ""))
+    return fig
 
 
 def _save(fig, path: Path) -> Path:

@@ -22,7 +22,7 @@ from launcher.preflight import (
     check_ports_free,
 )
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
-from launcher.supervisor import RestartPolicy, ServiceExited
+from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 console = Console()
 
@@ -101,6 +101,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         raise click.UsageError("--address needs --ray")
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
+    if kwargs["colocated"] and _given("num_prefill_workers"):
+        raise click.UsageError("--colocated starts no prefill worker; drop --num-prefill-workers or --colocated")
     config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
                                        demo, check_ports=not address)
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
@@ -111,6 +113,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         check_max_model_len(source.converted_dir, config.max_model_len)
     except PreflightError as err:
         raise click.ClickException(str(err)) from None
+    stop, signals = _catch_stop_signals()
     if use_ray:
         try:
             import ray  # noqa: F401
@@ -118,15 +121,13 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
             raise click.ClickException("--ray needs ray: pip install 'tandem-serve[ray]'") from None
         from launcher.ray_cluster import RayCluster
 
-        cluster = RayCluster(config, address=address)
+        cluster = RayCluster(config, address=address, interrupted=stop.is_set)
     else:
-        cluster = LocalCluster(config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        cluster = LocalCluster(config, interrupted=stop.is_set)
     try:
         with console.status("starting services") as status:
-            cluster.start(on_progress=lambda msg: status.update(msg))
+            # A pipe or a log file gets no spinner: one line per step instead.
+            cluster.start(on_progress=status.update if console.is_terminal else console.print)
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
         console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
@@ -136,10 +137,32 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
             console.print("Ctrl-C stops every service.")
             while not stop.wait(timeout=1.0):
                 _supervise(cluster)
+    except StartInterrupted as err:
+        console.print(f"[yellow]{err}[/]")
+        raise click.exceptions.Exit(128 + signals[0]) from None  # as a shell reports a signal: 130 for SIGINT
     finally:
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
+
+
+def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
+    """From now on SIGINT and SIGTERM set the returned event and are appended to the returned
+    list (instead of raising KeyboardInterrupt): start-up launches nothing more, serving stops."""
+    stop, signals = threading.Event(), []
+
+    def on_signal(signum: int, _frame) -> None:
+        signals.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    return stop, signals
+
+
+def _given(name: str) -> bool:
+    """Whether the user set option ``name`` (on the command line or through its environment variable)."""
+    return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
 
 def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts: int, demo: bool,

@@ -2,8 +2,10 @@
 
 Start order: Redis → KV pool → prefill workers → decode workers → router; stop order is the
 reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
-behind even when the launcher is killed. While it runs, :meth:`LocalCluster.supervise` restarts
-a worker or KV pool process that exited (launcher.supervisor).
+behind even when the launcher is killed. A start-up whose ``interrupted()`` turns true (Ctrl-C
+at ``tandem up``) starts nothing more and raises StartInterrupted. While it runs,
+:meth:`LocalCluster.supervise` restarts a worker or KV pool process that exited
+(launcher.supervisor).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launcher.supervisor import RestartPolicy, Supervisor
+from launcher.supervisor import RestartPolicy, StartInterrupted, Supervisor
 
 _PR_SET_PDEATHSIG = 1
 
@@ -202,8 +204,11 @@ def _port(address: str) -> int:
 
 
 class LocalCluster:
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, interrupted: Callable[[], bool] = lambda: False):
+        """``interrupted``: polled while starting; once it returns True no further service is
+        started and :meth:`start` raises StartInterrupted."""
         self.config = config
+        self.interrupted = interrupted
         self.services: list[Service] = []
         self.redis_url = config.redis_url
         self.http_url = f"http://{config.host}:{config.http_port}"
@@ -213,6 +218,7 @@ class LocalCluster:
         self._supervisor = Supervisor(config.restart)
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
+        self._stop_if_interrupted(name)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
         env = env or {}
@@ -237,6 +243,8 @@ class LocalCluster:
         Raises:
             FileNotFoundError: redis-server is needed and not installed.
             RuntimeError: a service exited or did not become healthy in time (its log is named).
+            StartInterrupted: ``interrupted()`` turned true; the services started so far still run
+                (:meth:`stop` stops them).
         """
         c = self.config
         py = sys.executable
@@ -269,6 +277,7 @@ class LocalCluster:
         Raises:
             FileNotFoundError: redis-server is not installed.
             RuntimeError: it exited or did not answer PING in time.
+            StartInterrupted: as :meth:`start`.
         """
         binary = shutil.which("redis-server")
         if binary is None:
@@ -289,6 +298,7 @@ class LocalCluster:
         on_progress(f"starting {service.name}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._stop_if_interrupted(service.name)
             if service.process.poll() is not None:
                 tail = service.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{service.name} exited with code {service.process.returncode}; "
@@ -298,6 +308,10 @@ class LocalCluster:
                 return
             time.sleep(0.2)  # polling a child's health, not synchronising threads
         raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; log {service.log_path}")
+
+    def _stop_if_interrupted(self, starting: str) -> None:
+        if self.interrupted():
+            raise StartInterrupted(starting)
 
     def service(self, name: str) -> Service:
         """The started service called ``name`` (``decode-1``, ...). Raises KeyError if none."""

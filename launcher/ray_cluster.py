@@ -37,7 +37,7 @@ from launcher.local_cluster import (
     service_argv,
     worker_threads,
 )
-from launcher.supervisor import ServiceExited, Supervisor
+from launcher.supervisor import ServiceExited, StartInterrupted, Supervisor
 
 ACTOR_START_TIMEOUT_S = 120.0  # an actor not placed by then: the cluster lacks the resources
 
@@ -142,8 +142,12 @@ class RayCluster:
     """Same attributes as :class:`LocalCluster`: ``addresses``, ``http_url``, ``grpc_address``,
     ``services``, ``redis_url``."""
 
-    def __init__(self, config: ClusterConfig, address: str | None = None):
+    def __init__(self, config: ClusterConfig, address: str | None = None,
+                 interrupted: Callable[[], bool] = lambda: False):
+        """``interrupted``: as :class:`LocalCluster`'s (checked before each service starts and
+        while it is awaited)."""
         self.config = config
+        self.interrupted = interrupted
         self.ray_address = address
         self.services: list[RayService] = []
         self.redis_url = config.redis_url
@@ -151,7 +155,7 @@ class RayCluster:
         self.grpc_address = f"{config.host}:{config.grpc_port}"
         self.addresses: dict[str, str] = {}
         self.use_gpus = False
-        self._redis = LocalCluster(config)  # only for the private redis-server
+        self._redis = LocalCluster(config, interrupted)  # only for the private redis-server
         self._connected = False
         self._supervisor = Supervisor(config.restart)
 
@@ -163,6 +167,7 @@ class RayCluster:
             FileNotFoundError: redis-server is needed and not installed.
             RuntimeError: an actor could not be placed, or a service exited or did not become
                 healthy in time (its log is named).
+            StartInterrupted: ``interrupted()`` turned true; :meth:`stop` stops what started.
         """
         import ray
 
@@ -243,6 +248,8 @@ class RayCluster:
         ``on_progress`` is None."""
         import ray
 
+        if self.interrupted():
+            raise StartInterrupted(service.name)
         host, port = service.address.rsplit(":", 1)
         service.argv, service.env = argv(service.python, host, int(port)), env
         service.pid = ray.get(service.actor.start.remote(service.argv, env))
@@ -255,6 +262,8 @@ class RayCluster:
         on_progress(f"starting {service.name} on {service.node_ip}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.interrupted():
+                raise StartInterrupted(service.name)
             code = ray.get(service.actor.poll.remote())
             if code is not None:
                 tail = ray.get(service.actor.log_tail.remote())

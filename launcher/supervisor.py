@@ -28,6 +28,14 @@ class ServiceExited(RuntimeError):
     """A service exited and the cluster must stop (critical, restarts off, or budget spent)."""
 
 
+class StartInterrupted(RuntimeError):
+    """SIGINT or SIGTERM arrived while the cluster was starting: nothing more is started; the
+    caller stops what already was."""
+
+    def __init__(self, starting: str):
+        super().__init__(f"start-up interrupted while starting {starting}; nothing more is started")
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """How exited services are restarted. Raises ValueError on a negative or zero duration."""

@@ -7,7 +7,9 @@ translate its :class:`ErrorKind` (and the metrics count rejections by ``kind.val
 from __future__ import annotations
 
 import enum
+import json
 import math
+from typing import Any
 
 import grpc
 
@@ -75,6 +77,14 @@ class RouterError(Exception):
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
         _, error_type, code, _ = _TRANSPORT[self.kind]
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
+
+
+def as_json(value: Any) -> str:
+    """``value`` as JSON text, the way the client sent it (``true``, ``null``, ``"text"``,
+    ``{"type": "json_object"}``), for error messages that quote it. A lone surrogate in a string
+    comes out escaped (``\\ud800``): the error body must encode as UTF-8."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def kind_from_grpc(code: grpc.StatusCode) -> ErrorKind:

@@ -5,8 +5,10 @@ and an OpenAI field this server does not implement (``echo``, ``best_of``, ``too
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
 parameter never changes the output silently. vLLM's extra fields (``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) are honoured; ``user``, ``metadata``
-and the like are accepted and ignored. Booleans are strict (``"stream": "yes"`` is refused).
-One prompt per request; ``n`` choices of it.
+and the like are accepted and ignored. Types are strict, as OpenAI's API is: a number sent
+as a string (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a
+number sent as a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the
+field's name; an integer is a valid float. One prompt per request; ``n`` choices of it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict
 
 from core.sampling_params import MAX_TOP_LOGPROBS
+from router.errors import as_json
 from router.validation import InvalidRequestError, RequestInput
 
 
@@ -68,12 +71,13 @@ MESSAGE_UNSUPPORTED = {
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """``value`` as the JSON the client sent, cut to 60 characters."""
+    text = as_json(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     def _refuse_unsupported(self, prefix: str = "") -> None:
@@ -88,8 +92,8 @@ class _OpenAIModel(BaseModel):
 
 
 class StreamOptions(_OpenAIModel):
-    include_usage: StrictBool = False
-    include_obfuscation: StrictBool | None = None  # accepted, ignored: no padding is sent
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: no padding is sent
 
 
 class _SamplingFields(_OpenAIModel):
@@ -102,12 +106,12 @@ class _SamplingFields(_OpenAIModel):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None  # absent or null: 0
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # absent or null: 1 (disabled)
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: Any = None
     # Accepted and ignored: end-user and caching metadata.
@@ -168,7 +172,7 @@ class ContentPart(BaseModel):
     """A content part; other part types (images, audio) carry fields of their own, so only
     ``type`` is checked first."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -194,7 +198,7 @@ class ChatMessage(_OpenAIModel):
         for j, part in enumerate(self.content):
             param = f"messages.{index}.content.{j}"
             if part.type != "text":
-                raise InvalidRequestError(f"only text content parts are supported, got {part.type!r}", param)
+                raise InvalidRequestError(f"only text content parts are supported, got {as_json(part.type)}", param)
             if part.model_extra:
                 names = ", ".join(sorted(part.model_extra))
                 raise InvalidRequestError(f"unrecognized request argument: {param}.{names}", param)
@@ -206,9 +210,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
-    logprobs: StrictBool = False
+    logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
-    parallel_tool_calls: StrictBool | None = None  # accepted, ignored: no tools
+    parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
@@ -242,8 +246,9 @@ def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
     """The pydantic/JSON errors of a request body as one OpenAI 400, naming the field.
 
     Unknown fields are listed together ("unrecognized request argument: temprature"); a value
-    that matches no member of a union (``"prompt": 42``) names the field itself, not the member
-    (``prompt``, not ``prompt.str``); a body that is not a JSON object says so, with the
+    of the wrong type is quoted as JSON (``max_tokens: Input should be a valid integer, got "5"``);
+    one that matches no member of a union (``"prompt": 42``) names the field itself, not the
+    member (``prompt``, not ``prompt.str``); a body that is not a JSON object says so, with the
     Content-Type hint when the client sent another (``curl -d`` sends form data).
     """
     if not errors:
@@ -266,7 +271,8 @@ def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
     loc = tuple(first["loc"])
     tag_at = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
     if tag_at is None:
-        return InvalidRequestError(f"{_path(loc)}: {first['msg']}", _path(loc))
+        got = "" if first.get("type") == "missing" else f", got {_short(first.get('input'))}"
+        return InvalidRequestError(f"{_path(loc)}: {first['msg']}{got}", _path(loc))
     prefix, param = loc[:tag_at], _path(loc[:tag_at])  # "prompt", not "prompt.str"
     members = [tuple(e["loc"])[tag_at] for e in errors if tuple(e["loc"])[:tag_at] == prefix
                and len(e["loc"]) > tag_at and _is_union_member(e["loc"][tag_at])]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 
+from router.errors import as_json
 from router.validation import InvalidRequestError
 
 MAX_REQUEST_ID_CHARS = 128
@@ -28,7 +29,7 @@ def client_request_id(value: str | None, param: str, default_prefix: str) -> str
     if len(value) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(f"{param} has {len(value)} characters; at most {MAX_REQUEST_ID_CHARS}", param)
     if not all("!" <= c <= "~" for c in value):
-        raise InvalidRequestError(f"{param} {value!r} must be printable ASCII without spaces", param)
+        raise InvalidRequestError(f"{param} {as_json(value)} must be printable ASCII without spaces", param)
     return value
 
 

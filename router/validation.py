@@ -1,10 +1,10 @@
 """Turns what a client sent into prompt token ids, SamplingParams and stop strings, or says why not.
 
-Every check names the offending field (``param``) and quotes the real numbers, so a client can
-fix its request from the message alone. Text that cannot fit the context is refused before it is
-tokenized (a token covers at most ``ModelTokenizer.max_token_chars`` characters), and
-:meth:`Validator.validate_async` tokenizes on a worker thread, so one huge prompt never stalls
-the event loop that serves every other request.
+Every check names the offending field (``param``), quotes the real numbers, and quotes strings as
+JSON (``"bot"``), so a client can fix its request from the message alone. Text that cannot fit
+the context is refused before it is tokenized (a token covers at most
+``ModelTokenizer.max_token_chars`` characters), and :meth:`Validator.validate_async` tokenizes on
+a worker thread, so one huge prompt never stalls the event loop that serves every other request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from router.errors import ErrorKind, RouterError
+from router.errors import ErrorKind, RouterError, as_json
 from router.tokenizer import ModelTokenizer
 
 
@@ -100,7 +100,8 @@ class Validator:
         """
         if request.model and request.model != self.served_model_name:
             raise InvalidRequestError(
-                f"model {request.model!r} does not exist; this cluster serves {self.served_model_name!r}",
+                f"model {as_json(request.model)} does not exist; "
+                f"this cluster serves {as_json(self.served_model_name)}",
                 "model",
                 ErrorKind.MODEL_NOT_FOUND,
             )
@@ -246,10 +247,10 @@ def _too_long(num_prompt_tokens: int, max_model_len: int, param: str) -> Invalid
 
 def _check_role(role: str, param: str) -> None:
     if role in ("tool", "function"):
-        raise InvalidRequestError(f"{param} {role!r} is not supported: this server does not call tools", param)
+        raise InvalidRequestError(f"{param} {as_json(role)} is not supported: this server does not call tools", param)
     if role not in CHAT_ROLES:
-        allowed = ", ".join(repr(r) for r in CHAT_ROLES)
-        raise InvalidRequestError(f"{param} must be one of {allowed}, got {role!r}", param)
+        allowed = ", ".join(as_json(r) for r in CHAT_ROLES)
+        raise InvalidRequestError(f"{param} must be one of {allowed}, got {as_json(role)}", param)
 
 
 def _check_unicode(text: str, param: str) -> None:

@@ -1,4 +1,5 @@
-"""`tandem up` as a user runs it: serves a curl request, and Ctrl-C leaves no process behind."""
+"""`tandem up` as a user runs it: serves a curl request, and Ctrl-C leaves no process behind,
+also when it comes during start-up."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -47,6 +49,38 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
         assert proc.wait(timeout=60) == 0
         poll_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
                    timeout_s=10, message="every service process gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_during_start_up_starts_nothing_more(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+         "--num-kv-blocks", "128", "--max-model-len", "512", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+    )
+    try:
+        lines = []
+        for line in proc.stdout:  # piped: one line per start-up step
+            lines.append(line)
+            if line.strip() == "starting prefill":
+                break
+        assert lines[-1].strip() == "starting prefill", "".join(lines)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert {"redis-server"} <= {c.name() for c in children} and len(children) >= 4  # + pool, prefill, decode
+        signalled_s = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+        exited_after_s = time.monotonic() - signalled_s
+        assert proc.returncode == 130, rest
+        assert rest.splitlines() == ["start-up interrupted while starting prefill; nothing more is started",
+                                     "stopped"]
+        assert "Tandem is up" not in "".join(lines) + rest
+        assert exited_after_s < 20
+        assert (tmp_path / "decode.log").exists() and not (tmp_path / "router.log").exists()
+        # Gone when the launcher exits (it waited for each), not merely killed later with it.
+        assert [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -373,9 +373,12 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/completions", {"prompt": "x", "best_of": 2}, 400,
          "best_of is not supported (only 1 is accepted), got 2", "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-         400, "response_format is not supported (only {\"type\": \"text\"} is accepted), got {'type': 'json_object'}",
+         400, "response_format is not supported (only {\"type\": \"text\"} is accepted), got {\"type\": \"json_object\"}",
          "response_format"),
-        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream: Input should be a valid boolean", "stream"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, 'stream: Input should be a valid boolean, got "yes"',
+         "stream"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, 400,
+         "echo is not supported (only false is accepted), got true", "echo"),
         ("/v1/completions", {"prompt": 42}, 400,
          "prompt: expected one of str, list[int], list[str], list[list[int]], got 42", "prompt"),
         ("/v1/completions", {"prompt": "hi \ud800"}, 400,
@@ -383,7 +386,7 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
          "messages.0.content is not valid Unicode: lone surrogate U+D800 at character 3", "messages.0.content"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
-         "messages.0.role must be one of 'system', 'user', 'assistant', 'developer', got 'bot'", "messages.0.role"),
+         'messages.0.role must be one of "system", "user", "assistant", "developer", got "bot"', "messages.0.role"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be in [1, 64], got 0", "n"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2], got 3.0",
@@ -392,11 +395,17 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
          "top_logprobs requires logprobs to be true", "top_logprobs"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400,
-         "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
+         'max_tokens: Input should be a valid integer, got "ten"', "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400,
+         'max_tokens: Input should be a valid integer, got "5"', "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "0.5"}, 400,
+         'temperature: Input should be a valid number, got "0.5"', "temperature"),
+        ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos: Input should be a valid boolean, got 1",
+         "ignore_eos"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages must not be empty", "messages"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404,
-         f"model 'gpt-4' does not exist; this cluster serves '{DEFAULT_MODEL}'", "model"),
+         f'model "gpt-4" does not exist; this cluster serves "{DEFAULT_MODEL}"', "model"),
     ],
 )
 async def test_bad_request_then_good_one(cluster: Cluster, path, body, status, message, param) -> None:
@@ -516,13 +525,19 @@ async def test_bench_cli_takes_a_v1_url_and_fails_when_every_request_fails(clust
     wrong = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, [*args, "--model", "foo"])
     assert wrong.exit_code == 1
     assert wrong.output.splitlines()[-1] == (
-        f"Error: all 2 requests failed; the first (http_404): model 'foo' does not exist; this cluster serves "
-        f"'{DEFAULT_MODEL}' (records in {tmp_path / 'out' / 'run.json'})")
+        f'Error: all 2 requests failed; the first (http_404): model "foo" does not exist; this cluster serves '
+        f'"{DEFAULT_MODEL}" (records in {tmp_path / "out" / "run.json"})')
     good = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, args)
     assert good.exit_code == 0, good.output
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert (run["summary"]["num_ok"], run["settings"]["url"]) == (2, f"http://127.0.0.1:{cluster.router.http_port}")
-    assert run["settings"]["path"] == "built-in prompts"
+    assert (run["label"], run["settings"]["workload"], run["settings"]["path"]) == (
+        "built-in prompts concurrency", "built-in prompts", "built-in prompts")
+    swept = await asyncio.to_thread(CliRunner().invoke, bench.cli.bench, [*args, "--rates", "4"])
+    assert swept.exit_code == 0, swept.output
+    sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert (sweep["label"], [p["rate_per_s"] for p in sweep["sweep"]]) == ("built-in prompts poisson rate sweep", [4.0])
+    assert (tmp_path / "out" / "rate_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_malformed_json_is_400(cluster: Cluster) -> None:
@@ -670,7 +685,7 @@ async def test_grpc_generate(cluster: Cluster, grpc_stub) -> None:
         ({"text": "x", "sampling_params": common_pb2.SamplingParams(top_p=0)}, grpc.StatusCode.INVALID_ARGUMENT,
          "top_p must be in (0, 1], got 0.0"),
         ({"text": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND,
-         f"model 'nope' does not exist; this cluster serves '{DEFAULT_MODEL}'"),
+         f'model "nope" does not exist; this cluster serves "{DEFAULT_MODEL}"'),
     ],
 )
 async def test_grpc_bad_request(cluster: Cluster, grpc_stub, request_kwargs, code, message) -> None:

@@ -1,26 +1,32 @@
-"""`tandem up`'s supervision loop over a fake cluster: what it prints, when it stops, and what
---no-restart hands the launcher. No process is started."""
+"""`tandem up`'s supervision loop over a fake cluster: what it prints, when it stops, what
+--no-restart hands the launcher, and Ctrl-C during start-up. No process is started."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 from click.testing import CliRunner
 
 import launcher.cli
 from launcher.local_cluster import free_port
-from launcher.supervisor import RestartPolicy, ServiceExited
+from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 
 class FakeCluster:
     """Stands in for LocalCluster: ``supervise`` returns ``passes`` one at a time, raising the
-    exceptions among them."""
+    exceptions among them. ``start`` runs ``on_start`` (a signal arriving, say), then raises
+    StartInterrupted as LocalCluster does once ``interrupted()`` is true."""
 
-    def __init__(self, config, passes):
+    def __init__(self, config, passes, interrupted, on_start=lambda: None):
         self.config, self.passes, self.stopped = config, list(passes), False
+        self.interrupted, self.on_start = interrupted, on_start
         self.http_url, self.grpc_address, self.redis_url = "http://h:1", "h:2", "redis://h:3/0"
 
     def start(self, on_progress=None, timeout_s=300.0):
-        pass
+        self.on_start()
+        if self.interrupted():
+            raise StartInterrupted("decode")
 
     def supervise(self):
         result = self.passes.pop(0)
@@ -33,12 +39,20 @@ class FakeCluster:
 
 
 @pytest.fixture
-def run_up(monkeypatch, tmp_path):
+def signal_handlers(monkeypatch) -> dict:
+    """The handlers `tandem up` installs, by signal, kept out of the test process."""
+    handlers = {}
+    monkeypatch.setattr(launcher.cli.signal, "signal", lambda signum, handler: handlers.__setitem__(signum, handler))
+    return handlers
+
+
+@pytest.fixture
+def run_up(monkeypatch, tmp_path, signal_handlers):
     clusters = []
 
-    def invoke(passes, *flags):
-        def make(config):
-            clusters.append(FakeCluster(config, passes))
+    def invoke(passes, *flags, on_start=lambda: None):
+        def make(config, interrupted):
+            clusters.append(FakeCluster(config, passes, interrupted, on_start))
             return clusters[-1]
 
         monkeypatch.setattr(launcher.cli, "LocalCluster", make)
@@ -67,3 +81,12 @@ def test_no_restart_hands_the_launcher_a_zero_budget(run_up):
     assert result.exit_code == 1
     assert "Error: decode exited (-9); restarts are off (--no-restart); see d.log" in " ".join(result.output.split())
     assert cluster.config.restart.max_restarts == 0 and cluster.stopped
+
+
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_start_up_stops_without_the_banner(run_up, signal_handlers, signum, exit_code):
+    result, cluster = run_up([], on_start=lambda: signal_handlers[signum](signum, None))
+    assert result.exit_code == exit_code
+    assert result.output.splitlines() == [
+        "start-up interrupted while starting decode; nothing more is started", "stopped"]
+    assert cluster.stopped and "Tandem is up" not in result.output

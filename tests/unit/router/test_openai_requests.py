@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
 from router.validation import InvalidRequestError
@@ -49,7 +51,7 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
 
 def test_chat_image_part_is_refused() -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
-    with pytest.raises(InvalidRequestError, match="only text content parts are supported, got 'image_url'"):
+    with pytest.raises(InvalidRequestError, match='only text content parts are supported, got "image_url"'):
         body.to_input()
 
 
@@ -105,18 +107,26 @@ def body_error_of(model, body, json_body: bool = True) -> tuple[str, str | None]
          "unrecognized request argument: messages.0.nmae", "messages.0.nmae"),
         (ChatCompletionRequest, {"messages": [], "stream_options": {"include_usage": True, "continuous": True}},
          "unrecognized request argument: stream_options.continuous", "stream_options.continuous"),
-        (CompletionRequest, {"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
-        (CompletionRequest, {"prompt": "x", "ignore_eos": 1}, "ignore_eos: Input should be a valid boolean",
+        (CompletionRequest, {"prompt": "x", "stream": "yes"}, 'stream: Input should be a valid boolean, got "yes"',
+         "stream"),
+        (CompletionRequest, {"prompt": "x", "ignore_eos": 1}, "ignore_eos: Input should be a valid boolean, got 1",
          "ignore_eos"),
-        (ChatCompletionRequest, {"messages": [], "logprobs": "true"}, "logprobs: Input should be a valid boolean",
-         "logprobs"),
+        (ChatCompletionRequest, {"messages": [], "logprobs": "true"},
+         'logprobs: Input should be a valid boolean, got "true"', "logprobs"),
+        (CompletionRequest, {"prompt": None},
+         "prompt: expected one of str, list[int], list[str], list[list[int]], got null", "prompt"),
+        (CompletionRequest, {"prompt": [1, True]},
+         "prompt: expected one of str, list[int], list[str], list[list[int]], got [1, true]", "prompt"),
+        (CompletionRequest, {"prompt": "x", "model": 5}, "model: Input should be a valid string, got 5", "model"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": False}},
+         "metadata.k: Input should be a valid string, got false", "metadata.k"),
         (CompletionRequest, {"prompt": 42}, "prompt: expected one of str, list[int], list[str], list[list[int]], got 42",
          "prompt"),
         (CompletionRequest, {"prompt": "x", "stop": 5}, "stop: expected one of str, list[str], got 5", "stop"),
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": 7}]},
          "messages.0.content: expected one of str, list[ContentPart], got 7", "messages.0.content"),
         (CompletionRequest, {"prompt": "x", "max_tokens": "ten"},
-         "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
+         'max_tokens: Input should be a valid integer, got "ten"', "max_tokens"),
         (CompletionRequest, {"max_tokens": 3}, "prompt: Field required", "prompt"),
         (CompletionRequest, [1, 2], "the request body must be a JSON object", None),
         (CompletionRequest, {"prompt": "x", "\ud800": 1},
@@ -135,24 +145,24 @@ def test_form_encoded_body_hints_at_the_content_type() -> None:
 @pytest.mark.parametrize(
     ("model", "body", "message", "param"),
     [
-        (CompletionRequest, {"echo": True}, "echo is not supported (only false is accepted), got True", "echo"),
-        (CompletionRequest, {"suffix": "end"}, "suffix is not supported (only null or \"\" is accepted), got 'end'",
+        (CompletionRequest, {"echo": True}, "echo is not supported (only false is accepted), got true", "echo"),
+        (CompletionRequest, {"suffix": "end"}, "suffix is not supported (only null or \"\" is accepted), got \"end\"",
          "suffix"),
         (CompletionRequest, {"best_of": 3}, "best_of is not supported (only 1 is accepted), got 3", "best_of"),
         (CompletionRequest, {"logit_bias": {"50256": -100}},
-         "logit_bias is not supported (only {} is accepted), got {'50256': -100}", "logit_bias"),
+         "logit_bias is not supported (only {} is accepted), got {\"50256\": -100}", "logit_bias"),
         (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools is not supported (only [] is accepted), got [{'type': 'function', 'function': {'name': 'f'}}]",
+         "tools is not supported (only [] is accepted), got [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]",
          "tools"),
         (ChatCompletionRequest, {"tool_choice": "required"},
-         "tool_choice is not supported (only \"none\" is accepted), got 'required'", "tool_choice"),
+         "tool_choice is not supported (only \"none\" is accepted), got \"required\"", "tool_choice"),
         (ChatCompletionRequest, {"response_format": {"type": "json_object"}},
-         "response_format is not supported (only {\"type\": \"text\"} is accepted), got {'type': 'json_object'}",
+         "response_format is not supported (only {\"type\": \"text\"} is accepted), got {\"type\": \"json_object\"}",
          "response_format"),
         (ChatCompletionRequest, {"modalities": ["text", "audio"]},
-         "modalities is not supported (only [\"text\"] is accepted), got ['text', 'audio']", "modalities"),
+         "modalities is not supported (only [\"text\"] is accepted), got [\"text\", \"audio\"]", "modalities"),
         (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
-         "messages.0.tool_calls is not supported (only [] is accepted), got [{'id': '1'}]", "messages.0.tool_calls"),
+         "messages.0.tool_calls is not supported (only [] is accepted), got [{\"id\": \"1\"}]", "messages.0.tool_calls"),
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
          "unrecognized request argument: messages.0.content.0.x", "messages.0.content.0"),
     ],
@@ -174,3 +184,79 @@ def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> Non
             "stream_options": {"include_usage": True, "include_obfuscation": False}}
     request = ChatCompletionRequest.model_validate(chat).to_input()
     assert request.messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "x"})
+
+
+def scalar_fields(model: type[BaseModel], prefix: str = "") -> dict[str, type]:
+    """Dotted name -> int, float or bool of every field typed so (optional or not), nested
+    models included (``stream_options.include_usage``)."""
+    fields = {}
+    for name, field in model.model_fields.items():
+        for arg in typing.get_args(field.annotation) or (field.annotation,):
+            if arg in (int, float, bool):
+                fields[prefix + name] = arg
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                fields.update(scalar_fields(arg, f"{prefix}{name}."))
+    return fields
+
+
+COMMON_SCALARS = {
+    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int,
+    "ignore_eos": bool, "min_tokens": int, "presence_penalty": float, "frequency_penalty": float,
+    "repetition_penalty": float, "stream": bool, "stream_options.include_usage": bool,
+    "stream_options.include_obfuscation": bool,
+}
+
+
+def test_every_numeric_and_boolean_field_is_listed() -> None:
+    assert scalar_fields(CompletionRequest) == {**COMMON_SCALARS, "logprobs": int}
+    assert scalar_fields(ChatCompletionRequest) == {**COMMON_SCALARS, "max_completion_tokens": int, "logprobs": bool,
+                                                    "top_logprobs": int, "parallel_tool_calls": bool}
+
+
+# What each type refuses, and how the message quotes it: numbers as strings, booleans for
+# numbers, 0/1 and strings for booleans.
+WRONG_VALUES = {int: [("5", '"5"'), (True, "true"), (2.5, "2.5"), (2.0, "2.0")],
+                float: [("0.5", '"0.5"'), (True, "true")], bool: [(0, "0"), (1, "1"), ("true", '"true"')]}
+TYPE_NAMES = {int: "integer", float: "number", bool: "boolean"}
+
+
+def _body_with(name: str, value) -> dict:
+    """``{"a": value}`` for ``a``, ``{"a": {"b": value}}`` for ``a.b``."""
+    head, _, rest = name.partition(".")
+    return {head: _body_with(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "value", "quoted"),
+    [(model, name, value, quoted) for model in (CompletionRequest, ChatCompletionRequest)
+     for name, kind in scalar_fields(model).items() for value, quoted in WRONG_VALUES[kind]],
+)
+def test_scalar_fields_have_strict_types(model, name: str, value, quoted: str) -> None:
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    kind = scalar_fields(model)[name]
+    assert body_error_of(model, {**base, **_body_with(name, value)}) == (
+        f"{name}: Input should be a valid {TYPE_NAMES[kind]}, got {quoted}", name)
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"prompt": "x", "stop_token_ids": [2, "5"]}, 'stop_token_ids.1: Input should be a valid integer, got "5"',
+         "stop_token_ids.1"),
+        ({"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids.0: Input should be a valid integer, got true",
+         "stop_token_ids.0"),
+    ],
+)
+def test_token_id_lists_have_strict_types(body: dict, message: str, param: str) -> None:
+    assert body_error_of(CompletionRequest, body) == (message, param)
+
+
+def test_an_integer_is_a_valid_float() -> None:
+    request = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 1}).to_input()
+    assert (request.temperature, request.top_p) == (1.0, 1.0)
+
+
+def test_quoted_strings_stay_readable_and_encodable() -> None:
+    message, _ = body_error_of(CompletionRequest, {"prompt": "x", "model": ["é", "\ud800"]})
+    assert message == 'model: Input should be a valid string, got ["é", "\\ud800"]'
+    message.encode("utf-8")  # the error body must encode: the lone surrogate is escaped

@@ -81,9 +81,9 @@ def ids(n: int) -> tuple[int, ...]:
         (RequestInput(prompt="hi", stop=("x", "\ud83d")),
          "stop.1 is not valid Unicode: lone surrogate U+D83D at character 0", "stop.1"),
         (RequestInput(messages=({"role": "bot", "content": "x"},)),
-         "messages.0.role must be one of 'system', 'user', 'assistant', 'developer', got 'bot'", "messages.0.role"),
+         'messages.0.role must be one of "system", "user", "assistant", "developer", got "bot"', "messages.0.role"),
         (RequestInput(messages=({"role": "user", "content": "x"}, {"role": "tool", "content": "42"})),
-         "messages.1.role 'tool' is not supported: this server does not call tools", "messages.1.role"),
+         'messages.1.role "tool" is not supported: this server does not call tools', "messages.1.role"),
         (RequestInput(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21", "logprobs"),
         (RequestInput(prompt="hi", logprobs=-1), "logprobs must be in [0, 20], got -1", "logprobs"),
         (RequestInput(prompt="hi", n=0), "n must be in [1, 64], got 0", "n"),
@@ -100,7 +100,7 @@ def test_bad_input(validator: Validator, request_input: RequestInput, message: s
 def test_unknown_model_is_not_found(validator: Validator) -> None:
     with pytest.raises(InvalidRequestError) as info:
         validator.validate(RequestInput(model="gpt-4", prompt="hi"))
-    assert info.value.message == f"model 'gpt-4' does not exist; this cluster serves '{DEFAULT_MODEL}'"
+    assert info.value.message == f'model "gpt-4" does not exist; this cluster serves "{DEFAULT_MODEL}"'
     assert (info.value.param, info.value.kind, info.value.http_status) == ("model", ErrorKind.MODEL_NOT_FOUND, 404)
     assert info.value.to_openai()["error"]["code"] == "model_not_found"
 

@@ -1,0 +1,26 @@
+"""`tandem up` refuses contradictory flags before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import launcher.cli
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--colocated", "--num-prefill-workers", "2"],
+         "--colocated starts no prefill worker; drop --num-prefill-workers or --colocated"),
+        (["--colocated", "--num-prefill-workers", "1"],
+         "--colocated starts no prefill worker; drop --num-prefill-workers or --colocated"),
+        (["--ray", "--num-decode-workers", "2"],
+         "--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher"),
+        (["--address", "auto"], "--address needs --ray"),
+    ],
+)
+def test_contradictory_flags_are_a_usage_error(flags: list[str], message: str) -> None:
+    result = CliRunner().invoke(launcher.cli.main, ["up", *flags], terminal_width=200)
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == f"Error: {message}"
