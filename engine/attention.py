@@ -57,8 +57,8 @@ class AttentionBackend(Protocol):
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatters ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) into ``kv_cache`` at ``slot_mapping``."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 class TorchAttentionBackend:
@@ -138,14 +138,24 @@ def get_forward_context() -> ForwardContext:
     return _forward_context
 
 
-@torch.library.custom_op("tandem::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                     scale: float) -> torch.Tensor:
     """Layer ``layer_idx``'s attention through the forward context's backend, cache and metadata:
     writes ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) into that layer's paged cache,
     returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
 
-    A custom op, so that ``torch.compile`` keeps it as one opaque call (block tables and
+    Eagerly a plain call; under ``torch.compile`` the custom op :func:`paged_attention_op`.
+    """
+    if torch.compiler.is_compiling():
+        return paged_attention_op(query, key, value, layer_idx, scale)
+    ctx = get_forward_context()
+    return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.meta, scale)
+
+
+@torch.library.custom_op("tandem::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                    scale: float) -> torch.Tensor:
+    """:func:`paged_attention` as a custom op, so that ``torch.compile`` keeps it as one opaque call (block tables and
     sequence lengths change every step; the rest of the layer is compiled around it). The KV
     cache write is a side effect the compiler does not see, which is safe: nothing in the graph
     reads the cache.
@@ -154,6 +164,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.meta, scale)
 
 
-@paged_attention.register_fake
+@paged_attention_op.register_fake
 def _(query, key, value, layer_idx, scale):
     return torch.empty_like(query)

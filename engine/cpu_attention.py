@@ -4,8 +4,11 @@ Same contract and results as the readable :class:`engine.attention.TorchAttentio
 differs is what each step touches:
 
 * Decode rows (query length 1) of a step, whether the step is all-decode or mixed, run as one
-  batch: their K/V blocks are gathered with ``index_select`` on the block ids (one contiguous
-  copy per layer, ~5x cheaper than advanced indexing here), then one SDPA call with a length mask.
+  batch through the C kernel of :mod:`engine.kernels.cpu_decode_attention`, which reads every
+  sequence's K/V in place through its block table. For a dtype it does not take (it is float32
+  only) or where it cannot be compiled, their blocks are gathered with ``index_select`` (one
+  contiguous copy per layer, ~5x cheaper than advanced indexing here), then one SDPA call with a
+  length mask.
 * A prompt chunk with no cached context attends over its own K/V directly (causal SDPA), with
   no read of the cache at all.
 * A chunk after cached context (chunked prefill, a prefix-cache hit, KV loaded from the pool)
@@ -18,14 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
+from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu
 
 
 class CpuAttentionBackend:
-    """Stateless; per step it splits the rows once (cached on the metadata object)."""
+    """Stateless; per step it splits the rows once (cached on the metadata object).
 
-    def __init__(self) -> None:
+    ``use_kernel``: False keeps decode rows on gather + SDPA (the kernel's own fallback).
+    """
+
+    def __init__(self, use_kernel: bool = True) -> None:
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+        self._kernel = load_kernel() if use_kernel else None
 
     def forward(
         self,
@@ -39,11 +47,10 @@ class CpuAttentionBackend:
         write_kv(key, value, kv_cache, meta.slot_mapping)
         plan = self._plan_for(meta, kv_cache.shape[2])
         if plan.all_decode:
-            return _decode(query, kv_cache, plan.decode_tables, plan.decode_mask, scale)
+            return self._decode(query, kv_cache, plan, scale)
         out = torch.empty_like(query)
         if plan.decode_rows is not None:
-            out[plan.decode_rows] = _decode(query[plan.decode_rows], kv_cache, plan.decode_tables,
-                                            plan.decode_mask, scale)
+            out[plan.decode_rows] = self._decode(query[plan.decode_rows], kv_cache, plan, scale)
         for start, end, ctx, blocks in plan.prefills:
             q = query[start:end].transpose(0, 1)  # [q_len, H, D] -> [H, q_len, D]
             if ctx == end - start:  # nothing cached before this chunk: its own K/V suffice
@@ -57,6 +64,11 @@ class CpuAttentionBackend:
                                                    scale=scale, enable_gqa=True)
             out[start:end] = o.transpose(0, 1)
         return out
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
+        if self._kernel is not None and query.dtype == torch.float32 and kv_cache.dtype == torch.float32:
+            return paged_decode_attention_cpu(self._kernel, query, kv_cache, plan.decode_tables, plan.decode_lens, scale)
+        return _decode(query, kv_cache, plan.decode_tables, plan.decode_mask, scale)
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         if self._meta is not meta:
@@ -74,9 +86,10 @@ class _StepPlan:
         self.all_decode = meta.max_query_len == 1
         decode = [i for i, n in enumerate(q_lens) if n == 1]
         self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long) if decode else None
-        self.decode_tables = self.decode_mask = None
+        self.decode_tables = self.decode_mask = self.decode_lens = None
         if decode:
             lens = meta.seq_lens if self.all_decode else meta.seq_lens[decode]
+            self.decode_lens = lens.contiguous()  # [num_decode], int64
             max_len = max(seq_lens[i] for i in decode)
             num_blocks = -(-max_len // block_size)
             tables = meta.block_tables if self.all_decode else meta.block_tables[decode]

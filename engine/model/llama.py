@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; bitwise equal to the lines below in float32
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -55,11 +57,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of ``positions`` ([num_tokens]): two [num_tokens, 1, head_dim] in ``dtype``,
+        looked up once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x`` ([num_tokens, num_heads, head_dim]) by the positions' angles."""
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +90,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 x num_kv_heads) x head_dim]
+        # Q and K are adjacent in the fused output: rotate them together, in one pass.
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = self.rotary.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, self.layer_idx, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -117,8 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -127,14 +134,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rope, hidden)
         return self.norm(hidden)
 
 

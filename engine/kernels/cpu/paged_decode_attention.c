@@ -9,9 +9,10 @@
  * num_kv_heads, head_dim], contiguous; token p of a sequence lives in block
  * block_table[p / block_size], row p % block_size.
  *
- * Work split: one unit per (sequence, KV head); the num_heads / num_kv_heads query heads that
- * share a KV head (GQA) are done together, so each K and V row is read once. Two passes over the
- * context: scores (q . k, scaled), then softmax and the weighted sum of V rows.
+ * Work split: one unit per sequence. Each token's K (and V) row of every KV head is one
+ * contiguous run of num_kv_heads x head_dim floats, read once for all num_heads query heads (GQA:
+ * query head h reads KV head h / (num_heads / num_kv_heads)). Two passes over the context:
+ * scores (q . k, scaled), then softmax and the weighted sum of V rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,56 +31,53 @@ void paged_decode_attention_f32(
 {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim; /* floats per token in one block */
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; ++s) {
-        for (int kh = 0; kh < num_kv_heads; ++kh) {
-            const int64_t ctx = seq_lens[s];
-            const int64_t *table = block_tables + (int64_t)s * table_stride;
-            const float *q = query + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim;
-            float *o = out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim;
-            float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));
-            /* scores[j * ctx + t] = scale * q_j . k_t */
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const float *kb = k_cache + table[t0 / block_size] * block_size * row + (int64_t)kh * head_dim;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-                for (int64_t i = 0; i < n; ++i) {
-                    const float *k = kb + i * row;
-                    for (int j = 0; j < group; ++j) {
-                        const float *qj = q + (int64_t)j * head_dim;
-                        float acc = 0.0f;
+        const int64_t ctx = seq_lens[s];
+        const int64_t *table = block_tables + (int64_t)s * table_stride;
+        const float *q = query + (int64_t)s * num_heads * head_dim;
+        float *o = out + (int64_t)s * num_heads * head_dim;
+        float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(ctx > 0 ? ctx : 1));
+        /* scores[h * ctx + t] = scale * q_h . k_t (KV head h / group) */
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const float *kb = k_cache + table[t0 / block_size] * block_size * row;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                for (int h = 0; h < num_heads; ++h) {
+                    const float *k = kb + i * row + (int64_t)(h / group) * head_dim;
+                    const float *qh = q + (int64_t)h * head_dim;
+                    float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                        for (int d = 0; d < head_dim; ++d) acc += qj[d] * k[d];
-                        scores[(int64_t)j * ctx + t0 + i] = acc * scale;
-                    }
+                    for (int d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+                    scores[(int64_t)h * ctx + t0 + i] = acc * scale;
                 }
             }
-            /* softmax over t, per query head */
-            for (int j = 0; j < group; ++j) {
-                float *sj = scores + (int64_t)j * ctx;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < ctx; ++t) m = sj[t] > m ? sj[t] : m;
-                float sum = 0.0f;
-                for (int64_t t = 0; t < ctx; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
-                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
-                float *oj = o + (int64_t)j * head_dim;
-                for (int d = 0; d < head_dim; ++d) oj[d] = 0.0f;
-            }
-            /* o_j = sum_t p_jt v_t */
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const float *vb = v_cache + table[t0 / block_size] * block_size * row + (int64_t)kh * head_dim;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-                for (int64_t i = 0; i < n; ++i) {
-                    const float *v = vb + i * row;
-                    for (int j = 0; j < group; ++j) {
-                        const float p = scores[(int64_t)j * ctx + t0 + i];
-                        float *oj = o + (int64_t)j * head_dim;
-#pragma omp simd
-                        for (int d = 0; d < head_dim; ++d) oj[d] += p * v[d];
-                    }
-                }
-            }
-            free(scores);
         }
+        /* softmax over t, per query head */
+        for (int h = 0; h < num_heads; ++h) {
+            float *sh = scores + (int64_t)h * ctx;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;
+            float sum = 0.0f;
+            for (int64_t t = 0; t < ctx; ++t) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
+        }
+        for (int64_t i = 0; i < (int64_t)num_heads * head_dim; ++i) o[i] = 0.0f;
+        /* o_h = sum_t p_ht v_t */
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const float *vb = v_cache + table[t0 / block_size] * block_size * row;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                for (int h = 0; h < num_heads; ++h) {
+                    const float *v = vb + i * row + (int64_t)(h / group) * head_dim;
+                    const float p = scores[(int64_t)h * ctx + t0 + i];
+                    float *oh = o + (int64_t)h * head_dim;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; ++d) oh[d] += p * v[d];
+                }
+            }
+        }
+        free(scores);
     }
 }
