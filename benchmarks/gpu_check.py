@@ -326,8 +326,9 @@ def hf_greedy(hf_model, ids: list[int], max_tokens: int, device: torch.device) -
     return out[0, len(ids):].tolist()
 
 
-def e2e_row(device: torch.device, smoke: bool, model: str) -> Row:
-    """Batched engine run with the Triton backend vs transformers ``generate()`` one prompt at a time."""
+def e2e_row(device: torch.device, smoke: bool, model: str, compiled: bool = False) -> Row:
+    """Batched engine run with the Triton backend (eager, or the torch.compile'd forward) vs
+    transformers ``generate()`` one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import EngineConfig
@@ -337,20 +338,26 @@ def e2e_row(device: torch.device, smoke: bool, model: str) -> Row:
     with tempfile.TemporaryDirectory() as scratch:
         hf_dir, label = model_dir(model, smoke, Path(scratch))
         config = EngineConfig(model=str(hf_dir), attention_backend="triton", device=str(device), dtype="float32",
-                              block_size=16, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=512)
+                              block_size=16, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=512,
+                              enforce_eager=not compiled)
+        build_start = time.perf_counter()
         engine = LLMEngine.from_config(config)
+        build_s = time.perf_counter() - build_start
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
         prompts = prompt_ids(hf_dir, hf_model.config.vocab_size)[: 1 if smoke else None]
+    run_engine(engine, prompts[:1], 2)  # warm: first-call allocations and autotuning out of the timing
     start = time.perf_counter()
     got = run_engine(engine, prompts, max_tokens)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     want = [hf_greedy(hf_model, ids, max_tokens, device) for ids in prompts]
     equal = sum(g == w for g, w in zip(got, want))
+    mode = "compiled" if compiled else "eager"
     for g, w in zip(got, want):
         if g != w:
-            print(f"gpu_check: greedy mismatch: triton {g} vs hf {w}")
-    return Row("end-to-end greedy vs HF", f"{label}: {len(prompts)} prompts x {max_tokens} tok, fp32",
-               triton_ms=elapsed_ms, ok=equal == len(prompts), note=f"{equal}/{len(prompts)} equal (ms: whole batch)")
+            print(f"gpu_check: greedy mismatch ({mode}): triton {g} vs hf {w}")
+    return Row(f"end-to-end greedy vs HF, {mode}", f"{label}: {len(prompts)} prompts x {max_tokens} tok, fp32",
+               triton_ms=elapsed_ms, ok=equal == len(prompts),
+               note=f"{equal}/{len(prompts)} equal (ms: whole batch; engine built in {build_s:.1f} s)")
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -399,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     sweep = [] if smoke else decode_sweep(device, copy_bw)
     rows.append(e2e_row(device, smoke, args.model))
+    if not smoke:  # the compiled forward (torch.compile per layer, inductor + Triton) on CUDA
+        rows.append(e2e_row(device, smoke, args.model, compiled=True))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter, smoke)"
     text = f"{name}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)\n{format_table(rows)}"
     if sweep:

@@ -2,7 +2,10 @@
 # The one GPU check for the Triton kernels (see benchmarks/gpu_check.py): kernel tests on the
 # GPU, kernel timings against torch and the copy-bandwidth floor, end-to-end greedy vs HF.
 # Under ten minutes on one H200. Exits 2 with a message on a machine without a GPU.
-#   benchmarks/gpu_check.sh [--cpu-smoke] [--model NAME_OR_PATH] [--out FILE]
+#   benchmarks/gpu_check.sh [--cpu-smoke] [--model NAME_OR_PATH] [--out FILE] [--peers]
+# --peers then also runs the peer benchmark against the regular vllm wheel (installed into
+# .venv-vllm by scripts/install_vllm.sh, which picks the CUDA wheel where nvidia-smi lists a GPU;
+# a few minutes more): benchmarks/peers.py --device cuda.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${PYTHON:-}" ]]; then
@@ -14,4 +17,15 @@ else
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$py" benchmarks/gpu_check.py "$@"
+peers=0
+args=()
+for a in "$@"; do
+  if [[ "$a" == "--peers" ]]; then peers=1; else args+=("$a"); fi
+done
+status=0
+"$py" benchmarks/gpu_check.py "${args[@]}" || status=$?
+if [[ $peers == 1 && $status != 2 ]]; then
+  "$py" benchmarks/peers.py --device cuda --install-vllm --systems vllm,colocated,disaggregated \
+    --output-dir bench-results/peers-gpu || status=$?
+fi
+exit $status

@@ -50,12 +50,22 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30
     # "auto": triton on CUDA, cpu elsewhere; "torch" is the readable reference.
     attention_backend: str = "auto"
-    # Run the model eagerly (no torch.compile): the switch back from the compiled forward.
-    enforce_eager: bool = False
+    # Run the model eagerly (True) or torch.compile'd per layer (False); None: compiled on CUDA,
+    # eager on the CPU, where the compiled forward measured no faster (its GEMMs and attention
+    # are opaque MKL / C calls either way, and the custom-op boundaries cost what fusing the
+    # elementwise ops saves; docs/bench.md).
+    enforce_eager: bool | None = None
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
     # Seed of the generator used by requests without their own seed.
     seed: int = 0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the engine runs the torch.compile'd forward."""
+        if self.enforce_eager is None:
+            return self.device.startswith("cuda")
+        return not self.enforce_eager
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -117,7 +117,7 @@ class LLMEngine:
         source = resolve_model(config.model)
         model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
         engine = cls(config, model, source, save_kv_on_finish, swap_space)
-        if not config.enforce_eager:
+        if config.compiled:
             compile_layers(model)
             warm_up(engine.runner.warm_up, (1, 2) if config.block_size >= 2 else (1,))
         return engine

@@ -66,8 +66,9 @@ def main() -> None:
 @click.option("--attention-backend", default="auto", show_default=True,
               type=click.Choice(["auto", "torch", "cpu", "triton"]),
               help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference.")
-@click.option("--enforce-eager/--no-enforce-eager", default=False, show_default=True,
-              help="Run the workers' model eagerly instead of torch.compile'd.")
+@click.option("--enforce-eager/--no-enforce-eager", default=None,
+              help="Workers' model eager (--enforce-eager) or torch.compile'd (--no-enforce-eager). "
+                   "Default: compiled on CUDA, eager on the CPU.")
 @click.option("--routing-policy", default="predicted_latency", show_default=True,
               type=click.Choice(["round_robin", "least_loaded", "cache_aware", "predicted_latency"]),
               help="How the router places requests on workers.")
@@ -215,7 +216,7 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
         "--enable-overlap" if overlap else "--no-enable-overlap",
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
         "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
-        "--enforce-eager" if eager else "--no-enforce-eager",
+        *(() if eager is None else ("--enforce-eager" if eager else "--no-enforce-eager",)),
     )
 
 
