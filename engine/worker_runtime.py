@@ -19,7 +19,7 @@ from prometheus_client import Gauge, start_http_server
 from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
 from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -219,6 +219,19 @@ _STATS_FIELD_TYPES = {  # the heartbeat's numbers may be floats; the proto's cou
 }
 
 
+def _build_engine(worker: WorkerConfig, engine_config: EngineConfig, save_kv_on_finish: bool) -> LLMEngine:
+    """Loads the model and calibrates the cost model (on the engine thread)."""
+    log.info("loading model %s", engine_config.model)
+    engine = LLMEngine.from_config(engine_config, save_kv_on_finish=save_kv_on_finish)
+    if worker.calibration_steps:
+        result = calibrate(engine, worker.calibration_steps)
+        model = engine.stats().cost_model
+        log.info("cost model calibrated: %d passes in %.2f s; base %.2f ms, %.1f us/token, %.1f us/seq, "
+                 "%.2f us/1k attention pairs", result.num_steps, result.duration_s, model.base_s * 1e3,
+                 model.per_token_s * 1e6, model.per_seq_s * 1e6, model.per_attn_s * 1e6)
+    return engine
+
+
 def serve_worker(
     worker: WorkerConfig,
     engine_config: EngineConfig,
@@ -229,17 +242,11 @@ def serve_worker(
 ) -> None:
     """Loads the model, serves until SIGTERM, deregisters, drains in-flight RPCs, exits."""
     setup_logging(f"{worker.role}_worker", log_level)
-    log.info("loading model %s", engine_config.model)
-    engine = LLMEngine.from_config(engine_config, save_kv_on_finish=save_kv_on_finish)
-    if worker.calibration_steps:
-        result = calibrate(engine, worker.calibration_steps)
-        model = engine.stats().cost_model
-        log.info("cost model calibrated: %d passes in %.2f s; base %.2f ms, %.1f us/token, %.1f us/seq, "
-                 "%.2f us/1k attention pairs", result.num_steps, result.duration_s, model.base_s * 1e3,
-                 model.per_token_s * 1e6, model.per_seq_s * 1e6, model.per_attn_s * 1e6)
+    thread = engine_thread()  # torch runs on this one thread only (see engine.async_engine)
+    engine = thread.submit(_build_engine, worker, engine_config, save_kv_on_finish).result()
 
     async def main() -> None:
-        async_engine = AsyncEngine(engine)
+        async_engine = AsyncEngine(engine, thread)
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
         add_servicer(service, async_engine, PoolLocator(registry, worker.pool_address, worker.kv_transfer))
