@@ -151,6 +151,21 @@ def test_rejects_bad_layouts(kernel):
         paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables.t().contiguous().t(), meta.seq_lens, 0.1)
 
 
+def test_rejects_shapes_that_would_read_past_a_tensor(kernel):
+    """The C code indexes by the shapes it is given: each of these read out of bounds (silently,
+    or crashing on a huge garbage length) before the wrapper checked them."""
+    query, kv_cache, meta = decode_batch([4, 20], 1, 64, 16)
+    tables, lens = meta.block_tables, meta.seq_lens
+    with pytest.raises(ValueError, match="does not fit"):  # 3 query heads over 2 KV heads
+        paged_decode_attention_cpu(kernel, torch.zeros(2, 3, 64), kv_cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):  # head_dim 32 against a 64 cache
+        paged_decode_attention_cpu(kernel, query[..., :32].contiguous(), kv_cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="one row per query"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, tables, lens[:1], 0.1)
+    with pytest.raises(ValueError, match="one row per query"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, tables[:1], lens, 0.1)
+
+
 def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
     """A fresh cache dir: compiled there on first use; a later start (no compiler at all) loads
     the same file instead of compiling again."""
