@@ -9,6 +9,8 @@ shares its model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch._dynamo.utils import counters
 
@@ -42,7 +44,7 @@ def engines():
                 built[path, chunked] = LLMEngine.from_config(config)
             else:
                 base = get(path)
-                config = EngineConfig(**{**config.__dict__, "max_num_batched_tokens": CHUNK_BUDGET})
+                config = dataclasses.replace(config, max_num_batched_tokens=CHUNK_BUDGET)
                 built[path, chunked] = LLMEngine(config, base.runner.model, base.source)
         return built[path, chunked]
 

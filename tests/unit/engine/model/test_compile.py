@@ -5,6 +5,8 @@ Slower than the rest of tests/unit (inductor compiles two graphs, ~10 s on 2 cor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -63,7 +65,7 @@ def test_compiled_logits_equal_eager(models):
 def test_compiled_engine_greedy_equals_eager_and_compiles_nothing_more(models):
     """Chunked prompts (budget 24) and decodes of three requests in one batch."""
     folder, eager, engine, _ = models
-    eager_engine = LLMEngine(EngineConfig(**{**engine.config.__dict__, "enforce_eager": True}), eager,
+    eager_engine = LLMEngine(dataclasses.replace(engine.config, enforce_eager=True), eager,
                              resolve_model(str(folder)))
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:30]]
     outputs = []
