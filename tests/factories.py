@@ -31,3 +31,35 @@ def make_scheduler(**overrides) -> Scheduler:
 def fake_runner_output(out: SchedulerOutput, token_id: int = 100) -> ModelRunnerOutput:
     """Samples ``token_id`` for every request whose step reaches its last token."""
     return ModelRunnerOutput({s.request.request_id: SampledToken(token_id) for s in out.scheduled if s.samples})
+
+
+def engine_logits(model, token_ids: list[int], backend, num_cached: int = 0, block_size: int = 16):
+    """Logits ``[len(token_ids) - num_cached, vocab]`` (float32) of ``model`` (an engine
+    LlamaForCausalLM) at each position from ``num_cached`` on, for one sequence on blocks
+    0, 1, ... of a fresh KV cache: one forward of the first ``num_cached`` tokens (when > 0) fills
+    the cache, a second computes the rest over it (a decode when one token is left)."""
+    import torch
+
+    from engine.attention import AttentionMetadata, ForwardContext, forward_context
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_blocks = -(-len(token_ids) // block_size)
+    dtype = model.model.embed_tokens.weight.dtype
+    kv_cache = torch.zeros(config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads,
+                           head_dim, dtype=dtype)
+    logits = None
+    for start, end in ((0, num_cached), (num_cached, len(token_ids))):
+        if end == start:
+            continue
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(start, end),  # blocks 0, 1, ... in order: slot == position
+            query_start_loc=torch.tensor([0, end - start]),
+            seq_lens=torch.tensor([end]),
+            block_tables=torch.arange(num_blocks)[None],
+            max_query_len=end - start,
+            max_seq_len=end,
+        )
+        with torch.inference_mode(), forward_context(ForwardContext(meta, backend, list(kv_cache.unbind(0)))):
+            logits = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), torch.arange(end - start))
+    return logits

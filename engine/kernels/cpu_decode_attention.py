@@ -106,14 +106,24 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], float32
     """Attention of one query per sequence over its whole paged context, read in place.
 
+    The C code trusts what it is given: every shape the wrapper can check in O(1) is checked
+    here, since a mismatch would read past a tensor rather than fail. The table's width and its
+    block ids are the caller's to get right.
+
     Raises:
-        ValueError: a tensor with another dtype, device or layout than the above.
+        ValueError: a tensor with another dtype, device, layout or shape than the above.
     """
     if query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.device.type != "cpu":
         raise ValueError(f"float32 CPU tensors only, got {query.dtype} query and {kv_cache.dtype} cache on {query.device}")
     if not kv_cache.is_contiguous() or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1 \
             or seq_lens.dtype != torch.int64:
         raise ValueError("kv_cache must be contiguous, block_tables and seq_lens int64 with contiguous rows")
+    if query.dim() != 3 or kv_cache.dim() != 5 or query.shape[-1] != kv_cache.shape[-1] \
+            or query.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != query.shape[0] or seq_lens.shape != query.shape[:1]:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+                         f"must have one row per query ({query.shape[0]})")
     query = query.contiguous()
     seq_lens = seq_lens.contiguous()
     num_seqs, num_heads, head_dim = query.shape

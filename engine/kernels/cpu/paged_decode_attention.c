@@ -2,7 +2,7 @@
  * place from the paged KV cache through the block table (no gathered copy).
  *
  * Reference: engine/attention.py, TorchAttentionBackend._decode (gather + SDPA); the wrapper and
- * its test live in engine/kernels/cpu_attention_kernel.py and
+ * its test live in engine/kernels/cpu_decode_attention.py and
  * tests/unit/engine/kernels/test_cpu_decode_attention_kernel.py.
  *
  * Layout (DESIGN.md section 4): one layer's K (or V) cache is [num_blocks, block_size,

@@ -1,0 +1,208 @@
+"""The CPU paged decode kernel (C, ``engine/kernels/cpu/paged_decode_attention.c``) against the
+readable reference, ``TorchAttentionBackend._decode`` (gather + SDPA with a length mask).
+
+Every slot a sequence may not read (spare blocks, the tail of its last block, the blocks that
+padding columns of the table point to) holds large garbage (|x| ~ 1e3): a kernel reading one
+more key than the context would move the result by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.cpu_attention import CpuAttentionBackend
+from engine.kernels import cpu_decode_attention
+from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu
+
+# Both sides accumulate fp32 dot products and softmax in fp32, in different orders (the kernel
+# uses expf and a sequential sum); measured max abs error here 6.6e-7 for values of order 1.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+NUM_KV_HEADS = 2
+GARBAGE = 1e3
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = load_kernel()
+    if lib is None:
+        pytest.skip("the CPU decode kernel does not compile on this machine (no working cc)")
+    return lib
+
+
+def contexts(block_size: int, batch: int, gen: torch.Generator) -> list[int]:
+    """Edge lengths first (1 token, exactly one and two blocks, one past a block, ragged), then
+    random lengths up to ~5 blocks; ``batch`` of them."""
+    edges = [1, block_size, 2 * block_size, block_size + 1, 3 * block_size + 5]
+    if batch == 1:
+        return [3 * block_size + 5]
+    randoms = torch.randint(1, 5 * block_size + 7, (batch,), generator=gen).tolist()
+    return (edges + randoms)[:batch]
+
+
+def decode_batch(ctx_lens, group, head_dim, block_size, pad_columns=0, seed=0):
+    """(query [n, H, D], kv_cache, meta) with each sequence on shuffled blocks; slots outside
+    every context (and ``pad_columns`` extra table columns, pointing at spare blocks) hold
+    garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(ctx_lens)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    spare = order[sum(blocks_per_seq):]
+    width = max(blocks_per_seq) + pad_columns
+    tables = spare[torch.randint(0, len(spare), (n, width), generator=gen)]  # padding: garbage blocks
+    kv_cache = GARBAGE * torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    used = 0
+    for i, (ctx, nb) in enumerate(zip(ctx_lens, blocks_per_seq)):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+        for p in range(ctx):  # only the context's own slots hold values of order 1
+            kv_cache[:, tables[i, p // block_size], p % block_size] /= GARBAGE
+    query = torch.randn(n, NUM_KV_HEADS * group, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long),  # unused by _decode
+        query_start_loc=torch.arange(n + 1),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.long),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(ctx_lens),
+    )
+    return query, kv_cache, meta
+
+
+def reference(query, kv_cache, meta, scale):
+    return TorchAttentionBackend._decode(query, kv_cache, meta, scale)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("block_size", [16, 1, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3])
+def test_kernel_matches_torch_decode(kernel, group, head_dim, block_size, batch):
+    gen = torch.Generator().manual_seed(batch * 1000 + block_size)
+    ctx = contexts(block_size, batch, gen)
+    query, kv_cache, meta = decode_batch(ctx, group, head_dim, block_size, seed=group + head_dim + block_size)
+    scale = head_dim**-0.5
+    out = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    assert out.shape == query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference(query, kv_cache, meta, scale), **FP32_TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_padded_table_columns_are_not_read(kernel, block_size):
+    """Tables wider than any context (as the model runner pads them), padding on garbage blocks."""
+    ctx = [1, block_size + 1, 2 * block_size, 3]
+    query, kv_cache, meta = decode_batch(ctx, 3, 64, block_size, pad_columns=4, seed=7)
+    out = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
+
+
+def test_table_rows_sliced_from_a_wider_table(kernel):
+    """Rows contiguous but ``stride(0)`` larger than the width: a column slice of a wider table,
+    starting at column 2 (what ``tables[:, 2:2 + w]`` gives)."""
+    ctx = [17, 1, 40, 33]
+    query, kv_cache, meta = decode_batch(ctx, 3, 64, 16, seed=3)
+    width = meta.block_tables.shape[1]
+    wide = torch.full((len(ctx), width + 5), 10**6, dtype=torch.long)  # out-of-range ids: must not be read
+    wide[:, 2 : 2 + width] = meta.block_tables
+    sliced = wide[:, 2 : 2 + width]
+    assert not sliced.is_contiguous() and sliced.stride() == (width + 5, 1)
+    out = paged_decode_attention_cpu(kernel, query, kv_cache, sliced, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
+
+
+def test_non_contiguous_query_and_seq_lens(kernel):
+    """The wrapper makes query and seq_lens contiguous itself."""
+    ctx = [5, 16, 20]
+    query, kv_cache, meta = decode_batch(ctx, 1, 64, 16, seed=4)
+    strided_query = torch.randn(query.shape[0], query.shape[1], 2 * query.shape[2])[..., ::2]
+    strided_query.copy_(query)
+    strided_lens = torch.tensor([[c, 0] for c in ctx]).t()[0]
+    assert not strided_query.is_contiguous() and not strided_lens.is_contiguous()
+    out = paged_decode_attention_cpu(kernel, strided_query, kv_cache, meta.block_tables, strided_lens, 0.125)
+    torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rejects_half_precision(kernel, dtype):
+    query, kv_cache, meta = decode_batch([4], 1, 64, 16)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention_cpu(kernel, query.to(dtype), kv_cache.to(dtype), meta.block_tables, meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention_cpu(kernel, query, kv_cache.to(dtype), meta.block_tables, meta.seq_lens, 0.1)
+
+
+def test_rejects_bad_layouts(kernel):
+    query, kv_cache, meta = decode_batch([4, 20], 1, 64, 16)
+    strided_cache = torch.empty(2, kv_cache.shape[1], 16, 64, NUM_KV_HEADS).transpose(-1, -2)
+    strided_cache.copy_(kv_cache)
+    assert strided_cache.shape == kv_cache.shape and not strided_cache.is_contiguous()
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention_cpu(kernel, query, strided_cache, meta.block_tables, meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables.int(), meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens.int(), 0.1)
+    with pytest.raises(ValueError, match="contiguous rows"):  # column-major table
+        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables.t().contiguous().t(), meta.seq_lens, 0.1)
+
+
+def test_rejects_shapes_that_would_read_past_a_tensor(kernel):
+    """The C code indexes by the shapes it is given: each of these read out of bounds (silently,
+    or crashing on a huge garbage length) before the wrapper checked them."""
+    query, kv_cache, meta = decode_batch([4, 20], 1, 64, 16)
+    tables, lens = meta.block_tables, meta.seq_lens
+    with pytest.raises(ValueError, match="does not fit"):  # 3 query heads over 2 KV heads
+        paged_decode_attention_cpu(kernel, torch.zeros(2, 3, 64), kv_cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):  # head_dim 32 against a 64 cache
+        paged_decode_attention_cpu(kernel, query[..., :32].contiguous(), kv_cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="one row per query"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, tables, lens[:1], 0.1)
+    with pytest.raises(ValueError, match="one row per query"):
+        paged_decode_attention_cpu(kernel, query, kv_cache, tables[:1], lens, 0.1)
+
+
+def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
+    """A fresh cache dir: compiled there on first use; a later start (no compiler at all) loads
+    the same file instead of compiling again."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
+    path = cpu_decode_attention.library_path()
+    assert path.parent == tmp_path / "kernels" and not path.exists()
+    first = load_kernel()
+    assert first is not None and path.is_file()
+    assert load_kernel() is first  # cached in the process
+    assert list(path.parent.iterdir()) == [path]  # the temporary build folder is gone
+    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)  # a new process, say
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # compiling now would fail
+    assert load_kernel() is not None
+
+
+def test_without_a_compiler_returns_none_and_the_backend_falls_back(kernel, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # empty: nothing compiled here yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
+    with caplog.at_level(logging.WARNING, logger=cpu_decode_attention.__name__):
+        assert load_kernel() is None
+    assert "unavailable" in caplog.text
+    assert load_kernel() is None  # the failure is cached too: no second attempt per call
+    assert not any(tmp_path.rglob("*.so"))
+
+    fallback = CpuAttentionBackend()
+    assert fallback._kernel is None
+    ctx = [1, 16, 17, 40]
+    query, kv_cache, meta = decode_batch(ctx, 3, 64, 16, pad_columns=2, seed=11)
+    meta.slot_mapping = torch.tensor([int(meta.block_tables[i, (c - 1) // 16]) * 16 + (c - 1) % 16
+                                      for i, c in enumerate(ctx)])
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # rewrites what is there
+    value = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+    got = fallback.forward(query, key, value, kv_cache.clone(), meta, 0.125)
+    expected = reference(query, kv_cache, meta, 0.125)
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+    with_kernel = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(got, with_kernel, **FP32_TOL)
