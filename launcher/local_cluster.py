@@ -166,12 +166,28 @@ def _redis_ready(port: int, host: str = "127.0.0.1") -> Callable[[], bool]:
 SERVICE_PACKAGES = {"kv_pool": "kv_pool", "prefill": "prefill_worker", "decode": "decode_worker", "router": "router"}
 
 
+# Up to this many cores, a 1P+1D cluster gives the decode worker every core and each prefill
+# worker one thread (see worker_threads).
+SMALL_MACHINE_CORES = 4
+
+
 def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int = 1,
-                   num_decode_workers: int = 1) -> dict[str, int]:
-    """CPU threads of each prefill and each decode worker when they share ``cores`` cores (all of
-    them to the decode workers when they run alone, colocated); at least 1 each."""
+                   num_decode_workers: int = 1, share_cores: bool = True) -> dict[str, int]:
+    """CPU threads of each prefill and each decode worker when they share ``cores`` cores.
+
+    Colocated: every core to the decode workers. Disaggregated on a small machine (up to
+    ``SMALL_MACHINE_CORES``), when there is one decode worker: it gets every core, and each
+    prefill worker one thread. Decode is the latency-critical, always-running role; a
+    single-threaded prefill opens no OpenMP team, so it only takes time slices from decode and
+    never stalls at a barrier, where two multi-threaded workers sharing cores collapse (2 cores,
+    ShareGPT at concurrency 16: prefill 1 + decode 2 threads served 164 tok/s, 1 + 1 served 125,
+    2 + 2 served 62; docs/bench.md). Otherwise, or without ``share_cores`` (Ray reserves each
+    worker's threads as CPUs), half the cores to each role, never shared. At least 1 each.
+    """
     if colocated:
         return {"decode": max(1, cores // num_decode_workers)}
+    if share_cores and cores <= SMALL_MACHINE_CORES and num_decode_workers == 1:
+        return {"prefill": 1, "decode": cores}
     return {"prefill": max(1, (cores // 2) // num_prefill_workers),
             "decode": max(1, (cores - cores // 2) // num_decode_workers)}
 

@@ -24,6 +24,13 @@ def test_threads_are_split_per_worker():
     assert worker_threads(8, colocated=True, num_decode_workers=3) == {"decode": 2}
 
 
+def test_small_machine_gives_decode_every_core_and_prefill_one_thread():
+    assert worker_threads(2) == {"prefill": 1, "decode": 2}
+    assert worker_threads(4, num_prefill_workers=2) == {"prefill": 1, "decode": 4}
+    assert worker_threads(8) == {"prefill": 4, "decode": 4}  # past SMALL_MACHINE_CORES: split
+    assert worker_threads(2, share_cores=False) == {"prefill": 1, "decode": 1}  # Ray reserves CPUs
+
+
 @pytest.mark.parametrize("field", ["num_prefill_workers", "num_decode_workers"])
 def test_zero_workers_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
