@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -110,6 +111,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
+    _prepare_cpu_kernel()
     try:
         check_max_model_len(source.converted_dir, config.max_model_len)
     except PreflightError as err:
@@ -164,6 +166,24 @@ def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
 def _given(name: str) -> bool:
     """Whether the user set option ``name`` (on the command line or through its environment variable)."""
     return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+
+def _prepare_cpu_kernel() -> None:
+    """Compiles the CPU attention kernel once per machine before the workers start (they would
+    otherwise each compile it, silently, in their logs) and says so on the first start."""
+    from engine.kernels.cpu_decode_attention import library_path, load_kernel
+
+    if library_path().exists():
+        return
+    started = time.perf_counter()
+    with console.status("compiling the CPU paged-attention kernel (first start on this machine only)"):
+        kernel = load_kernel()
+    if kernel is None:
+        console.print("[yellow]no C compiler worked: the workers use gather + SDPA attention (slower); "
+                      "see the worker logs[/]")
+    else:
+        console.print(f"compiled the CPU paged-attention kernel in {time.perf_counter() - started:.1f} s "
+                      f"({library_path()})")
 
 
 def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts: int, demo: bool,
