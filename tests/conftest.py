@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import launcher  # noqa: F401  (first: disables grpc fork handlers before grpc loads; see its docstring)
 
+import os
+
+import torch
+
+# Triton picks compiled or interpreted per function when a module is first imported, and
+# torch._dynamo imports triton itself: without a GPU, switch the interpreter on before any test
+# module loads (tests/unit/engine/kernels need it; a test importing torch._dynamo first broke them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 import socket
 import subprocess
