@@ -17,6 +17,8 @@ differs is what each step touches:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -85,8 +87,10 @@ class _StepPlan:
         q_lens = [b - a for a, b in zip(starts, starts[1:])]
         self.all_decode = meta.max_query_len == 1
         decode = [i for i, n in enumerate(q_lens) if n == 1]
-        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long) if decode else None
-        self.decode_tables = self.decode_mask = self.decode_lens = None
+        # Where the decode rows sit among the step's tokens (an all-decode step uses them all).
+        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long) \
+            if decode and not self.all_decode else None
+        self.decode_tables = self.decode_lens = None
         if decode:
             lens = meta.seq_lens if self.all_decode else meta.seq_lens[decode]
             self.decode_lens = lens.contiguous()  # [num_decode], int64
@@ -94,13 +98,20 @@ class _StepPlan:
             num_blocks = -(-max_len // block_size)
             tables = meta.block_tables if self.all_decode else meta.block_tables[decode]
             self.decode_tables = tables[:, :num_blocks].contiguous()  # [num_decode, num_blocks]
-            positions = torch.arange(num_blocks * block_size)
-            self.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, ctx]
+        self._block_size = block_size
         # (start, end, context length, block ids) of each prompt chunk.
         self.prefills = [
             (starts[i], starts[i + 1], seq_lens[i], meta.block_tables[i, : -(-seq_lens[i] // block_size)])
             for i, n in enumerate(q_lens) if n > 1
         ]
+
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decode, 1, 1, num_blocks x block_size], bool: which gathered keys each decode row
+        sees. Only the gather + SDPA fallback needs it, so it is built on first use."""
+        positions = torch.arange(self.decode_tables.shape[1] * self._block_size)
+        return (positions[None, :] < self.decode_lens[:, None])[:, None, None, :]
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
