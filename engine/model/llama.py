@@ -74,7 +74,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -88,14 +88,15 @@ class LlamaAttention(nn.Module):
         # Rows: [q (num_heads x head_dim) | k (num_kv_heads x head_dim) | v (same)].
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
-        self.rotary = rotary
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """rope: (cos, sin) of this step's positions (RotaryEmbedding.tables); hidden
+        [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 x num_kv_heads) x head_dim]
         # Q and K are adjacent in the fused output: rotate them together, in one pass.
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
-        qk = self.rotary.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = RotaryEmbedding.apply(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.layer_idx, self.scale)  # [num_tokens, num_heads, head_dim]
@@ -117,9 +118,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,10 +134,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)  # tables looked up once per pass
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

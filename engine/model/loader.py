@@ -48,10 +48,7 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepac
         model.lm_head.weight = model.model.embed_tokens.weight
     # Rotary tables are buffers built on "meta": rebuild them on the target device.
     rotary = model.model.rotary
-    fresh = type(rotary)(config, rotary.cos.shape[-1], max_positions)
-    model.model.rotary = fresh
-    for layer in model.model.layers:
-        layer.self_attn.rotary = fresh
+    model.model.rotary = type(rotary)(config, rotary.cos.shape[-1], max_positions)
     model = model.to(device).eval()
     if prepack:
         prepack_linears(model)
