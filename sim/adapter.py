@@ -1,0 +1,248 @@
+"""The one module where the simulator touches Tandem's real scheduling classes.
+
+Everything the simulation decides about batching, chunking, preemption, prefix caching,
+placement and admission is decided by the production code, unmodified:
+
+- ``engine.scheduler.Scheduler`` (with its ``KVCacheManager``/``BlockPool`` and batching policy)
+  builds every step of every simulated worker; :class:`SimEngine` only times the step (a
+  ``StepTimer``) and feeds back a ``ModelRunnerOutput`` whose sampled token is a constant.
+- ``router.placer.Placer`` with a ``router.routing`` policy and ``router.admission.Admission``
+  places and admits every request; :class:`SimRouter` hands it ``WorkerInfo`` heartbeats built
+  from the simulated schedulers (the keys of ``engine.worker_runtime.load_dict``) and drives its
+  coroutine to completion without an event loop (nothing in it awaits real I/O).
+
+When the engine or router APIs change, this module is the one to update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from core.cost_model import CostModel, prefill_attn_pairs
+from core.registry import WorkerInfo
+from core.request import Request
+from core.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.outputs import ExternalKV, ModelRunnerOutput, SampledToken, SchedulerOutput
+from engine.scheduler import Scheduler
+from router.admission import Admission
+from router.errors import RouterError
+from router.placement import SLO, Placement
+from router.placer import Placer
+from router.routing import RoutingContext, make_policy
+from sim.hardware import StepFeatures
+
+SAMPLED_TOKEN_ID = 1  # every simulated step samples this token (outputs run to max_tokens)
+SIM_SPEC_FINGERPRINT = "sim"
+
+# What tests/unit/sim checks are the production classes, not copies.
+REAL_CLASSES = {"Scheduler": Scheduler, "Placer": Placer, "Admission": Admission, "RoutingContext": RoutingContext}
+
+
+class StepTimer(Protocol):
+    def step_s(self, features: StepFeatures) -> float:
+        """Seconds one step with these features takes."""
+        ...
+
+
+class CostModelTimer:
+    """Step times from a fitted :class:`core.cost_model.CostModel` (a worker's calibration)."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def step_s(self, f: StepFeatures) -> float:
+        return self.cost.step_s(f.num_new_tokens, f.num_seqs, f.attn_pairs) if f.num_seqs else 0.0
+
+
+def run_sync(coroutine):
+    """Runs a coroutine that never suspends (no real I/O) to completion; returns its value.
+
+    Raises:
+        RuntimeError: the coroutine suspended (it awaited something real).
+    """
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a simulated router call awaited real I/O")
+
+
+def step_features(out: SchedulerOutput) -> StepFeatures:
+    """The cost-model features of a scheduled, not yet applied step (as ModelRunner.prepare
+    takes them)."""
+    pairs, kv_read = 0.0, 0
+    for s in out.scheduled:
+        c = s.request.num_computed_tokens
+        pairs += prefill_attn_pairs(s.num_new_tokens, c)
+        kv_read += c + s.num_new_tokens
+    return StepFeatures(out.num_scheduled_tokens, len(out.scheduled), pairs, kv_read)
+
+
+class SimEngine:
+    """One simulated worker's real Scheduler. Not thread-safe; the simulator's loop drives it."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        # Preempted requests are recomputed (no swap space: swap needs real KV bytes).
+        self.scheduler = Scheduler(config, swap_space=None)
+        self.last_num_batched_tokens = 0
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, output_token_ids: Sequence[int] = (),
+            num_external_tokens: int = 0) -> None:
+        """Queues a request whose first ``num_external_tokens`` tokens' KV arrive with it (the pool).
+
+        Raises:
+            ValueError: it cannot fit max_model_len (the Scheduler's check).
+        """
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        request = Request(request_id, prompt, params, output_token_ids=list(output_token_ids))
+        external = None
+        if num_external_tokens:
+            num_blocks = -(-num_external_tokens // self.config.block_size)
+            external = ExternalKV(num_external_tokens, [b""] * num_blocks)
+        self.scheduler.add_request(request, external)
+
+    def schedule(self) -> tuple[SchedulerOutput, StepFeatures]:
+        """The next step (the real ``Scheduler.schedule``) and its features. Mutates the scheduler."""
+        out = self.scheduler.schedule()
+        features = step_features(out)
+        self.last_num_batched_tokens = features.num_new_tokens
+        return out, features
+
+    def apply(self, out: SchedulerOutput) -> list[tuple[str, bool]]:
+        """Applies a finished step: (request_id, finished) per sampled token. Finished requests
+        are freed (their blocks return to the pool's free/cached lists)."""
+        sampled = {s.request.request_id: SampledToken(SAMPLED_TOKEN_ID) for s in out.scheduled if s.samples}
+        outputs = self.scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+        for o in outputs:
+            if o.finished:
+                self.scheduler.free(o.request_id)
+        return [(o.request_id, o.finished) for o in outputs]
+
+    def decode_run_steps(self) -> int:
+        """How many whole decode steps may be applied in bulk (:meth:`advance_decode`): those in
+        which nothing but one token per running request can happen. 0 unless no request waits,
+        every running one is decoding, all fit the token budget, and the blocks for every step
+        are free (so no step could preempt); the step in which a request would reach
+        max_tokens or max_model_len is left to :meth:`schedule` (it finishes there)."""
+        s, config = self.scheduler, self.config
+        if s.waiting or not s.running or len(s.running) > config.max_num_batched_tokens:
+            return 0
+        steps = config.max_model_len
+        for r in s.running:
+            if r.num_computed_tokens != r.num_tokens - 1:
+                return 0
+            steps = min(steps, r.sampling_params.max_tokens - r.num_output_tokens - 1,
+                        config.max_model_len - r.num_tokens - 1)
+        if steps <= 0:
+            return 0
+        bs = config.block_size
+        needed = sum(max(0, -(-(r.num_tokens + steps) // bs) - len(s.kv.get(r.request_id).block_ids)) for r in s.running)
+        return steps if needed <= s.kv.num_free_blocks else 0
+
+    def decode_run_features(self, num_steps: int) -> list[StepFeatures]:
+        """The features of the next ``num_steps`` decode steps of the running batch."""
+        running = self.scheduler.running
+        batch, context = len(running), sum(r.num_computed_tokens for r in running)
+        return [StepFeatures(batch, batch, prefill_attn_pairs(1, 0) * batch + (context + i * batch) / 1000,
+                             context + (i + 1) * batch) for i in range(num_steps)]
+
+    def advance_decode(self, num_steps: int) -> list[str]:
+        """Applies ``num_steps`` (at most :meth:`decode_run_steps`) decode steps at once, leaving
+        the scheduler as ``num_steps`` schedule/update_from_output rounds would: each running
+        request has ``num_steps`` more tokens, computed and block-cached, in blocks allocated
+        from the pool. Returns the running request ids (each got ``num_steps`` tokens)."""
+        kv = self.scheduler.kv
+        for r in self.scheduler.running:
+            kv.allocate_slots(r.request_id, r.num_computed_tokens + num_steps)
+            r.output_token_ids.extend([SAMPLED_TOKEN_ID] * num_steps)
+            r.num_computed_tokens += num_steps
+            kv.cache_full_blocks(r)
+        return [r.request_id for r in self.scheduler.running]
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def prefix_hit_rate(self) -> tuple[int, int]:
+        """(prompt tokens looked up, of them hit) in this worker's prefix cache."""
+        kv = self.scheduler.kv
+        return kv.num_prefix_queries_tokens, kv.num_prefix_hit_tokens
+
+    def load(self, cost: CostModel) -> dict[str, float]:
+        """The heartbeat load (engine.worker_runtime.load_dict's keys) of this scheduler."""
+        s, kv = self.scheduler, self.scheduler.kv
+        waiting_tokens = 0
+        for r in (*s.waiting, *s.running):
+            ext = s.external_kv.get(r.request_id)
+            left = r.num_tokens - max(r.num_computed_tokens, ext.num_tokens if ext else 0)
+            waiting_tokens += left if left > 1 else 0
+        return {
+            "num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
+            "num_total_blocks": self.config.num_kv_blocks, "num_used_blocks": kv.num_used_blocks,
+            "num_free_blocks": kv.num_free_blocks, "num_preemptions": s.num_preemptions,
+            "num_batched_tokens": self.last_num_batched_tokens if s.num_unfinished else 0,
+            "num_waiting_tokens": waiting_tokens,
+            "num_kv_tokens": sum(r.num_computed_tokens for r in s.running),
+            "recent_step_time_s": 0.0, "max_num_seqs": self.config.max_num_seqs, **cost.to_load(),
+        }
+
+
+def worker_info(worker_id: str, role: str, block_size: int) -> WorkerInfo:
+    """A registry entry for a simulated worker (its address is its id)."""
+    return WorkerInfo(worker_id, role, worker_id, spec_fingerprint=SIM_SPEC_FINGERPRINT, block_size=block_size)
+
+
+class _PoolIndex:
+    """The router's view of the pool's block index (router.prefix_index.PoolPrefixIndex's API);
+    keeps the last prompt's block hashes so the simulated pool need not hash it again."""
+
+    def __init__(self, num_cached_blocks):
+        self._num_cached_blocks = num_cached_blocks
+        self.last_hashes: Sequence[int] = ()
+
+    async def num_cached_blocks(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
+        self.last_hashes = block_hashes
+        return self._num_cached_blocks(block_hashes)
+
+
+class SimRouter:
+    """The real Placer (policy + admission) over simulated workers."""
+
+    def __init__(self, policy: str, disaggregation: str, slo: SLO, max_queue_s: float,
+                 pool_num_cached_blocks=None, prefix_cache_blocks: int = 8192):
+        context = RoutingContext.create(disaggregation, slo, prefix_cache_blocks)
+        self._index = _PoolIndex(pool_num_cached_blocks) if pool_num_cached_blocks else None
+        self.placer = Placer(make_policy(policy, context), Admission(slo, max_queue_s), pool_index=self._index)
+        self._tracking: dict[tuple[str, str], object] = {}
+
+    def place(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill: Sequence[WorkerInfo],
+              decode: Sequence[WorkerInfo]) -> tuple[Placement, Sequence[int]]:
+        """Where the request runs, and the prompt's block hashes (empty without a pool). Mutates
+        the router's bookkeeping (pending prefills, local prefix view).
+
+        Raises:
+            RouterError: refused (SLO admission) or no decode worker.
+        """
+        placement = run_sync(self.placer.place(request_id, prompt, max_tokens, prefill, decode))
+        return placement, self._index.last_hashes if self._index else ()
+
+    def track(self, request_id: str, address: str) -> None:
+        """Counts the request in flight at ``address`` (the router's ``in_flight.track``)."""
+        manager = self.placer.in_flight.track(address)
+        manager.__enter__()
+        self._tracking[(request_id, address)] = manager
+
+    def untrack(self, request_id: str, address: str) -> None:
+        manager = self._tracking.pop((request_id, address), None)
+        if manager is not None:
+            manager.__exit__(None, None, None)
+
+    def first_token(self, placement: Placement, ttft_s: float) -> None:
+        self.placer.first_token(placement, ttft_s)
+
+    def finished(self, placement: Placement) -> None:
+        self.placer.finished(placement)

@@ -1,0 +1,102 @@
+"""What is simulated: the workers (engine config, step timer, transfer bandwidth), their counts,
+the pool and the router (policy, SLOs, heartbeat period)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.cost_model import CostModel, StepSample, StepTimeFit, prefill_attn_pairs
+from engine.config import EngineConfig
+from router.placement import SLO
+from sim.adapter import CostModelTimer, StepTimer
+from sim.hardware import Roofline, StepFeatures
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker kind: its engine (the real EngineConfig), how long its steps take, the cost
+    model it publishes in its heartbeat, and its KV transfer bandwidth to and from the pool."""
+
+    engine: EngineConfig
+    timer: StepTimer
+    cost: CostModel
+    kv_bytes_per_token: float
+    kv_transfer_bytes_per_s: float  # 0: transfers take no time
+    num_gpus: int = 1  # tensor-parallel degree
+
+    def transfer_s(self, num_tokens: int) -> float:
+        if num_tokens <= 0 or self.kv_transfer_bytes_per_s <= 0:
+            return 0.0
+        return num_tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    policy: str = "predicted_latency"
+    disaggregation: str = "auto"
+    slo: SLO = field(default_factory=SLO)  # the router's (admission, placement); 0: none
+    max_queue_s: float = 0.5
+    heartbeat_interval_s: float = 1.0  # as engine.worker_runtime.WorkerConfig
+    # Candidates per role handed to the policy: the least loaded ``max_candidates`` (0: all).
+    # predicted_latency scores every (prefill, decode) pair; at 64 x 64 that is 4096 pairs a request.
+    max_candidates: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``num_prefill`` 0 is colocated: the decode workers prefill in chunks."""
+
+    num_prefill: int
+    num_decode: int
+    prefill: WorkerSpec
+    decode: WorkerSpec
+    pool_capacity_blocks: int = 1 << 22
+    router: RouterSpec = field(default_factory=RouterSpec)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(f"need >= 0 prefill and >= 1 decode workers, got {self.num_prefill}, {self.num_decode}")
+        if self.prefill.engine.block_size != self.decode.engine.block_size:
+            raise ValueError("prefill and decode workers must share a block size (one KVCacheSpec)")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_prefill * self.prefill.num_gpus + self.num_decode * self.decode.num_gpus
+
+    @property
+    def label(self) -> str:
+        if not self.num_prefill:
+            return f"colocated {self.num_decode}x TP{self.decode.num_gpus}"
+        return f"{self.num_prefill}P TP{self.prefill.num_gpus} + {self.num_decode}D TP{self.decode.num_gpus}"
+
+
+def calibrate(timer: StepTimer, config: EngineConfig) -> CostModel:
+    """The cost model a worker with these step times would fit of itself: the real StepTimeFit
+    over prefill chunks and decode batches spanning the engine's budget (as engine.calibration
+    runs, without a model)."""
+    fit = StepTimeFit(window=512)
+    budget = config.max_num_batched_tokens
+    for n in sorted({1, 16, 64, 256, budget // 4, budget // 2, budget}):
+        for cached in (0, budget, 4 * budget):
+            f = StepFeatures(n, 1, prefill_attn_pairs(n, cached), cached + n)
+            fit.add(StepSample(n, 1, f.attn_pairs, timer.step_s(f)))
+    for batch in sorted({1, 4, 16, 64, config.max_num_seqs}):
+        for context in (128, 1024, 8192):
+            f = StepFeatures(batch, batch, batch * context / 1000, batch * context)
+            fit.add(StepSample(batch, batch, f.attn_pairs, timer.step_s(f)))
+    return fit.model(max_num_batched_tokens=budget)
+
+
+def roofline_worker(roofline: Roofline, engine: EngineConfig) -> WorkerSpec:
+    """A worker of a named GPU and model; its published cost model is calibrated on the roofline."""
+    cost = calibrate(roofline, engine)
+    bpt = roofline.model.kv_bytes_per_token
+    cost = CostModel(cost.base_s, cost.per_token_s, cost.per_seq_s, cost.per_attn_s, cost.num_samples,
+                     engine.max_num_batched_tokens, roofline.kv_transfer_bytes_per_s, bpt)
+    return WorkerSpec(engine, roofline, cost, bpt, roofline.kv_transfer_bytes_per_s, roofline.tp)
+
+
+def fitted_worker(cost: CostModel, engine: EngineConfig, kv_bytes_per_token: float) -> WorkerSpec:
+    """A worker timed by a cost model fitted on a real machine (``cost.kv_load_bytes_per_s`` is
+    its measured pool bandwidth)."""
+    return WorkerSpec(engine, CostModelTimer(cost), cost, kv_bytes_per_token, cost.kv_load_bytes_per_s)
