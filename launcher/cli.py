@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cli import bench as bench_command
+from sim.cli import sim as sim_command
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.local_cluster import ClusterConfig, LocalCluster
 from launcher.preflight import (
@@ -281,6 +282,7 @@ def _print_demo(results) -> None:
 
 
 main.add_command(bench_command)
+main.add_command(sim_command)
 
 if __name__ == "__main__":
     main()

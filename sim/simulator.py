@@ -123,6 +123,11 @@ class Simulation:
         rid = str(index)
         run = _Run(index, request, RequestRecord(index, self.now_s, prompt_tokens=len(request.prompt)))
         self._runs[rid] = run
+        limit = self.cluster.decode.engine.max_model_len
+        if len(request.prompt) + request.max_tokens > limit:  # the router's validation: HTTP 400
+            run.record.error_kind = "http_400"
+            run.record.error = f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) > {limit}"
+            return
         try:
             run.placement, run.block_hashes = self.router.place(
                 rid, request.prompt, request.max_tokens, self._candidates(self.prefill), self._candidates(self.decode))

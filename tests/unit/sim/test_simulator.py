@@ -1,0 +1,126 @@
+"""The simulator from ints: hand-checkable timelines on the real Scheduler and router."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.cost_model import CostModel
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler
+from router.placer import Placer
+from router.placement import SLO
+from router.routing import PredictedLatencyPolicy, RoundRobinPolicy
+from sim import adapter
+from sim.cluster import ClusterSpec, RouterSpec, fitted_worker
+from sim.simulator import Simulation
+from sim.workload import SimRequest, load_trace
+
+DATA = Path(__file__).parents[2] / "data"
+# step_s = 10 ms + 1 ms per computed token: every step below is checkable by hand.
+COST = CostModel(base_s=0.010, per_token_s=0.001, num_samples=1, max_num_batched_tokens=64,
+                 kv_load_bytes_per_s=100_000.0, kv_bytes_per_token=100.0)  # KV: 1 ms per token
+ENGINE = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+
+
+def cluster(num_prefill: int, num_decode: int, policy: str = "round_robin", **router) -> ClusterSpec:
+    worker = fitted_worker(COST, ENGINE, COST.kv_bytes_per_token)
+    return ClusterSpec(num_prefill, num_decode, worker, worker, router=RouterSpec(policy, **router))
+
+
+def assert_idle(sim: Simulation) -> None:
+    for w in (*sim.prefill, *sim.decode):
+        assert w.engine.num_unfinished == 0 and w.engine.scheduler.kv.num_used_blocks == 0
+
+
+def test_two_requests_colocated_timeline():
+    # A: 8 prompt tokens, 3 outputs, at 0; B: 4 prompt tokens, 2 outputs, at 15 ms (during A's prefill).
+    # step 1 [0, 18 ms): A's prefill (8 tokens)            -> A token 1 at 18 ms
+    # step 2 [18, 33 ms): A decodes (1) + B prefills (4)  -> A token 2, B token 1 at 33 ms
+    # step 3 [33, 45 ms): A (1) + B (1)                   -> A token 3, B token 2 at 45 ms: both end
+    sim = Simulation(cluster(0, 1))
+    result = sim.run([SimRequest(list(range(1, 9)), 3, 0.0), SimRequest([100, 101, 102, 103], 2, 0.015)])
+    a, b = result.records
+    assert a.ttft_s == pytest.approx(0.018) and b.ttft_s == pytest.approx(0.018)
+    assert a.chunk_times_s == pytest.approx([0.018, 0.033, 0.045])
+    assert b.chunk_times_s == pytest.approx([0.018, 0.030])
+    assert (a.e2e_s, b.e2e_s) == pytest.approx((0.045, 0.030))
+    assert (a.output_tokens, b.output_tokens) == (3, 2)
+    assert result.duration_s == pytest.approx(0.045)
+    assert result.workers[0]["busy_s"] == pytest.approx(0.045) and result.workers[0]["num_steps"] == 3
+    assert_idle(sim)
+
+
+def test_disaggregated_timeline_with_kv_transfers():
+    # prefill: pool empty (no load), 8 tokens 18 ms, store 8 tokens' KV 8 ms -> TTFT 26 ms;
+    # decode: load 8 tokens 8 ms (34 ms), one step of 1 token 11 ms -> token 2 at 45 ms.
+    sim = Simulation(cluster(1, 1, disaggregation="always"))
+    result = sim.run([SimRequest(list(range(1, 9)), 2, 0.0)])
+    (record,) = result.records
+    assert record.ttft_s == pytest.approx(0.026)
+    assert record.chunk_times_s == pytest.approx([0.026, 0.045])
+    assert len(sim.pool) == 2  # the prompt's two full blocks, content-addressed
+    assert_idle(sim)
+
+
+def test_second_request_loads_the_shared_prefix_from_the_pool():
+    # Same 8-token prompt again after the first ended: the pool gives 7 tokens' worth rounded down
+    # to one 4-token block (loaded in 4 ms); the prefill worker's own prefix cache still holds both
+    # blocks, so its Scheduler computes only the last token (11 ms); the 4 tokens not from the pool
+    # are stored (4 ms): TTFT 19 ms.
+    sim = Simulation(cluster(1, 1, disaggregation="always"))
+    result = sim.run([SimRequest(list(range(1, 9)), 1, 0.0), SimRequest(list(range(1, 9)), 1, 1.0)])
+    first, second = result.records
+    assert first.ttft_s == pytest.approx(0.026) and second.ttft_s == pytest.approx(0.019)
+    assert result.pool_hit_rate == pytest.approx(2 / 4)  # 4 blocks queried, 2 found (the second request's)
+    assert_idle(sim)
+
+
+def test_the_simulator_runs_the_real_scheduler_and_router_classes():
+    assert adapter.Scheduler is Scheduler and adapter.Placer is Placer
+    sim = Simulation(cluster(1, 2, policy="predicted_latency"))
+    assert type(sim.decode[0].engine.scheduler) is Scheduler
+    assert type(sim.router.placer) is Placer and type(sim.router.placer.policy) is PredictedLatencyPolicy
+    assert type(Simulation(cluster(0, 1)).router.placer.policy) is RoundRobinPolicy
+    probe = "import sys, sim.simulator, sim.cli; assert 'torch' not in sys.modules, 'sim imports torch'"
+    subprocess.run([sys.executable, "-c", probe], check=True, cwd=Path(__file__).parents[3])
+
+
+@pytest.mark.parametrize("num_prefill", [0, 1])
+def test_bulk_decode_runs_give_the_step_by_step_timeline(num_prefill):
+    timelines, events = [], []
+    for decode_runs in (False, True):
+        requests = load_trace(DATA / "mooncake_conversation_slice.jsonl", "mooncake", time_scale=0.01)
+        requests = [SimRequest(r.prompt[: 30 + i], 6 + 3 * i, r.arrival_s) for i, r in enumerate(requests)]
+        sim = Simulation(cluster(num_prefill, 2, policy="predicted_latency"), decode_runs=decode_runs)
+        result = sim.run(requests)
+        timelines.append([r.chunk_times_s for r in result.records])
+        events.append(result.num_events)
+        assert_idle(sim)
+    assert [len(t) for t in timelines[0]] == [6 + 3 * i for i in range(len(timelines[0]))]
+    for slow, fast in zip(*timelines):
+        assert fast == pytest.approx(slow, abs=1e-9)
+    assert events[1] < events[0]  # runs were taken
+
+
+def test_a_request_longer_than_max_model_len_is_refused_with_400():
+    sim = Simulation(cluster(0, 1))
+    result = sim.run([SimRequest([1] * 60, 5, 0.0), SimRequest([2] * 8, 2, 0.0)])
+    assert [r.error_kind for r in result.records] == ["http_400", ""]
+    assert result.records[1].output_tokens == 2
+    assert_idle(sim)
+
+
+def test_admission_refuses_what_cannot_meet_the_router_slo():
+    # A 1 ms TTFT SLO nobody meets; the first request is admitted (no queue), the burst behind it is
+    # refused with 429 once the queue ahead exceeds max_queue_s.
+    sim = Simulation(cluster(0, 1, policy="predicted_latency", slo=SLO(ttft_s=0.001), max_queue_s=0.05))
+    requests = [SimRequest([7] * 60, 2, 0.0) for _ in range(6)]
+    result = sim.run(requests)
+    kinds = [r.error_kind for r in result.records]
+    assert kinds[0] == "" and "http_429" in kinds
+    assert all(r.ttft_s is None for r in result.records if r.error_kind)
+    assert_idle(sim)
