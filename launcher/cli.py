@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cli import bench as bench_command
+from sim.cli import plan as plan_command
 from sim.cli import sim as sim_command
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.local_cluster import ClusterConfig, LocalCluster
@@ -283,6 +284,7 @@ def _print_demo(results) -> None:
 
 main.add_command(bench_command)
 main.add_command(sim_command)
+main.add_command(plan_command)
 
 if __name__ == "__main__":
     main()

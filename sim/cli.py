@@ -105,3 +105,74 @@ def sim(num_prefill: int, num_decode: int, tp: int, out_dir: Path, plots: bool, 
                   f"{result.pool_hit_rate:.0%}; prefix-cache hit rate {result.prefix_cache_hit_rate:.0%}")
     for path in paths:
         console.print(f"wrote {path}")
+
+
+@click.command()
+@workload_options
+@click.option("--gpus", "gpu_counts", default="8,16,32,64,128", show_default=True,
+              help="Fleet sizes to try (comma-separated GPU counts).")
+@click.option("--tp", "tps", default="1", show_default=True, help="Tensor-parallel degrees to try (comma-separated).")
+@click.option("--target", default=0.9, show_default=True, type=float, help="SLO attainment a configuration must reach.")
+@click.option("--out", "out_dir", default=".cache/plan", show_default=True, type=click.Path(path_type=Path))
+@click.option("--helm-values", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the recommendation as Helm values overrides (validated against the chart's schema).")
+def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: Path | None, **kw) -> None:
+    """Search P:D ratios (and TP) per fleet size with the simulator; recommend the smallest fleet
+    meeting the SLO attainment target, beside the colocated baseline (docs/sim.md)."""
+    from rich.table import Table
+
+    from bench.report import save_json
+    from sim import plan as planner
+    from sim.setup import build_worker
+
+    if not 0 < target <= 1:
+        raise click.BadParameter(f"--target must be in (0, 1], got {target}")
+    try:
+        counts = sorted({int(x) for x in gpu_counts.split(",")})
+        tp_list = sorted({int(x) for x in tps.split(",")})
+    except ValueError:
+        raise click.BadParameter(f"--gpus and --tp take comma-separated integers, got {gpu_counts!r}, {tps!r}") from None
+    workload, base = choices(kw, 1, 1, tp_list[0])
+    slo = SLO(kw["slo_ttft_ms"], kw["slo_tbt_ms"])
+    started = time.perf_counter()
+    try:
+        requests = load_requests(workload)
+        points = planner.search(requests, base, counts, tp_list, slo, target,
+                                progress=lambda p: console.print(f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
+                                                                 f"{p.goodput_rps:7.2f} req/s, attainment "
+                                                                 f"{p.slo_attainment:.0%}{' (stopped early)' if p.aborted else ''}"))
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    wall_s = time.perf_counter() - started
+    table = Table("GPUs", "best disaggregated", "goodput req/s", "attainment", "colocated goodput", "attainment",
+                  "disagg / colocated", title=f"plan: {len(requests)} requests, SLO TTFT {slo.ttft_ms:g} ms, "
+                                                  f"TBT {slo.tbt_ms:g} ms, target {target:.0%}")
+    disagg, coloc = planner.best_per_size(points, False), planner.best_per_size(points, True)
+    for n in sorted(set(disagg) | set(coloc)):
+        d, c = disagg.get(n), coloc.get(n)
+        ratio = d.goodput_rps / c.goodput_rps if d and c and c.goodput_rps else float("nan")
+        table.add_row(str(n), d.label if d else "-", f"{d.goodput_rps:.2f}" if d else "-",
+                      f"{d.slo_attainment:.0%}" if d else "-", f"{c.goodput_rps:.2f}" if c else "-",
+                      f"{c.slo_attainment:.0%}" if c else "-", f"{ratio:.2f}x")
+    console.print(table)
+    best = planner.recommend(points, target)
+    out = {"settings": {"gpus": counts, "tp": tp_list, "target": target, "slo": dataclasses.asdict(slo),
+                        "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s},
+           "points": planner.as_rows(points), "recommendation": planner.as_rows([best])[0] if best else None}
+    save_json(out, out_dir / "plan.json")
+    planner.plot(points, out_dir / "goodput_vs_gpus.png", f"{kw['model']} on {kw['gpu']}")
+    if best is None:
+        console.print(f"no configuration reaches {target:.0%} SLO attainment; try more GPUs or a looser SLO "
+                      f"({wall_s:.0f} s)")
+        return
+    console.print(f"recommendation: {best.label} on {best.num_gpus} GPUs, goodput {best.goodput_rps:.2f} req/s, "
+                  f"attainment {best.slo_attainment:.0%} (searched in {wall_s:.0f} s)")
+    if helm_values is not None:
+        import yaml
+
+        worker = build_worker(base, best.tp)
+        overrides = planner.helm_values(best, base, worker.engine.num_kv_blocks, worker.engine.max_model_len, slo)
+        planner.validate_values(overrides, Path(__file__).parents[1] / "deploy/k8s/helm/tandem")
+        helm_values.parent.mkdir(parents=True, exist_ok=True)
+        helm_values.write_text(yaml.safe_dump(overrides, sort_keys=False))
+        console.print(f"wrote {helm_values} (helm install -f {helm_values})")

@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from bench.client import RequestRecord
+from bench.metrics import meets_slo
 from router.errors import RouterError
 from router.placement import Placement
 from sim.adapter import SAMPLED_TOKEN_ID, SimEngine, SimRouter, worker_info
@@ -68,6 +69,7 @@ class SimResult:
     pool_hit_rate: float = float("nan")
     prefix_cache_hit_rate: float = float("nan")
     num_events: int = 0
+    aborted: bool = False  # stopped early (Simulation.run's max_misses): records are incomplete
 
 
 class Simulation:
@@ -89,6 +91,7 @@ class Simulation:
         self._seq = itertools.count()
         self.now_s = 0.0
         self.num_events = 0
+        self._slo, self._max_misses, self.num_misses = None, None, 0
 
     @staticmethod
     def _worker(worker_id: str, role: str, spec: WorkerSpec, block_size: int) -> _Worker:
@@ -97,15 +100,25 @@ class Simulation:
     def _at(self, time_s: float, fn, *args) -> None:
         heapq.heappush(self._heap, (time_s, next(self._seq), fn, args))
 
-    def run(self, requests: list[SimRequest]) -> SimResult:
-        """Replays ``requests`` until every one has ended; returns the records (workload order)."""
+    def run(self, requests: list[SimRequest], slo=None, max_misses: int | None = None) -> SimResult:
+        """Replays ``requests`` until every one has ended; returns the records (workload order).
+
+        With ``slo`` (bench.metrics.SLO) and ``max_misses``: stops as soon as more than
+        ``max_misses`` requests ended (or were refused) outside the SLO, with ``aborted`` set
+        (the planner's early exit: the configuration cannot reach its attainment target).
+        """
         for index, request in enumerate(requests):
             self._at(request.arrival_s, self._arrive, index, request)
-        while self._heap:
+        self._slo, self._max_misses, self.num_misses = slo, max_misses, 0
+        while self._heap and not (max_misses is not None and self.num_misses > max_misses):
             self.now_s, _, fn, args = heapq.heappop(self._heap)
             self.num_events += 1
             fn(*args)
-        return self._result([self._runs[str(i)].record for i in range(len(requests))])
+        records = [self._runs[str(i)].record if str(i) in self._runs else RequestRecord(i, requests[i].arrival_s)
+                   for i in range(len(requests))]
+        result = self._result(records)
+        result.aborted = bool(self._heap)
+        return result
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -127,12 +140,14 @@ class Simulation:
         if len(request.prompt) + request.max_tokens > limit:  # the router's validation: HTTP 400
             run.record.error_kind = "http_400"
             run.record.error = f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) > {limit}"
+            self.num_misses += 1
             return
         try:
             run.placement, run.block_hashes = self.router.place(
                 rid, request.prompt, request.max_tokens, self._candidates(self.prefill), self._candidates(self.decode))
         except RouterError as err:
             run.record.error_kind, run.record.error = f"http_{err.http_status}", err.message[:300]
+            self.num_misses += 1
             return
         if run.placement.prefill is None:
             self._start_decode(run, self._by_id[run.placement.decode.worker_id], 0)
@@ -250,6 +265,8 @@ class Simulation:
         record.e2e_s = self.now_s - record.start_s
         record.output_tokens, record.finish_reason = len(record.chunk_times_s), "length"
         self.router.finished(run.placement)
+        if self._slo is not None and not meets_slo(record, self._slo):
+            self.num_misses += 1
         if worker is not None:
             self.router.untrack(str(run.index), worker.info.address)
 

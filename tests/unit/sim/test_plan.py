@@ -1,0 +1,65 @@
+"""``tandem plan`` on the test slice: splits, the early stop, the recommendation, Helm values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sim import plan as planner
+from sim.cli import plan
+
+ROOT = Path(__file__).parents[3]
+SLICE = ROOT / "tests/data/mooncake_conversation_slice.jsonl"
+
+
+def test_splits_cover_colocated_and_prefill_shares():
+    assert planner.splits(1) == [0]
+    assert planner.splits(4) == [0, 1, 2, 3]
+    assert planner.splits(16) == [0, 2, 4, 6, 8, 10, 12]
+
+
+def test_recommend_takes_the_fewest_gpus_that_meet_the_target():
+    point = lambda n, p, good, att, aborted=False: planner.PlanPoint(n, 1, p, n - p or n, good, att, 0, 0, aborted)  # noqa: E731
+    points = [point(2, 0, 1.0, 0.5), point(2, 1, 1.1, 0.8, True), point(4, 0, 2.0, 0.95), point(4, 1, 2.1, 0.96),
+              point(8, 2, 3.0, 1.0)]
+    best = planner.recommend(points, 0.9)
+    assert (best.num_gpus, best.num_prefill) == (4, 1)
+    assert planner.recommend(points[:2], 0.9) is None
+
+
+def test_plan_command_prints_a_recommendation_and_valid_helm_values(tmp_path):
+    values = tmp_path / "values.yaml"
+    result = CliRunner().invoke(plan, ["--path", str(SLICE), "--gpus", "2", "--time-scale", "0.01", "--out",
+                                       str(tmp_path), "--helm-values", str(values)])
+    assert result.exit_code == 0, result.output
+    assert "recommendation:" in result.output
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert [p["num_prefill"] for p in data["points"]] == [0, 1]
+    assert (tmp_path / "goodput_vs_gpus.png").exists()
+    overrides = yaml.safe_load(values.read_text())
+    rec = data["recommendation"]
+    assert overrides["prefill"]["replicas"] == rec["num_prefill"] and overrides["decode"]["replicas"] == rec["num_decode"]
+    planner.validate_values(overrides, ROOT / "deploy/k8s/helm/tandem")
+
+
+def test_helm_values_outside_the_schema_are_refused():
+    with pytest.raises(jsonschema.ValidationError):
+        planner.validate_values({"engine": {"blockSize": 24}}, ROOT / "deploy/k8s/helm/tandem")
+
+
+def test_a_hopeless_configuration_stops_early():
+    from sim.setup import ClusterChoice, build_worker
+    from sim.cluster import ClusterSpec
+    from sim.simulator import Simulation
+    from sim.workload import load_trace
+    from bench.metrics import SLO
+
+    worker = build_worker(ClusterChoice(1, 1), 1)
+    requests = load_trace(SLICE, "mooncake", time_scale=0.0001)
+    result = Simulation(ClusterSpec(0, 1, worker, worker)).run(requests, SLO(ttft_ms=1, tbt_ms=1), max_misses=0)
+    assert result.aborted and sum(r.e2e_s is not None for r in result.records) == 1
