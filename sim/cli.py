@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from sim.simulator import Simulation
 console = Console(width=None if sys.stdout.isatty() else 200)
 
 
-def workload_options(f):
+def workload_options(f, block_size: int = 16, max_candidates: int = 8):
     options = [
         click.option("--workload", "kind", default="mooncake", show_default=True,
                      type=click.Choice(TRACE_KINDS + PROMPT_SET_KINDS)),
@@ -39,7 +40,7 @@ def workload_options(f):
         click.option("--cost-model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      help="Time steps with this fitted CostModel JSON (fields, or a heartbeat's cost_* load) "
                           "instead of the GPU roofline."),
-        click.option("--block-size", default=16, show_default=True, type=int),
+        click.option("--block-size", default=block_size, show_default=True, type=int),
         click.option("--num-kv-blocks", default=0, show_default=True, type=int, help="0: what fits the GPU."),
         click.option("--max-num-seqs", default=256, show_default=True, type=int),
         click.option("--max-num-batched-tokens", default=8192, show_default=True, type=int),
@@ -51,7 +52,7 @@ def workload_options(f):
         click.option("--router-ttft-slo-s", default=0.0, show_default=True, type=float,
                      help="The router's TTFT SLO (admission); 0: none."),
         click.option("--router-tbt-slo-s", default=0.0, show_default=True, type=float),
-        click.option("--max-candidates", default=8, show_default=True, type=int,
+        click.option("--max-candidates", default=max_candidates, show_default=True, type=int,
                      help="Least-loaded workers per role the policy scores (0: all)."),
         click.option("--slo-ttft-ms", default=2000.0, show_default=True, type=float, help="Goodput SLO (bench's)."),
         click.option("--slo-tbt-ms", default=200.0, show_default=True, type=float),
@@ -107,8 +108,12 @@ def sim(num_prefill: int, num_decode: int, tp: int, out_dir: Path, plots: bool, 
         console.print(f"wrote {path}")
 
 
+def plan_options(f):
+    return workload_options(f, block_size=128, max_candidates=4)
+
+
 @click.command()
-@workload_options
+@plan_options
 @click.option("--gpus", "gpu_counts", default="8,16,32,64,128", show_default=True,
               help="Fleet sizes to try (comma-separated GPU counts).")
 @click.option("--tp", "tps", default="1", show_default=True, help="Tensor-parallel degrees to try (comma-separated).")
@@ -116,7 +121,10 @@ def sim(num_prefill: int, num_decode: int, tp: int, out_dir: Path, plots: bool, 
 @click.option("--out", "out_dir", default=".cache/plan", show_default=True, type=click.Path(path_type=Path))
 @click.option("--helm-values", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommendation as Helm values overrides (validated against the chart's schema).")
-def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: Path | None, **kw) -> None:
+@click.option("--jobs", default=os.cpu_count() or 1, show_default=True, type=int, help="Simulations at once.")
+@click.option("--all-sizes", is_flag=True, help="Evaluate every size, not only those a bisection visits.")
+def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: Path | None, jobs: int,
+         all_sizes: bool, **kw) -> None:
     """Search P:D ratios (and TP) per fleet size with the simulator; recommend the smallest fleet
     meeting the SLO attainment target, beside the colocated baseline (docs/sim.md)."""
     from rich.table import Table
@@ -137,7 +145,7 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     started = time.perf_counter()
     try:
         requests = load_requests(workload)
-        points = planner.search(requests, base, counts, tp_list, slo, target,
+        points = planner.search(requests, base, counts, tp_list, slo, target, jobs=jobs, all_sizes=all_sizes,
                                 progress=lambda p: console.print(f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
                                                                  f"{p.goodput_rps:7.2f} req/s, attainment "
                                                                  f"{p.slo_attainment:.0%}{' (stopped early)' if p.aborted else ''}"))

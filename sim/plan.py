@@ -45,10 +45,13 @@ class PlanPoint:
         return f"{self.num_prefill}P + {self.num_decode}D (TP{self.tp})"
 
 
-def splits(num_workers: int) -> list[int]:
+def splits(num_workers: int, shares=PREFILL_SHARES) -> list[int]:
     """Prefill worker counts to try for ``num_workers`` workers: 0 (colocated) and the shares."""
-    counts = {min(num_workers - 1, max(1, round(share * num_workers))) for share in PREFILL_SHARES}
+    counts = {min(num_workers - 1, max(1, round(share * num_workers))) for share in shares}
     return [0] + sorted(c for c in counts if num_workers >= 2)
+
+
+COARSE_SHARES = (1 / 4, 1 / 2, 3 / 4)
 
 
 def evaluate(requests: list[SimRequest], cluster: ClusterSpec, slo: SLO, target: float, tp: int) -> PlanPoint:
@@ -59,25 +62,83 @@ def evaluate(requests: list[SimRequest], cluster: ClusterSpec, slo: SLO, target:
                      s["slo_attainment"], s["ttft_ms"]["p90"], s["tbt_ms"]["p90"], result.aborted)
 
 
+_JOB: dict = {}  # what forked evaluation processes read (set before the pool forks)
+
+
+def _evaluate_job(args: tuple[int, int, int]) -> PlanPoint:
+    tp, num_prefill, num_decode = args
+    worker = _JOB["workers"][tp]
+    cluster = ClusterSpec(num_prefill, num_decode, worker, worker, _JOB["base"].pool_capacity_blocks, _JOB["base"].router)
+    return evaluate(_JOB["requests"], cluster, _JOB["slo"], _JOB["target"], tp)
+
+
+class Search:
+    """Evaluates configurations (``jobs`` processes at once, forked) and remembers them."""
+
+    def __init__(self, requests: list[SimRequest], base: ClusterChoice, tps: list[int], slo: SLO, target: float,
+                 jobs: int = 1, progress=None):
+        _JOB.update(requests=requests, base=base, slo=slo, target=target,
+                    workers={tp: build_worker(base, tp) for tp in tps})
+        self.tps, self.target, self.jobs, self.progress = tps, target, jobs, progress
+        self.points: dict[tuple[int, int, int], PlanPoint] = {}
+
+    def run(self, configs: list[tuple[int, int, int]]) -> list[PlanPoint]:
+        todo = [c for c in dict.fromkeys(configs) if c not in self.points]
+        if self.jobs > 1 and len(todo) > 1:
+            import multiprocessing
+
+            with multiprocessing.get_context("fork").Pool(min(self.jobs, len(todo))) as pool:
+                results = pool.map(_evaluate_job, todo)
+        else:
+            results = [_evaluate_job(c) for c in todo]
+        for config, point in zip(todo, results):
+            self.points[config] = point
+            if self.progress:
+                self.progress(point)
+        return [self.points[c] for c in configs]
+
+    def size(self, num_gpus: int) -> list[PlanPoint]:
+        """Every TP's colocated cluster and coarse P:D splits of ``num_gpus``, then the fine
+        splits next to the best coarse one."""
+        configs = []
+        for tp in self.tps:
+            if num_gpus % tp == 0:
+                workers = num_gpus // tp
+                configs += [(tp, p, workers - p if p else workers) for p in splits(workers, COARSE_SHARES)]
+        points = self.run(configs)
+        disaggregated = [p for p in points if p.num_prefill]
+        if disaggregated:
+            best = max(disaggregated, key=lambda p: (p.slo_attainment, p.goodput_rps))
+            workers = best.num_prefill + best.num_decode
+            step = max(1, round(workers / 8))
+            fine = [n for n in (best.num_prefill - step, best.num_prefill + step) if 0 < n < workers]
+            points += self.run([(best.tp, n, workers - n) for n in fine])
+        return points
+
+    def meets(self, points: list[PlanPoint]) -> bool:
+        return any(p.slo_attainment >= self.target and not p.aborted for p in points)
+
+
 def search(requests: list[SimRequest], base: ClusterChoice, gpu_counts: list[int], tps: list[int], slo: SLO,
-           target: float, progress=None) -> list[PlanPoint]:
-    """Every configuration's point (see the module docstring). Raises ValueError for a TP the
-    model does not fit, or GPU counts not divisible by it."""
-    points = []
-    for tp in tps:
-        worker = build_worker(base, tp)
-        for num_gpus in gpu_counts:
-            if num_gpus % tp:
-                continue
-            workers = num_gpus // tp
-            for num_prefill in splits(workers):
-                cluster = ClusterSpec(num_prefill, workers - num_prefill if num_prefill else workers, worker, worker,
-                                      base.pool_capacity_blocks, base.router)
-                point = evaluate(requests, cluster, slo, target, tp)
-                points.append(point)
-                if progress:
-                    progress(point)
-    return points
+           target: float, progress=None, jobs: int = 1, all_sizes: bool = False) -> list[PlanPoint]:
+    """The points evaluated: every size with ``all_sizes``, else the sizes a bisection for the
+    fewest GPUs meeting ``target`` visits (attainment grows with GPUs). Raises ValueError for a
+    TP the model does not fit."""
+    finder = Search(requests, base, tps, slo, target, jobs, progress)
+    sizes = sorted(gpu_counts)
+    if all_sizes:
+        for n in sizes:
+            finder.size(n)
+        return list(finder.points.values())
+    low, high = 0, len(sizes) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if finder.meets(finder.size(sizes[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    finder.size(sizes[low])
+    return list(finder.points.values())
 
 
 def best_per_size(points: list[PlanPoint], colocated: bool) -> dict[int, PlanPoint]:

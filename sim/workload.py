@@ -46,11 +46,17 @@ class TracePrompt(TokenSequence):
         return self.length
 
     def __iter__(self):
-        return iter(self[0:self.length])
+        tail, tokens = list(range(1, self.block_tokens)), []
+        for node in self.node_ids:
+            tokens.append(node)
+            tokens += tail
+        return iter(tokens[: self.length])
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             start, stop, step = index.indices(self.length)
+            if start == 0 and stop == self.length and step == 1:
+                return list(self)
             unit = self.block_tokens
             if step == 1 and start < stop and start // unit == (stop - 1) // unit:  # within one trace block
                 offset = start % unit

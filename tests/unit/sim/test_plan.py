@@ -23,6 +23,23 @@ def test_splits_cover_colocated_and_prefill_shares():
     assert planner.splits(16) == [0, 2, 4, 6, 8, 10, 12]
 
 
+def test_bisection_visits_few_sizes_and_finds_the_smallest_that_meets_the_target(monkeypatch):
+    # A fake evaluation: attainment 1 from 8 GPUs up (any split), 0.5 below; counts the sizes visited.
+    visited = []
+
+    def fake(args):
+        tp, p, d = args
+        n = (p + d) * tp
+        visited.append(n)
+        return planner.PlanPoint(n, tp, p, d, float(n), 1.0 if n >= 8 else 0.5, 0, 0, False)
+
+    monkeypatch.setattr(planner, "_evaluate_job", fake)
+    points = planner.search([], planner.ClusterChoice(1, 1, block_size=16), [2, 4, 8, 16, 32, 64, 128], [1],
+                            planner.SLO(), 0.9, jobs=1)
+    assert sorted(set(visited)) == [4, 8, 16]  # 16, then 4, then 8: log2 of 7 sizes
+    assert planner.recommend(points, 0.9).num_gpus == 8
+
+
 def test_recommend_takes_the_fewest_gpus_that_meet_the_target():
     point = lambda n, p, good, att, aborted=False: planner.PlanPoint(n, 1, p, n - p or n, good, att, 0, 0, aborted)  # noqa: E731
     points = [point(2, 0, 1.0, 0.5), point(2, 1, 1.1, 0.8, True), point(4, 0, 2.0, 0.95), point(4, 1, 2.1, 0.96),
@@ -35,7 +52,7 @@ def test_recommend_takes_the_fewest_gpus_that_meet_the_target():
 def test_plan_command_prints_a_recommendation_and_valid_helm_values(tmp_path):
     values = tmp_path / "values.yaml"
     result = CliRunner().invoke(plan, ["--path", str(SLICE), "--gpus", "2", "--time-scale", "0.01", "--out",
-                                       str(tmp_path), "--helm-values", str(values)])
+                                       str(tmp_path), "--helm-values", str(values), "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert "recommendation:" in result.output
     data = json.loads((tmp_path / "plan.json").read_text())
