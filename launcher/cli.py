@@ -97,12 +97,25 @@ def main() -> None:
                    "then the cluster stops); the router or Redis exiting always stops it. With --ray the actor "
                    "restarts its service the same way; a dead actor stops the cluster. --no-restart: any exit "
                    "stops the cluster (CI).")
+@click.option("--autoscale", is_flag=True,
+              help="Start and drain prefill and decode workers from their heartbeats against the SLOs "
+                   "(--ttft-slo-s/--tbt-slo-s, else 2 s / 0.2 s; docs/autoscaling.md).")
+@click.option("--max-prefill-workers", default=4, show_default=True, type=int, help="With --autoscale.")
+@click.option("--max-decode-workers", default=4, show_default=True, type=int, help="With --autoscale.")
+@click.option("--autoscale-interval-s", default=2.0, show_default=True, type=float, help="With --autoscale.")
+@click.option("--autoscale-cooldown-s", default=30.0, show_default=True, type=float,
+              help="With --autoscale: no second change of a role within this many seconds.")
 def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
-       use_ray: bool, address: str | None, **kwargs) -> None:
+       use_ray: bool, address: str | None, autoscale: bool, max_prefill_workers: int, max_decode_workers: int,
+       autoscale_interval_s: float, autoscale_cooldown_s: float, **kwargs) -> None:
     """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
     (or, with --ray, the same services as Ray actors)."""
     if address and not use_ray:
         raise click.UsageError("--address needs --ray")
+    if autoscale and use_ray:
+        raise click.UsageError("--autoscale runs local workers; on Kubernetes enable the chart's autoscaler")
+    autoscale_config = _autoscale_config(kwargs, max_prefill_workers, max_decode_workers,
+                                         autoscale_cooldown_s) if autoscale else None
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
     if kwargs["colocated"] and _given("num_prefill_workers"):
@@ -140,8 +153,15 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
             _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
         else:
             console.print("Ctrl-C stops every service.")
+            scaler = None
+            if autoscale_config is not None:
+                from autoscaler.local import LocalAutoscaler
+
+                scaler = LocalAutoscaler(cluster, autoscale_config, autoscale_interval_s)
             while not stop.wait(timeout=1.0):
                 _supervise(cluster)
+                for event in scaler.step() if scaler else ():
+                    console.print(event)
     except StartInterrupted as err:
         console.print(f"[yellow]{err}[/]")
         raise click.exceptions.Exit(128 + signals[0]) from None  # as a shell reports a signal: 130 for SIGINT
@@ -149,6 +169,20 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
+
+
+def _autoscale_config(kwargs: dict, max_prefill: int, max_decode: int, cooldown_s: float):
+    """The autoscaler's bounds and SLOs from ``tandem up``'s flags. Raises click.UsageError."""
+    from autoscaler.policy import AutoscaleConfig
+
+    colocated = kwargs["colocated"]
+    try:
+        return AutoscaleConfig(
+            ttft_slo_s=kwargs["ttft_slo_s"] or 2.0, tbt_slo_s=kwargs["tbt_slo_s"] or 0.2,
+            min_prefill=0 if colocated else 1, max_prefill=0 if colocated else max_prefill,
+            min_decode=1, max_decode=max_decode, cooldown_s=cooldown_s)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
 
 
 def _catch_stop_signals() -> tuple[threading.Event, list[int]]:

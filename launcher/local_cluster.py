@@ -232,6 +232,8 @@ class LocalCluster:
         # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
         self._supervisor = Supervisor(config.restart)
+        self._threads: dict[str, int] = {}  # torch threads of each role's workers
+        self._draining: list[Service] = []  # removed workers finishing their in-flight requests
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
         self._stop_if_interrupted(name)
@@ -272,19 +274,52 @@ class LocalCluster:
                                                    self.redis_url), _grpc_ready(self.addresses["kv_pool"]))
         self._wait(pool, on_progress, timeout_s)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
-        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
-                                 c.num_prefill_workers, c.num_decode_workers)
-        workers = [
-            self._spawn(name, service_argv(c, role, py, c.host, _port(self.addresses[name]), self.redis_url,
-                                           pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
-                        _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads[role])})
-            for name, role in c.worker_names
-        ]
+        self._threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
+                                       c.num_prefill_workers, c.num_decode_workers)
+        workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
         router = self._spawn("router", service_argv(c, "router", py, c.host, c.grpc_port, self.redis_url),
                              _http_ready(f"{self.http_url}/health"))
         self._wait(router, on_progress, timeout_s)
+
+    def _spawn_worker(self, name: str, role: str) -> Service:
+        c, threads = self.config, self._threads[role]
+        self.addresses.setdefault(name, f"{c.host}:{free_port()}")
+        argv = service_argv(c, role, sys.executable, c.host, _port(self.addresses[name]), self.redis_url,
+                            pool_address=self.addresses["kv_pool"], num_threads=threads)
+        return self._spawn(name, argv, _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads)})
+
+    def worker_services(self, role: str) -> list[Service]:
+        """The running (not draining) worker processes of ``role``, in start order."""
+        return [s for s in self.services if s.name == role or s.name.startswith(f"{role}-")]
+
+    def add_worker(self, role: str) -> str:
+        """Starts one more worker of ``role`` (not waiting for it: it registers itself once its
+        model is loaded and calibrated); returns its service name. Call from the thread that
+        started the cluster (see Service.restart). Raises ValueError for a role this cluster has
+        no workers of (colocated: no prefill)."""
+        if role not in self.config.worker_roles:
+            raise ValueError(f"this cluster runs no {role} workers (roles: {self.config.worker_roles})")
+        taken = {s.name for s in self.services} | {s.name for s in self._draining}
+        name = next(n for n in (f"{role}-{i}" for i in range(1, 10_000)) if n not in taken)
+        self._spawn_worker(name, role)
+        return name
+
+    def remove_worker(self, role: str) -> str:
+        """Drains the newest worker of ``role``: SIGTERM (it deregisters, finishes its in-flight
+        requests within its grace period, exits); no longer supervised. Returns its name.
+        Raises ValueError when it is the role's last worker."""
+        workers = self.worker_services(role)
+        if len(workers) <= 1:
+            raise ValueError(f"cannot remove the last {role} worker")
+        service = workers[-1]
+        self.services.remove(service)
+        self._draining.append(service)
+        if service.process.poll() is None:
+            service.process.send_signal(signal.SIGTERM)
+        self._draining = [s for s in self._draining if s.process.poll() is None]
+        return service.name
 
     def start_redis(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0,
                     bind: str = "127.0.0.1") -> None:
@@ -338,7 +373,7 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM in reverse start order, SIGKILL what is still alive after ``timeout_s``."""
-        for service in reversed(self.services):
+        for service in [*reversed(self.services), *self._draining]:
             if service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
             try:
@@ -347,6 +382,7 @@ class LocalCluster:
                 service.process.kill()
                 service.process.wait()
         self.services.clear()
+        self._draining.clear()
 
     def __enter__(self) -> LocalCluster:
         return self
