@@ -39,6 +39,10 @@ class LocalAutoscaler:
         self.autoscaler = Autoscaler(config)
         self._next_s = 0.0
 
+    def read_live(self, role: str) -> list[dict]:
+        """The heartbeats of ``role``'s registered workers."""
+        return read_loads(self.cluster.redis_url)[role]
+
     def step(self, now_s: float | None = None) -> list[str]:
         """Evaluates if due; starts or drains workers; returns one line per change."""
         now_s = time.monotonic() if now_s is None else now_s

@@ -290,6 +290,11 @@ class LocalCluster:
                             pool_address=self.addresses["kv_pool"], num_threads=threads)
         return self._spawn(name, argv, _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads)})
 
+    def draining(self) -> list[Service]:
+        """Removed workers whose process has not exited yet (reaps the others)."""
+        self._draining = [s for s in self._draining if s.process.poll() is None]
+        return list(self._draining)
+
     def worker_services(self, role: str) -> list[Service]:
         """The running (not draining) worker processes of ``role``, in start order."""
         return [s for s in self.services if s.name == role or s.name.startswith(f"{role}-")]
@@ -315,6 +320,7 @@ class LocalCluster:
             raise ValueError(f"cannot remove the last {role} worker")
         service = workers[-1]
         self.services.remove(service)
+        self.addresses.pop(service.name, None)
         self._draining.append(service)
         if service.process.poll() is None:
             service.process.send_signal(signal.SIGTERM)

@@ -98,8 +98,9 @@ class Search:
         return [self.points[c] for c in configs]
 
     def size(self, num_gpus: int) -> list[PlanPoint]:
-        """Every TP's colocated cluster and coarse P:D splits of ``num_gpus``, then the fine
-        splits next to the best coarse one."""
+        """Every TP's colocated cluster and coarse P:D splits of ``num_gpus``, then, when the best
+        coarse split came within half of the target, the fine splits next to it (far below the
+        target a neighbouring split cannot qualify: that size only tells the bisection "no")."""
         configs = []
         for tp in self.tps:
             if num_gpus % tp == 0:
@@ -107,8 +108,8 @@ class Search:
                 configs += [(tp, p, workers - p if p else workers) for p in splits(workers, COARSE_SHARES)]
         points = self.run(configs)
         disaggregated = [p for p in points if p.num_prefill]
-        if disaggregated:
-            best = max(disaggregated, key=lambda p: (p.slo_attainment, p.goodput_rps))
+        best = max(disaggregated, key=lambda p: (p.slo_attainment, p.goodput_rps), default=None)
+        if best is not None and best.slo_attainment >= self.target / 2:
             workers = best.num_prefill + best.num_decode
             step = max(1, round(workers / 8))
             fine = [n for n in (best.num_prefill - step, best.num_prefill + step) if 0 < n < workers]

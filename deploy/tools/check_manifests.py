@@ -34,6 +34,7 @@ KNOWN_KINDS = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"), ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"), ("networking.k8s.io/v1", "Ingress"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 }
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 

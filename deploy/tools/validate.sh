@@ -54,6 +54,10 @@ helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" 
 helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" -f "$multinode" \
   >"$out/helm-multinode.yaml" \
   && check_rendered helm-multinode "$out/helm-multinode.yaml" || fail "helm template (multinode values)"
+helm lint --strict "$chart" --set autoscaler.enabled=true || fail "helm lint (autoscaler on)"
+helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" --set autoscaler.enabled=true \
+  >"$out/helm-autoscaler.yaml" \
+  && check_rendered helm-autoscaler "$out/helm-autoscaler.yaml" || fail "helm template (autoscaler on)"
 
 step "kubectl kustomize | kubernetes-validate | check_manifests"
 for overlay in "$repo"/deploy/k8s/overlays/*/; do

@@ -434,3 +434,30 @@ def test_fetch_model_script_rejects_an_unknown_source(tmp_path):
     mounted = subprocess.run(["sh", str(script)], env={**env, "TANDEM_MODEL_SOURCE": "none"},
                              capture_output=True, text=True)
     assert mounted.returncode == 0 and not any(tmp_path.iterdir())
+
+
+def test_the_autoscaler_renders_with_least_privilege_and_owns_the_worker_replicas(tools):
+    objects = helm_template(tools, "--set", "autoscaler.enabled=true", "--set", "autoscaler.decode.maxReplicas=6")
+    assert check_manifests.check([check_manifests.Obj(o) for o in objects]) == []
+    by_kind = {}
+    for o in objects:
+        by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+    (role,) = by_kind["Role"].values()
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": ["tandem-prefill", "tandem-decode"], "verbs": ["get", "patch"]}]
+    (binding,) = by_kind["RoleBinding"].values()
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == "tandem-autoscaler" and "tandem-autoscaler" in by_kind["ServiceAccount"]
+    for worker in ("tandem-prefill", "tandem-decode"):
+        assert "replicas" not in by_kind["Deployment"][worker]["spec"]  # the autoscaler's to set
+    pod = by_kind["Deployment"]["tandem-autoscaler"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "tandem-autoscaler"
+    (container,) = pod["containers"]
+    env = env_of(container)
+    flags = set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", (REPO / "autoscaler/__main__.py").read_text()))
+    known = {"TANDEM_AUTOSCALER_" + f[2:].upper().replace("-", "_") for f in flags}
+    assert set(env) <= known, sorted(set(env) - known)
+    assert env["TANDEM_AUTOSCALER_MAX_DECODE"]["value"] == "6"
+    assert env["TANDEM_AUTOSCALER_DECODE_DEPLOYMENT"]["value"] == "tandem-decode"
+    default = {o["metadata"]["name"] for o in helm_template(tools) if o["kind"] == "Deployment"}
+    assert "tandem-autoscaler" not in default

@@ -1,0 +1,107 @@
+"""`tandem up --autoscale` on a real local cluster: a load step (rate x 4, then back) scales the
+decode workers up and back down, and every request is answered in full."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from autoscaler.local import LocalAutoscaler
+from autoscaler.policy import AutoscaleConfig
+from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = list(range(1000, 1150))  # 150 tokens + 48 outputs = 13 blocks of 16; the cache holds 3 such
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = ClusterConfig(model=MODEL, http_port=free_port(), grpc_port=free_port(), num_kv_blocks=40,
+                           max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256, colocated=True,
+                           log_dir=tmp_path_factory.mktemp("autoscale-logs"),
+                           extra_worker_args=("--no-enable-prefix-caching",))
+    with LocalCluster(config) as c:
+        c.start()
+        yield c
+
+
+class Load:
+    """Open-loop requests at ``rate_per_s`` (changed on the fly) from a thread; every reply kept."""
+
+    def __init__(self, url: str):
+        self.url, self.rate_per_s, self.replies, self._stop = url, 0.0, [], threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sender = threading.Thread(target=self._send_loop, daemon=True)
+
+    def one(self, index: int) -> None:
+        body = {"model": MODEL, "prompt": [index % 7 + 1, *PROMPT], "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        try:
+            reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=600)
+            self.replies.append((reply.status_code, reply.json()["usage"]["completion_tokens"]))
+        except Exception as err:  # recorded, so the test names what failed
+            self.replies.append((repr(err), 0))
+
+    def _send_loop(self) -> None:
+        index = 0
+        while not self._stop.is_set():
+            if self.rate_per_s > 0:
+                thread = threading.Thread(target=self.one, args=(index,), daemon=True)
+                thread.start()
+                self._threads.append(thread)
+                index += 1
+                self._stop.wait(1.0 / self.rate_per_s)  # the arrival schedule, not synchronisation
+            else:
+                self._stop.wait(0.1)
+
+    def start(self) -> None:
+        self._sender.start()
+
+    def finish(self, timeout_s: float = 600) -> None:
+        self._stop.set()
+        self._sender.join(timeout_s)
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+
+def run_until(scaler: LocalAutoscaler, condition, timeout_s: float, what: str) -> None:
+    """Runs autoscaler evaluations on this thread (it started the cluster) until ``condition()``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s; history {scaler.autoscaler}")
+        scaler.step()
+        time.sleep(0.2)  # pacing the evaluation loop, not synchronising
+
+
+def test_a_load_step_scales_decode_up_and_back_down_answering_every_request(cluster):
+    started = time.monotonic()
+    httpx.post(f"{cluster.http_url}/v1/completions", timeout=600,
+               json={"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    latency_s = time.monotonic() - started  # one request alone: the worker's service time
+    config = AutoscaleConfig(ttft_slo_s=60.0, tbt_slo_s=60.0, min_prefill=0, max_prefill=0, min_decode=1,
+                             max_decode=2, up_evaluations=2, down_evaluations=4, cooldown_s=5.0)
+    scaler = LocalAutoscaler(cluster, config, interval_s=1.0)
+    decode_workers = lambda: len(cluster.worker_services("decode"))  # noqa: E731
+    load = Load(cluster.http_url)
+    load.rate_per_s = 0.5 / latency_s  # half the service rate of one worker
+    load.start()
+    try:
+        for _ in range(5):
+            scaler.step(time.monotonic())  # low load: no change
+        assert decode_workers() == 1
+        load.rate_per_s *= 4  # the step: twice what one worker serves; KV blocks and the queue fill
+        run_until(scaler, lambda: decode_workers() == 2, 240, "no second decode worker")
+        run_until(scaler, lambda: len(scaler.read_live("decode")) == 2, 240, "the new worker never registered")
+        load.rate_per_s /= 4
+        load.finish()  # the step is over: traffic back to none once these are answered
+        run_until(scaler, lambda: decode_workers() == 1, 240, "decode did not scale back down")
+        run_until(scaler, lambda: not cluster.draining(), 120, "the drained worker did not exit")
+    finally:
+        load.finish()
+    assert len(load.replies) >= 8
+    assert all(reply == (200, MAX_TOKENS) for reply in load.replies), load.replies
