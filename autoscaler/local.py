@@ -38,6 +38,7 @@ class LocalAutoscaler:
         self.actuator = LocalActuator(cluster)
         self.autoscaler = Autoscaler(config)
         self._next_s = 0.0
+        self.history: list[tuple[float, dict[str, float], dict[str, int]]] = []  # (time, pressures, replicas)
 
     def read_live(self, role: str) -> list[dict]:
         """The heartbeats of ``role``'s registered workers."""
@@ -53,6 +54,8 @@ class LocalAutoscaler:
         roles = self.cluster.config.worker_roles
         current = {role: self.actuator.replicas(role) if role in roles else 0 for role in ROLES}
         wanted = self.autoscaler.evaluate(now_s, loads, current)
+        pressures = {role: round(role_pressure(role, loads[role], self.autoscaler.config), 3) for role in roles}
+        self.history.append((round(now_s, 1), pressures, wanted))
         events = []
         for role in roles:
             if wanted[role] != current[role]:

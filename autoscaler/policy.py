@@ -7,9 +7,11 @@ Each role's **pressure** is read from its workers' heartbeats (``WorkerInfo.load
   and in the running pass (``num_waiting_tokens + num_batched_tokens``) on the worker's own fitted
   cost model, over the TTFT SLO; the mean over workers (the router spreads the backlog);
 - decode: the largest of the measured step time (``recent_step_time_s``, the TBT) over the TBT
-  SLO, the KV blocks in use over ``kv_usage_high``, and the batch slots in use over
-  ``kv_usage_high``; a worker with requests waiting for blocks or slots counts at least 1; the
-  mean over workers.
+  SLO, the KV blocks in use over ``kv_usage_high``, the batch slots in use over
+  ``kv_usage_high``, and the predicted TTFT of the prompt tokens it still has to compute
+  (colocated prefill; disaggregated requests bring their KV) over the TTFT SLO; the mean over
+  workers. (A request merely waiting for the next step is not pressure: a snapshot often catches
+  one; waiting for blocks or slots shows as KV or slot usage.)
 
 A role scales **up** by one worker after ``up_evaluations`` consecutive evaluations above
 ``scale_up_pressure``, **down** by one after ``down_evaluations`` consecutive evaluations in which
@@ -83,14 +85,12 @@ def prefill_pressure(load: dict, config: AutoscaleConfig) -> float:
 
 def decode_pressure(load: dict, config: AutoscaleConfig) -> float:
     """One decode worker's: step time over the TBT SLO, KV blocks and batch slots in use over
-    ``kv_usage_high``; at least 1 while requests wait."""
-    pressures = [_get(load, "recent_step_time_s") / config.tbt_slo_s]
+    ``kv_usage_high``, its prompt backlog's predicted TTFT over the TTFT SLO."""
+    pressures = [_get(load, "recent_step_time_s") / config.tbt_slo_s, prefill_pressure(load, config)]
     if _get(load, "num_total_blocks"):
         pressures.append(_get(load, "num_used_blocks") / _get(load, "num_total_blocks") / config.kv_usage_high)
     if _get(load, "max_num_seqs"):
         pressures.append(_get(load, "num_requests_running") / _get(load, "max_num_seqs") / config.kv_usage_high)
-    if _get(load, "num_requests_waiting") > 0:
-        pressures.append(1.0 + _get(load, "num_requests_waiting") / max(1.0, _get(load, "num_requests_running")))
     return max(pressures)
 
 

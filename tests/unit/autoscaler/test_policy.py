@@ -25,7 +25,9 @@ def test_pressures_are_the_slo_ratios():
     assert prefill_pressure({"num_waiting_tokens": 1500}, CONFIG) == 0.0  # no cost model yet
     assert decode_pressure(decode_load(45), CONFIG) == pytest.approx(0.5)  # 45 % of blocks / 0.9
     assert decode_pressure(decode_load(10, step_s=0.15), CONFIG) == pytest.approx(1.5)  # TBT 150 ms / 100 ms
-    assert decode_pressure(decode_load(10, running=2, waiting=1), CONFIG) == pytest.approx(1.5)  # a queue
+    assert decode_pressure(decode_load(10, running=2, waiting=1), CONFIG) == pytest.approx(0.111, abs=1e-3)  # a snapshot's queue
+    colocated = {**decode_load(10), **COST, "num_waiting_tokens": 1500}  # 1500 prompt tokens: 1.52 s of prefill
+    assert decode_pressure(colocated, CONFIG) == pytest.approx(1.52)
     # (90 % / 0.9 = 1.0, and the idle one's 10 ms step / 100 ms = 0.1): their mean
     assert role_pressure("decode", [decode_load(90), decode_load(0)], CONFIG) == pytest.approx(0.55)
 
