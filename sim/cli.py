@@ -127,11 +127,8 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
          all_sizes: bool, **kw) -> None:
     """Search P:D ratios (and TP) per fleet size with the simulator; recommend the smallest fleet
     meeting the SLO attainment target, beside the colocated baseline (docs/sim.md)."""
-    from rich.table import Table
-
     from bench.report import save_json
     from sim import plan as planner
-    from sim.setup import build_worker
 
     if not 0 < target <= 1:
         raise click.BadParameter(f"--target must be in (0, 1], got {target}")
@@ -152,17 +149,7 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
     wall_s = time.perf_counter() - started
-    table = Table("GPUs", "best disaggregated", "goodput req/s", "attainment", "colocated goodput", "attainment",
-                  "disagg / colocated", title=f"plan: {len(requests)} requests, SLO TTFT {slo.ttft_ms:g} ms, "
-                                                  f"TBT {slo.tbt_ms:g} ms, target {target:.0%}")
-    disagg, coloc = planner.best_per_size(points, False), planner.best_per_size(points, True)
-    for n in sorted(set(disagg) | set(coloc)):
-        d, c = disagg.get(n), coloc.get(n)
-        ratio = d.goodput_rps / c.goodput_rps if d and c and c.goodput_rps else float("nan")
-        table.add_row(str(n), d.label if d else "-", f"{d.goodput_rps:.2f}" if d else "-",
-                      f"{d.slo_attainment:.0%}" if d else "-", f"{c.goodput_rps:.2f}" if c else "-",
-                      f"{c.slo_attainment:.0%}" if c else "-", f"{ratio:.2f}x")
-    console.print(table)
+    console.print(_plan_table(points, len(requests), slo, target))
     best = planner.recommend(points, target)
     out = {"settings": {"gpus": counts, "tp": tp_list, "target": target, "slo": dataclasses.asdict(slo),
                         "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s},
@@ -176,11 +163,38 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     console.print(f"recommendation: {best.label} on {best.num_gpus} GPUs, goodput {best.goodput_rps:.2f} req/s, "
                   f"attainment {best.slo_attainment:.0%} (searched in {wall_s:.0f} s)")
     if helm_values is not None:
-        import yaml
+        _write_helm_values(helm_values, best, base, slo)
 
-        worker = build_worker(base, best.tp)
-        overrides = planner.helm_values(best, base, worker.engine.num_kv_blocks, worker.engine.max_model_len, slo)
-        planner.validate_values(overrides, Path(__file__).parents[1] / "deploy/k8s/helm/tandem")
-        helm_values.parent.mkdir(parents=True, exist_ok=True)
-        helm_values.write_text(yaml.safe_dump(overrides, sort_keys=False))
-        console.print(f"wrote {helm_values} (helm install -f {helm_values})")
+
+def _plan_table(points, num_requests: int, slo: SLO, target: float):
+    """Best disaggregated vs colocated configuration per fleet size, and their goodput ratio."""
+    from rich.table import Table
+
+    from sim import plan as planner
+
+    table = Table("GPUs", "best disaggregated", "goodput req/s", "attainment", "colocated goodput", "attainment",
+                  "disagg / colocated", title=f"plan: {num_requests} requests, SLO TTFT {slo.ttft_ms:g} ms, "
+                                                  f"TBT {slo.tbt_ms:g} ms, target {target:.0%}")
+    disagg, coloc = planner.best_per_size(points, False), planner.best_per_size(points, True)
+    for n in sorted(set(disagg) | set(coloc)):
+        d, c = disagg.get(n), coloc.get(n)
+        ratio = d.goodput_rps / c.goodput_rps if d and c and c.goodput_rps else float("nan")
+        table.add_row(str(n), d.label if d else "-", f"{d.goodput_rps:.2f}" if d else "-",
+                      f"{d.slo_attainment:.0%}" if d else "-", f"{c.goodput_rps:.2f}" if c else "-",
+                      f"{c.slo_attainment:.0%}" if c else "-", f"{ratio:.2f}x")
+    return table
+
+
+def _write_helm_values(path: Path, best, base, slo: SLO) -> None:
+    """The recommendation as chart values overrides, validated against the chart's schema."""
+    import yaml
+
+    from sim import plan as planner
+    from sim.setup import build_worker
+
+    worker = build_worker(base, best.tp)
+    overrides = planner.helm_values(best, base, worker.engine.num_kv_blocks, worker.engine.max_model_len, slo)
+    planner.validate_values(overrides, Path(__file__).parents[1] / "deploy/k8s/helm/tandem")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    console.print(f"wrote {path} (helm install -f {path})")
