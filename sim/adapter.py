@@ -167,6 +167,15 @@ class SimEngine:
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request holds (cached-but-free ones are not counted)."""
+        return self.scheduler.kv.num_used_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     def prefix_hit_rate(self) -> tuple[int, int]:
         """(prompt tokens looked up, of them hit) in this worker's prefix cache."""
         kv = self.scheduler.kv

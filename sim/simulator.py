@@ -281,8 +281,8 @@ class Simulation:
             workers.append({"worker_id": w.info.worker_id, "role": w.info.role, "num_gpus": w.spec.num_gpus,
                             "busy_s": w.busy_s, "num_steps": w.num_steps,
                             "utilisation": w.busy_s / duration_s if duration_s else float("nan"),
-                            "num_preemptions": w.engine.scheduler.num_preemptions,
+                            "num_preemptions": w.engine.num_preemptions,
                             "num_unfinished": w.engine.num_unfinished,
-                            "num_used_blocks": w.engine.scheduler.kv.num_used_blocks})
+                            "num_used_blocks": w.engine.num_used_blocks})
         return SimResult(records, duration_s, workers, self.pool.hit_rate,
                          hit / queried if queried else float("nan"), self.num_events)

@@ -33,7 +33,7 @@ def cluster(num_prefill: int, num_decode: int, policy: str = "round_robin", **ro
 
 def assert_idle(sim: Simulation) -> None:
     for w in (*sim.prefill, *sim.decode):
-        assert w.engine.num_unfinished == 0 and w.engine.scheduler.kv.num_used_blocks == 0
+        assert w.engine.num_unfinished == 0 and w.engine.num_used_blocks == 0
 
 
 def test_two_requests_colocated_timeline():
