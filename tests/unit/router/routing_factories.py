@@ -6,7 +6,8 @@ from core.cost_model import CostModel
 from core.registry import WorkerInfo
 from router.placement import SLO, RoutingRequest
 from router.prefix_index import prompt_block_hashes
-from router.routing import RoutingContext, make_policy
+from router.placement_state import PlacementBook
+from router.routing import RoutingPolicy, make_policy
 
 BLOCK_SIZE = 16
 FINGERPRINT = "fp-test"
@@ -36,5 +37,12 @@ def request(num_tokens: int = 100, *, pool_cached: int = 0, max_tokens: int = 16
     return RoutingRequest(request_id, prompt, max_tokens, BLOCK_SIZE, hashes, pool_cached)
 
 
-def policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()):
-    return make_policy(name, RoutingContext.create(disaggregation, slo))
+def policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()) -> RoutingPolicy:
+    """The policy ``name`` over a fresh, empty PlacementBook."""
+    return booked_policy(name, disaggregation=disaggregation, slo=slo)[1]
+
+
+def booked_policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()) -> tuple[PlacementBook, RoutingPolicy]:
+    """A fresh PlacementBook (the tests write it as the Placer would) and the policy ``name`` reading it."""
+    book = PlacementBook()
+    return book, make_policy(name, book.view, disaggregation, slo)

@@ -23,7 +23,8 @@ from router.generation import MAX_MIGRATIONS, Finished, Generation, TextDelta
 from router.metrics import RouterMetrics
 from router.request_ids import MAX_REQUEST_ID_CHARS, client_request_id
 from router.placer import Placer
-from router.routing import RoutingContext, make_policy
+from router.placement_state import PlacementBook
+from router.routing import make_policy
 from router.validation import InvalidRequestError, ValidatedRequest
 from router.worker_clients import (
     DecodeFinished, DecodeTokens, PrefillResult, WorkerFailedError, _router_error,
@@ -120,7 +121,8 @@ async def make_generation(tokenizer, num_prefill=2, num_decode=2, answer=None):
     await view.refresh()
     metrics = RouterMetrics()
     # least_loaded: ties go to the first worker_id, so the first choices are prefill:0, decode:0.
-    placer = Placer(make_policy("least_loaded", RoutingContext.create("always")), metrics=metrics)
+    book = PlacementBook()
+    placer = Placer(book, make_policy("least_loaded", book.view, "always"), metrics=metrics)
     generation = Generation(view, clients, tokenizer, metrics, placer, timeout_s=30.0)
     return generation, clients, view, registry
 
