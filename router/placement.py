@@ -103,14 +103,9 @@ class Placement:
         return COLOCATED if self.prefill is None else DISAGGREGATED
 
 
-def _stat(worker: WorkerInfo, key: str) -> float:
-    return float(worker.load.get(key, 0))
-
-
 def num_requests(worker: WorkerInfo, view: PlacementView) -> int:
     """Running + waiting at its last heartbeat, or this router's in flight there if more."""
-    heartbeat = _stat(worker, "num_requests_running") + _stat(worker, "num_requests_waiting")
-    return int(max(heartbeat, view.in_flight(worker.address)))
+    return max(worker.load.num_requests, view.in_flight(worker.address))
 
 
 def drain_s(cost: CostModel, num_tokens: float) -> float:
@@ -132,27 +127,27 @@ class Predictor:
         """Prompt tokens ahead of a new request at ``worker``: its heartbeat's waiting tokens (plus
         the pass in progress on a prefill worker) or this router's pending placements there,
         whichever is larger."""
-        heartbeat = _stat(worker, "num_waiting_tokens")
+        heartbeat = worker.load.num_waiting_tokens
         if worker.role == "prefill":  # the pass in progress finishes first
-            heartbeat += _stat(worker, "num_batched_tokens")
+            heartbeat += worker.load.num_batched_tokens
         return max(heartbeat, self.view.pending_tokens(worker.address))
 
     def _decode_side(self, decode: WorkerInfo, cost: CostModel, request: RoutingRequest) -> tuple[float, int, bool]:
         """(step time with the request added, running batch, fits: blocks, slot and TBT)."""
+        load = decode.load
         batch = num_requests(decode, self.view)
-        num_kv_tokens = _stat(decode, "num_kv_tokens") + request.num_prompt_tokens
-        tbt_s = cost.decode_step_s(batch + 1, int(num_kv_tokens))
+        tbt_s = cost.decode_step_s(batch + 1, load.num_kv_tokens + request.num_prompt_tokens)
         block_size = decode.block_size or request.block_size
         blocks_needed = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
-        free_ok = "num_free_blocks" not in decode.load or _stat(decode, "num_free_blocks") >= blocks_needed
-        slot_ok = "max_num_seqs" not in decode.load or batch < _stat(decode, "max_num_seqs")
+        free_ok = load.num_free_blocks is None or load.num_free_blocks >= blocks_needed
+        slot_ok = load.max_num_seqs is None or batch < load.max_num_seqs
         tbt_ok = not self.slo.tbt_s or tbt_s <= self.slo.tbt_s
         return tbt_s, batch, free_ok and slot_ok and tbt_ok
 
     def decode_fit(self, decode: WorkerInfo, request: RoutingRequest) -> tuple[float, bool] | None:
         """(predicted decode step with the request added, fits: blocks, slot and TBT SLO) of
         ``decode``; None without a cost model."""
-        cost = CostModel.from_load(decode.load)
+        cost = decode.load.fitted_cost_model
         if cost is None:
             return None
         tbt_s, _, fits = self._decode_side(decode, cost, request)
@@ -162,7 +157,7 @@ class Predictor:
         """Prefill on ``prefill`` (cached prefix loaded from the pool), decode on ``decode``;
         None when either has no cost model."""
         first = self.prefill_ttft(prefill, request)
-        d_cost = CostModel.from_load(decode.load)
+        d_cost = decode.load.fitted_cost_model
         if first is None or d_cost is None:
             return None
         ttft_s, queue_s, cached = first
@@ -171,7 +166,7 @@ class Predictor:
 
     def prefill_ttft(self, prefill: WorkerInfo, request: RoutingRequest) -> tuple[float, float, int] | None:
         """(TTFT, its queue part, cached tokens) of prefilling on ``prefill``; None without a cost model."""
-        cost = CostModel.from_load(prefill.load)
+        cost = prefill.load.fitted_cost_model
         if cost is None:
             return None
         n = request.num_prompt_tokens
@@ -182,7 +177,7 @@ class Predictor:
     def colocated(self, decode: WorkerInfo, request: RoutingRequest, num_local_cached_tokens: int) -> Prediction | None:
         """Prefill on ``decode`` itself after the ``num_local_cached_tokens`` its prefix cache
         holds, chunked into its decode steps (Sarathi-Serve); None without a cost model."""
-        cost = CostModel.from_load(decode.load)
+        cost = decode.load.fitted_cost_model
         if cost is None:
             return None
         n = request.num_prompt_tokens
@@ -190,7 +185,7 @@ class Predictor:
         uncached = n - cached
         queue_s = drain_s(cost, self.queued_tokens(decode))
         tbt_s, batch, fits = self._decode_side(decode, cost, request)
-        running_kv_tokens = int(_stat(decode, "num_kv_tokens"))
+        running_kv_tokens = decode.load.num_kv_tokens
         # Each mixed step also carries the running batch: its share is a decode step less the base.
         share_s = max(0.0, cost.decode_step_s(batch, running_kv_tokens) - cost.base_s) if batch else 0.0
         chunk = min(uncached, max(1, cost.max_num_batched_tokens))

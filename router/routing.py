@@ -95,7 +95,7 @@ class RoutingPolicy(abc.ABC):
 
     def least_loaded(self, workers: Sequence[WorkerInfo]) -> WorkerInfo:
         """Fewest requests, then the most free KV blocks, then the smallest worker_id."""
-        return min(workers, key=lambda w: (self.load(w), -w.load.get("num_free_blocks", 0), w.worker_id))
+        return min(workers, key=lambda w: (self.load(w), -(w.load.num_free_blocks or 0), w.worker_id))
 
 
 class RoundRobinPolicy(RoutingPolicy):
