@@ -163,8 +163,5 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             raise ValueError(f"manifest lists {len(keys)} blocks for {manifest.num_tokens} tokens")
         return engine_request, keys
 
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
-
     async def GetStats(self, request, context):
         return stats_response(self.engine, num_cached_tokens=0)
