@@ -15,7 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
 from engine.pool_io import PoolIO
 from engine.worker_runtime import PoolLocator, stats_response
-from tandem.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
+from tandem.v1 import decode_worker_pb2, decode_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from core.cost_model import CostModel
 from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
