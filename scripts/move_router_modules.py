@@ -102,7 +102,7 @@ def add_to_pyproject(text: str, packages: list[str]) -> str:
     dotted = [p.replace("/", ".") for p in packages if p.startswith("router/")]
     if not dotted or '"router",' not in text:
         return text
-    return text.replace('"router",', '"router", ' + ", ".join(f'"{p}",' for p in dotted), 1)
+    return text.replace('"router",', '"router", ' + ", ".join(f'"{p}"' for p in dotted) + ",", 1)
 
 
 def check(root: Path, pairs: list[tuple[str, str]]) -> None:
