@@ -85,7 +85,8 @@ class RouterServer:
         slo = SLO(config.ttft_slo_s, config.tbt_slo_s)
         book = PlacementBook(config.prefix_cache_blocks)
         policy = make_policy(config.routing_policy, book.view, config.disaggregation, slo)
-        return Placer(book, policy, Admission(slo, config.max_queue_s), self.metrics, PoolPrefixIndex(self.registry.redis))
+        admission = Admission(slo, config.max_queue_s)
+        return Placer(book, policy, admission, self.metrics, PoolPrefixIndex(self.registry.redis))
 
     async def _start_grpc(self) -> None:
         self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s)

@@ -31,7 +31,8 @@ TEXT_NAMES = {"Makefile", "Dockerfile.cpu", "Dockerfile.gpu"}
 SKIP_PARTS = ("proto/tandem/",)  # generated stubs
 PACKAGE_DOCS = {
     "router/api": "The router's front-ends: OpenAI HTTP and tandem.v1.Router, request bodies, validation, ids, n > 1.",
-    "router/placement": "Where a request runs: the Placer, routing policies, prediction, admission, bookkeeping, prefix view.",
+    "router/placement": "Where a request runs: the Placer, routing policies, prediction, admission, bookkeeping, "
+                        "prefix view.",
     "router/workers": "The cluster as the router sees it: live workers (registry, health) and the calls to them.",
     "router/output": "What the client gets of the tokens: the stop rule, detokenization, stop strings, logprobs.",
 }
