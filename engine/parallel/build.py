@@ -57,14 +57,18 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource) -> tuple[to
     """Starts ranks 1..N-1, joins them as rank 0 and loads rank 0's shard.
 
     Raises:
-        ValueError: the model cannot be sharded ``config.tensor_parallel_size`` ways (the ranks
-            started are stopped first).
+        ValueError: the model cannot be sharded ``config.tensor_parallel_size`` ways (checked
+            before any rank starts).
+        RuntimeError: another tensor-parallel engine of this process is still up.
     """
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(ensure_hf_dir(source))
     ShardLayout(0, config.tensor_parallel_size, hf.num_attention_heads, hf.num_key_value_heads,
                 hf.intermediate_size, hf.vocab_size)  # raises before any rank starts
+    if torch.distributed.is_initialized():
+        raise RuntimeError("one tensor-parallel engine per process (torch.distributed has one default group): "
+                           "shut the other engine down first")
     group, processes = start_ranks(config)
     try:
         model, layout = load_sharded(config, source, group)
