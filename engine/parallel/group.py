@@ -30,13 +30,15 @@ class RankFailure(RuntimeError):
 
 @dataclass
 class CollectiveTimer:
-    """Seconds spent inside the model's collectives on this rank, and how many ran (CPU: the
-    calls are synchronous, so wall time is the collective's time; on CUDA NCCL is asynchronous
-    and this counts only the launch)."""
+    """Where this rank's time went since the last reset (two ``perf_counter`` calls per
+    collective, ~0.1 us each). CPU: the collectives are synchronous, so wall time is their time;
+    on CUDA NCCL is asynchronous and this counts only the launch."""
 
-    all_reduce_s: float = 0.0
+    all_reduce_s: float = 0.0  # the row-parallel all-reduces and the LM head's all-gather
     num_all_reduces: int = 0
-    enabled: bool = False
+    control_s: float = 0.0  # sending / waiting for the step messages
+    forward_s: float = 0.0  # whole passes (collectives included), set by the runner
+    num_passes: int = 0
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -76,9 +78,7 @@ class RankGroup:
         return cls(rank, world_size, device, control)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over the ranks, in place; returns it. Timed when ``timer.enabled``."""
-        if not self.timer.enabled:
-            return _all_reduce(x)
+        """Sums ``x`` over the ranks, in place; returns it."""
         started = time.perf_counter()
         _all_reduce(x)
         self.timer.all_reduce_s += time.perf_counter() - started
@@ -87,11 +87,13 @@ class RankGroup:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x`` (same shape on all), in rank order."""
+        started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, x)
         except RuntimeError as err:
             raise RankFailure(f"all_gather failed: {err}") from err
+        self.timer.all_reduce_s += time.perf_counter() - started
         return parts
 
     def scatter(self, messages: list | None):
@@ -102,10 +104,13 @@ class RankGroup:
             RankFailure: a rank is gone.
         """
         received = [None]
+        started = time.perf_counter()
         try:
             dist.scatter_object_list(received, messages, src=0, group=self._control)
         except RuntimeError as err:
             raise RankFailure(f"control scatter failed: {err}") from err
+        if self.rank == 0:  # the others' wait is idle time between passes, not cost
+            self.timer.control_s += time.perf_counter() - started
         return received[0]
 
     def gather(self, obj) -> list | None:

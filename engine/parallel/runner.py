@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,16 +33,17 @@ from engine.attention import AttentionMetadata, ForwardContext, forward_context
 from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
 from engine.model_runner import ModelRunner, PreparedStep
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.parallel.group import RankFailure, RankGroup
+from engine.parallel.group import CollectiveTimer, RankFailure, RankGroup
 from engine.parallel.layout import ShardLayout
 
-STEP, PACK, WARM_UP, STOP = "step", "pack", "warm_up", "stop"
+STEP, PACK, WARM_UP, TIMINGS, STOP = "step", "pack", "warm_up", "timings", "stop"
 
 
 @dataclass
 class StepMessage:
     """What one rank executes next. ``kind``: STEP (copies, loads, then a forward when
-    ``input_ids`` is set), PACK (send back ``block_ids``' bytes), WARM_UP or STOP. Tensors on CPU."""
+    ``input_ids`` is set), PACK (send back ``block_ids``' bytes), WARM_UP, TIMINGS (send back
+    and reset the CollectiveTimer) or STOP. Tensors on CPU."""
 
     kind: str
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -99,6 +101,7 @@ class TensorParallelRunner(ModelRunner):
         self._on_shutdown = on_shutdown
         self._on_failure = on_failure  # called with the RankFailure before it propagates
         self._local: StepMessage | None = None
+        self._busy_mark = 0.0  # busy_time_s at the last rank_timings()
         num_layers, _, _, block_size, _, head_dim = kv_cache.shape
         # One whole block as bytes: [num_layers, 2, block_size, num_kv_heads, head_dim x elt].
         self.block_shape = (num_layers, 2, block_size, layout.num_kv_heads, head_dim * kv_cache.element_size())
@@ -107,6 +110,7 @@ class TensorParallelRunner(ModelRunner):
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
         with self._failing():
             self._local = self.group.scatter([self._message(step, rank) for rank in range(self.group.world_size)])
+            self.group.timer.num_passes += not step.out.is_empty
             return super().run(step)
 
     @contextlib.contextmanager
@@ -140,6 +144,17 @@ class TensorParallelRunner(ModelRunner):
             parts = self.group.gather(pack_blocks(self.kv_cache, block_ids))
         return join_heads(parts, self.layout, self.block_shape)
 
+    def rank_timings(self) -> list[CollectiveTimer]:
+        """Every rank's CollectiveTimer since the last call (rank 0's ``forward_s``: its
+        forward + sampling), then resets them all (benchmarks/tp_step.py)."""
+        with self._failing():
+            self.group.scatter([StepMessage(TIMINGS)] * self.group.world_size)
+            mine = dataclasses.replace(self.group.timer, forward_s=self.busy_time_s - self._busy_mark)
+            timings = self.group.gather(_reset(self.group))
+        self._busy_mark = self.busy_time_s
+        timings[0] = mine
+        return timings
+
     def warm_up(self, num_tokens: int) -> None:
         with self._failing():
             self.group.scatter([StepMessage(WARM_UP, num_tokens=num_tokens)] * self.group.world_size)
@@ -162,10 +177,15 @@ def serve_rank(runner: ModelRunner, group: RankGroup) -> None:
             return
         if message.kind == PACK:
             group.gather(pack_blocks(runner.kv_cache, message.block_ids))
+        elif message.kind == TIMINGS:
+            group.gather(_reset(group))
         elif message.kind == WARM_UP:
             runner.warm_up(message.num_tokens)
         else:
+            started = time.perf_counter()
             execute_step(runner, message)
+            group.timer.forward_s += time.perf_counter() - started
+            group.timer.num_passes += message.input_ids is not None
 
 
 @torch.inference_mode()
@@ -179,6 +199,12 @@ def execute_step(runner: ModelRunner, message: StepMessage) -> None:
     meta = _on_device(message.meta, device)
     with forward_context(ForwardContext(meta, runner.backend, list(runner.kv_cache.unbind(0)))):
         runner.model(input_ids, message.positions.to(device), message.logits_indices.to(device))
+
+
+def _reset(group: RankGroup) -> CollectiveTimer:
+    """This rank's timer so far; the group gets a fresh one."""
+    timer, group.timer = group.timer, CollectiveTimer()
+    return timer
 
 
 def _release_arena_leases(out: SchedulerOutput) -> None:

@@ -1,0 +1,159 @@
+"""Tensor-parallel workers in a real cluster (issue 17): prefill and decode at different TP degrees
+through the pool, greedy-equal to Hugging Face; and a TP=2 decode worker losing a rank mid-stream.
+
+Each test starts its own cluster (TP=2 on this machine: two gloo ranks of one thread each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from core.registry import KEY_PREFIX
+from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests import reference
+from tests.conftest import poll_until
+from tests.e2e.conftest import BLOCK_SIZE, ClusterProbe
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 24
+
+
+def start_cluster(tmp_path: Path, prefill_tp: int, decode_tp: int, **overrides) -> LocalCluster:
+    config = ClusterConfig(
+        model=MODEL, http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE, num_kv_blocks=256,
+        max_model_len=1024, max_num_batched_tokens=512, log_dir=tmp_path / "logs",
+        prefill_tp=prefill_tp, decode_tp=decode_tp, extra_router_args=("--disaggregation", "always"), **overrides,
+    )
+    cluster = LocalCluster(config)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+async def generate(stub, ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+    """(tokens, cached prompt tokens) of one greedy gRPC stream."""
+    tokens, cached = [], -1
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
+                                         sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    async for msg in stub.Generate(request, timeout=300):
+        if msg.HasField("delta"):
+            tokens += msg.delta.token_ids
+        else:
+            cached = msg.finished.usage.cached_tokens
+    return tokens, cached
+
+
+async def generate_all(cluster: LocalCluster, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        return await asyncio.gather(*(generate(stub, ids) for ids in prompts))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
+def test_mixed_degrees_through_the_pool_equal_hf(tmp_path, prefill_tp, decode_tp):
+    """Eight prompts at once, then prompts sharing the first ones' blocks: the decode worker (the
+    other degree) reads every prompt's KV from the pool, the second round's prefixes too."""
+    prompts = [reference.chat_ids(p) for p in reference.PROMPTS]
+    # Each follow-up shares its original's first two full blocks, then goes elsewhere.
+    follow_ups = [ids[:2 * BLOCK_SIZE] + reference.chat_ids(reference.PROMPTS[(i + 1) % 8])[-10:]
+                  for i, ids in enumerate(prompts[:4])]
+    for ids in prompts + follow_ups:
+        reference.hf_greedy(ids, MAX_TOKENS)  # computed before the cluster takes the cores
+    cluster = start_cluster(tmp_path, prefill_tp, decode_tp)
+    with cluster:
+        probe = ClusterProbe(cluster)
+        results = asyncio.run(generate_all(cluster, prompts))
+        for ids, (tokens, _) in zip(prompts, results):
+            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+        for ids, (tokens, cached) in zip(follow_ups, asyncio.run(generate_all(cluster, follow_ups))):
+            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+            assert cached == 2 * BLOCK_SIZE  # exactly the shared blocks came from the pool
+        poll_until(probe.is_idle, timeout_s=15, message="workers and pool back to idle")
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel rank processes of a worker: its multiprocessing children that are not
+    the resource tracker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == worker_pid and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_killing_one_rank_of_a_tp2_decode_worker_migrates_its_streams(tmp_path):
+    """Two TP=2 decode workers; rank 1 of decode-1 is SIGKILLed while both stream. decode-1
+    deregisters and exits, its streams finish on the other worker with HF's tokens, nothing
+    leaks, and the supervisor restarts decode-1 as a whole (both ranks)."""
+    prompts = [reference.chat_ids(reference.PROMPTS[i % 8]) for i in range(12)]
+    for ids in prompts:
+        reference.hf_greedy(ids, MAX_TOKENS)
+    cluster = start_cluster(tmp_path, 1, 2, num_decode_workers=2)
+    with cluster:
+        probe = ClusterProbe(cluster)
+        victim = cluster.service("decode-1")
+        [rank1] = rank_pids(victim.process.pid)
+
+        async def run() -> list[tuple[list[int], int]]:
+            async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                tasks = [asyncio.create_task(generate(stub, ids)) for ids in prompts]
+                await wait_streaming(probe)
+                os.kill(rank1, signal.SIGKILL)
+                return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+        results = asyncio.run(run())
+        for ids, (tokens, _) in zip(prompts, results):
+            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+        assert victim.process.wait(timeout=30) == 1
+        log = victim.log_path.read_text()
+        assert "tensor-parallel rank 1 exited" in log or "all_reduce failed" in log or "control scatter failed" in log
+        assert "deregistering and exiting" in log
+        assert registered(cluster.redis_url, "decode") == 1  # the survivor; decode-1 took its key away
+        assert probe.live_workers() == ["prefill", "decode"]
+        poll_until(probe.is_idle, timeout_s=15, message="survivors and pool back to idle")
+
+        def restarted() -> bool:
+            cluster.supervise()
+            return victim.process.poll() is None and victim.ready()
+
+        poll_until(restarted, timeout_s=180, interval_s=0.5, message="decode-1 restarted by the supervisor")
+        assert len(rank_pids(victim.process.pid)) == 1  # a fresh rank 1 with the fresh worker
+        poll_until(lambda: registered(cluster.redis_url, "decode") == 2, timeout_s=30, message="decode-1 registered")
+
+
+async def wait_streaming(probe: ClusterProbe, timeout_s: float = 240.0) -> None:
+    """Until both decode workers are running requests (GetStats polled off the event loop)."""
+
+    def both_running() -> bool:
+        return all(probe.worker_stats(name).num_requests_running > 0 for name in ("decode", "decode-1"))
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await asyncio.to_thread(both_running):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("both decode workers never ran requests at once")
+        await asyncio.sleep(0.05)  # polling a remote gauge, not synchronising with our own tasks
+
+
+def registered(redis_url: str, role: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    return sum(1 for _ in client.scan_iter(match=f"{KEY_PREFIX}:{role}:*"))
