@@ -212,7 +212,8 @@ def test_chart_default_ports_are_the_services_default_ports(tools):
 def test_resources_follow_values(tools):
     objects = helm_template(
         tools,
-        "--set", "decode.gpus=2", "--set", "decode.tensorParallelSize=2", "--set", "decode.resources.requests.memory=40Gi",
+        "--set", "decode.gpus=2", "--set", "decode.tensorParallelSize=2",
+        "--set", "decode.resources.requests.memory=40Gi",
         "--set", "gpu.resourceName=amd.com/gpu", "--set", "kvPool.dram=32Gi",
         "--set", "prefill.replicas=3", "--set", "kvPool.replicas=2",
     )

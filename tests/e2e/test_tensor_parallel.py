@@ -45,8 +45,8 @@ def start_cluster(tmp_path: Path, prefill_tp: int, decode_tp: int, **overrides) 
 async def generate(stub, ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
     """(tokens, cached prompt tokens) of one greedy gRPC stream."""
     tokens, cached = [], -1
-    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
-                                         sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    params = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens)
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), sampling_params=params)
     async for msg in stub.Generate(request, timeout=300):
         if msg.HasField("delta"):
             tokens += msg.delta.token_ids
