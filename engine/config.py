@@ -82,6 +82,10 @@ class EngineConfig:
                      "num_scheduler_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_overlap and self.tensor_parallel_size > 1:
+            # Overlap packs finished requests' KV on the engine thread while the forward thread
+            # runs the next pass: two threads would drive the ranks' collectives at once.
+            raise ValueError(f"enable_overlap needs tensor_parallel_size 1, got {self.tensor_parallel_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
