@@ -23,8 +23,9 @@ from tests.conftest import poll_until
 from tests.e2e.conftest import BLOCK_SIZE, ClusterProbe
 
 # Each test starts a cluster of 5-7 model processes: on a loaded 2-core machine that alone can
-# take minutes, so these get more than the suite's 600 s (a deadline, not a timed assertion).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+# take many minutes (a worker loading for 5 min was seen at load 80), so these get more than
+# the suite's 600 s (a deadline, not a timed assertion).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 16
 
@@ -106,57 +107,63 @@ def rank_pids(worker_pid: int) -> list[int]:
 
 
 def test_killing_one_rank_of_a_tp2_decode_worker_migrates_its_streams(tmp_path):
-    """Two TP=2 decode workers; rank 1 of decode-1 is SIGKILLed while both stream. decode-1
-    deregisters and exits, its streams finish on the other worker with HF's tokens, nothing
-    leaks, and the supervisor restarts decode-1 as a whole (both ranks)."""
+    """Two TP=2 decode workers; rank 1 of one that is streaming is SIGKILLed. That worker
+    deregisters and exits, its streams finish on the other one with HF's tokens, nothing leaks,
+    and the supervisor restarts the killed worker as a whole (both ranks)."""
     prompts = four_prompts() * 3
     for ids in prompts:
         reference.hf_greedy(ids, MAX_TOKENS)
     cluster = start_cluster(tmp_path, 1, 2, num_decode_workers=2)
     with cluster:
         probe = ClusterProbe(cluster)
-        victim = cluster.service("decode-1")
-        [rank1] = rank_pids(victim.process.pid)
+        ranks = {name: rank_pids(cluster.service(name).process.pid) for name in ("decode", "decode-1")}
+        assert [len(pids) for pids in ranks.values()] == [1, 1]
 
-        async def run() -> list[tuple[list[int], int]]:
+        async def run() -> tuple[str, list[tuple[list[int], int]]]:
             async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
                 tasks = [asyncio.create_task(generate(stub, ids)) for ids in prompts]
-                await wait_streaming(probe)
-                os.kill(rank1, signal.SIGKILL)
-                return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+                victim = await streaming_worker(probe)
+                os.kill(ranks[victim][0], signal.SIGKILL)
+                return victim, await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
-        results = asyncio.run(run())
+        victim_name, results = asyncio.run(run())
+        survivor = "decode-1" if victim_name == "decode" else "decode"
         for ids, (tokens, _) in zip(prompts, results):
             assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+        victim = cluster.service(victim_name)
         assert victim.process.wait(timeout=30) == 1
         log = victim.log_path.read_text()
-        assert "tensor-parallel rank 1 exited" in log or "all_reduce failed" in log or "control scatter failed" in log
         assert "deregistering and exiting" in log
-        assert registered(cluster.redis_url, "decode") == 1  # the survivor; decode-1 took its key away
-        assert probe.live_workers() == ["prefill", "decode"]
-        poll_until(probe.is_idle, timeout_s=15, message="survivors and pool back to idle")
+        assert registered(cluster.redis_url, "decode") == 1  # the survivor; the victim took its key away
+        assert probe.live_workers() == ["prefill", survivor]
+        poll_until(probe.is_idle, timeout_s=15, message="survivor and pool back to idle")
 
         def restarted() -> bool:
             cluster.supervise()
             return victim.process.poll() is None and victim.ready()
 
-        poll_until(restarted, timeout_s=180, interval_s=0.5, message="decode-1 restarted by the supervisor")
+        poll_until(restarted, timeout_s=900, interval_s=0.5, message=f"{victim_name} restarted by the supervisor")
         assert len(rank_pids(victim.process.pid)) == 1  # a fresh rank 1 with the fresh worker
-        poll_until(lambda: registered(cluster.redis_url, "decode") == 2, timeout_s=30, message="decode-1 registered")
+        poll_until(lambda: registered(cluster.redis_url, "decode") == 2, timeout_s=30,
+                   message=f"{victim_name} registered again")
 
 
-async def wait_streaming(probe: ClusterProbe, timeout_s: float = 240.0) -> None:
-    """Until both decode workers are running requests (GetStats polled off the event loop)."""
+async def streaming_worker(probe: ClusterProbe, timeout_s: float = 240.0) -> str:
+    """The first decode worker seen running requests (GetStats polled off the event loop)."""
 
-    def both_running() -> bool:
-        return all(probe.worker_stats(name).num_requests_running > 0 for name in ("decode", "decode-1"))
+    def running() -> str | None:
+        for name in ("decode", "decode-1"):
+            if probe.worker_stats(name).num_requests_running > 0:
+                return name
+        return None
 
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await asyncio.to_thread(both_running):
+    while (name := await asyncio.to_thread(running)) is None:
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("both decode workers never ran requests at once")
+            raise AssertionError("no decode worker ever ran a request")
         await asyncio.sleep(0.05)  # polling a remote gauge, not synchronising with our own tasks
+    return name
 
 
 def registered(redis_url: str, role: str) -> int:
