@@ -42,7 +42,7 @@ def start_cluster(tmp_path: Path, prefill_tp: int, decode_tp: int, **overrides) 
     )
     cluster = LocalCluster(config)
     try:
-        cluster.start()
+        cluster.start(timeout_s=900)
     except BaseException:
         cluster.stop()
         raise
