@@ -3,8 +3,9 @@
 The worker process is rank 0 (scheduler, pool I/O, gRPC); ranks 1..N-1 are child processes
 (``multiprocessing`` spawn) that load their shard and run :func:`engine.parallel.runner.serve_rank`.
 A rank that dies ends the worker: rank 0 watches every child's exit (:class:`RankProcesses`),
-and a collective that fails raises RankFailure on the survivors; children get SIGKILL when rank
-0's process dies (PR_SET_PDEATHSIG), so a worker never leaves ranks behind.
+and a collective that fails raises RankFailure on the survivors; children get SIGKILL when the
+thread that started them ends (PR_SET_PDEATHSIG: the worker's engine thread, and so its process),
+so a worker never leaves ranks behind. Stop them (RankProcesses.stop) on that same thread.
 """
 
 from __future__ import annotations
