@@ -10,16 +10,18 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import click
+import redis
 from prometheus_client import Gauge, start_http_server
 
 from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
 from core.proto_convert import worker_stats_to_proto
-from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from core.registry import Heartbeat, WorkerInfo, WorkerRegistry, worker_key
 from core.worker_load import WorkerLoad
 from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
@@ -83,6 +85,10 @@ def engine_options(f):
                      help="Decode passes per scheduling decision (multi-step)."),
         click.option("--enable-overlap/--no-enable-overlap", default=d.enable_overlap, show_default=True,
                      help="Schedule step k+1 while step k runs."),
+        click.option("--tensor-parallel-size", default=d.tensor_parallel_size, show_default=True,
+                     type=click.IntRange(min=1),
+                     help="Rank processes sharding the model (one GPU each on CUDA; gloo on the CPU). "
+                          "--num-threads is per rank."),
         click.option("--preemption-mode", default=d.preemption_mode, show_default=True,
                      type=click.Choice(["swap", "recompute"]),
                      help="A preempted request's KV: swapped to the pool (or host memory) or recomputed."),
@@ -195,6 +201,10 @@ def serve_worker(
     setup_logging(f"{worker.role}_worker", log_level)
     thread = engine_thread()  # torch runs on this one thread only (see engine.async_engine)
     engine = thread.submit(_build_engine, worker, engine_config, save_kv_on_finish).result()
+    if engine.parallel is not None:  # a rank that dies takes the whole worker down
+        fatal = _exit_on_rank_failure(worker)
+        engine.parallel.on_failure = lambda err: fatal(str(err))
+        engine.parallel.processes.watch(lambda rank, code: fatal(f"tensor-parallel rank {rank} exited ({code})"))
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, thread)
@@ -223,9 +233,36 @@ def serve_worker(
             if heartbeat is not None:
                 await heartbeat.stop()  # no new traffic
             await service.stop()  # drain in-flight RPCs
+            # Tensor-parallel ranks are stopped by the engine thread, after its step loop ends: they
+            # were forked from it and die with it (PR_SET_PDEATHSIG), and only it talks to them.
+            shutdown = thread.submit(engine.shutdown)
             async_engine.stop()
+            shutdown.result(timeout=30)
             await registry.close()
 
         await run_until_signalled(start, stop)
 
     asyncio.run(main())
+
+
+def _exit_on_rank_failure(worker: WorkerConfig) -> Callable[[str], None]:
+    """What a tensor-parallel worker does when one of its ranks dies: deregister at once (the
+    router stops sending it work), then exit with code 1 without draining. Its open streams
+    break, so the router migrates them (docs/failover.md), and ``tandem up`` (or Kubernetes)
+    restarts the whole worker; the other ranks die with this process (PR_SET_PDEATHSIG).
+    Draining is pointless: no pass can run without the dead rank's shard."""
+    lock = threading.Lock()
+
+    def fatal(reason: str) -> None:
+        lock.acquire()  # the watcher and the step loop may both get here: the second waits for the exit
+        log.error("%s: deregistering and exiting", reason)
+        try:
+            client = redis.Redis.from_url(worker.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            client.delete(worker_key(worker.role, worker.worker_id))
+        except redis.RedisError as err:
+            log.warning("could not deregister (%s); the registry entry expires by its TTL", err)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+    return fatal
