@@ -270,12 +270,13 @@ class LLMEngine:
         """A snapshot of the load; refits the cost model when due (engine thread only)."""
         sched = self.scheduler
         last = self.step_stats.last
+        num_used_blocks, num_free_blocks = sched.block_usage()
         return EngineStats(
             num_requests_running=sched.num_running,
             num_requests_waiting=sched.num_waiting,
             num_total_blocks=self.config.num_kv_blocks,
-            num_used_blocks=sched.num_used_blocks,
-            num_free_blocks=sched.num_free_blocks,
+            num_used_blocks=num_used_blocks,
+            num_free_blocks=num_free_blocks,
             num_preemptions=sched.num_preemptions,
             num_swapped_out=self.num_swapped_out,
             num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,

@@ -337,13 +337,9 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.kv.num_used_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv.num_free_blocks
+    def block_usage(self) -> tuple[int, int]:
+        """(used, free) KV blocks."""
+        return self.kv.num_used_blocks, self.kv.num_free_blocks
 
     @property
     def num_kv_tokens(self) -> int:

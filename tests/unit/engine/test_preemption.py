@@ -84,7 +84,7 @@ def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
     # 7 prompt tokens + its first output token had their KV computed: 2 blocks of 4
     assert (item.request_id, item.num_tokens, len(item.block_ids)) == (new.request_id, 8, 2)
     assert s.swapped == {new.request_id}
-    while s.num_used_blocks > 2:  # blocks free up as old decodes... but the victim's KV is not back
+    while s.kv.num_used_blocks > 2:  # blocks free up as old decodes... but the victim's KV is not back
         run_step(s)
     while not old.is_finished:
         out, _ = run_step(s)
@@ -97,7 +97,7 @@ def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
     assert swap.used_bytes == 0 and s.swapped == set()
     while s.num_unfinished:
         run_step(s)
-    assert new.output_token_ids == [100] * 8 and s.num_used_blocks == 0
+    assert new.output_token_ids == [100] * 8 and s.kv.num_used_blocks == 0
 
 
 def test_lost_swap_is_recomputed():
@@ -119,4 +119,4 @@ def test_lost_swap_is_recomputed():
     while s.num_unfinished:
         run_step(s)
     assert new.output_token_ids == [100] * 8 and new.finish_reason is FinishReason.LENGTH
-    assert s.num_used_blocks == 0
+    assert s.kv.num_used_blocks == 0
