@@ -82,9 +82,9 @@ class PoolSwapSpace:
     pool's ring and checksummed like every other pool write (:class:`PoolIO`), leased until taken.
 
     Blocking calls from the engine thread, outside ``schedule()``: a swap moves a few MB over
-    loopback/RDMA, rare next to the steps it saves. A block that comes back short (a node died,
-    a checksum failed) makes the whole swap-in fail: the request is recomputed, never served
-    wrong KV.
+    loopback/RDMA, rare next to the steps it saves. A node that fails a put loses only its share
+    (PoolIO logs it); at swap-in any block that comes back short (a node died, a checksum failed)
+    makes the whole swap-in fail: the request is recomputed, never served wrong KV.
     """
 
     name = "pool"
@@ -104,7 +104,7 @@ class PoolSwapSpace:
         owner = swap_owner_id(request_id)
         try:
             self.io.store_now(self.ring, owner, self._keys(request_id, len(kv.payloads)), list(kv.payloads),
-                              lease_ttl_s=self.lease_ttl_s, require_all=True)
+                              lease_ttl_s=self.lease_ttl_s)
         except (grpc.RpcError, OSError) as err:  # pool full or gone: recompute instead
             log.warning("swap to the pool failed (%s); the request will be recomputed", err,
                         extra={"request_id": request_id})

@@ -25,7 +25,7 @@ from core.request import FinishReason
 from core.sampling_params import SamplingParams
 from decode_worker.servicer import DecodeServicer
 from engine.kv_connector import KVConnector, PoolIO, PoolLocator, unpack_blocks
-from engine.outputs import RequestOutput
+from engine.outputs import ExternalKV, RequestOutput
 from prefill_worker.servicer import PrefillServicer
 from tandem.v1 import decode_worker_pb2, prefill_worker_pb2
 from tests.conftest import poll_until
@@ -275,3 +275,43 @@ def test_handoff_never_delivered_ends_by_the_pools_lease_deadline(short_lease_po
         assert cluster.releases == {}  # nobody released: the deadline did
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def second_pool(start_pool):
+    return start_pool(64 * 4096)
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "shm"])
+def test_swap_goes_through_the_ring_checksummed_and_is_released_once_back(pool, second_pool, transfer):
+    """Swap out / swap in through the connector: the victim's blocks spread over both pool nodes
+    under ``<id>#swap``, verified on the way back, and released once they are in the KV cache."""
+    spec = make_spec()
+    ring_nodes = {pool.address: pool.address, second_pool.address: second_pool.address}
+    releases: collections.Counter = collections.Counter()
+    io = CountingPoolIO(spec, releases, transfer=transfer, verify_checksums=True)
+    connector = KVConnector(spec, PoolLocator(None, ",".join(ring_nodes), transfer), io)
+    clients = [PoolClient(a, timeout_s=30) for a in ring_nodes]
+    scoped = lambda: [c.stats()["num_scoped_blocks"] for c in clients]  # noqa: E731
+    try:
+        swap = connector.swap_space()
+        assert sorted(swap.ring.addresses) == sorted(ring_nodes)  # every node, not the first one only
+        payloads = [bytes([i + 1]) * spec.block_bytes for i in range(6)]
+        assert swap.put("victim", ExternalKV(5 * BLOCK_SIZE + 3, payloads))
+        assert sum(scoped()) == 6 and min(scoped()) > 0  # both nodes hold some
+        kv = swap.take("victim")
+        assert kv.num_tokens == 5 * BLOCK_SIZE + 3 and [bytes(p) for p in kv.payloads] == payloads
+        cache = torch.zeros(2, 2, 8, BLOCK_SIZE, 2, 8)
+        unpack_blocks(cache, list(range(6)), kv.payloads)  # the engine's copy lets go of shm views
+        poll_until(lambda: scoped() == [0, 0], timeout_s=10, message="swap blocks released")
+        assert releases == {"victim#swap": 1} and swap.take("victim") is None
+        assert swap.put("other", ExternalKV(BLOCK_SIZE, payloads[:1]))
+        swap.discard("other")  # finished or aborted while swapped out
+        assert scoped() == [0, 0] and releases["other#swap"] == 1
+        for client in clients:
+            s = client.stats()
+            assert (s["num_leases"], s["num_leased_blocks"], s["num_writing_blocks"]) == (0, 0, 0)
+    finally:
+        connector.close()
+        for client in clients:
+            client.close()
