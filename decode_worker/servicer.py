@@ -109,8 +109,5 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             manifest.validate(self.engine.engine.spec, len(request.prompt_token_ids))
         return engine_request
 
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
-
     async def GetStats(self, request, context):
         return stats_response(self.engine, self.connector.kv_load, num_cached_tokens=0)

@@ -81,9 +81,6 @@ class KVConnector:
         """One key per prompt block: full blocks content-addressed, the tail request-scoped."""
         return self.io.prompt_keys(request_id, prompt_token_ids)[1]
 
-    def is_holding(self, request_id: str) -> bool:
-        return request_id in self._holding
-
     async def load_cached_prefix(self, request_id: str, token_ids: list[int], ring: HashRing) -> ExternalKV | None:
         """Leases the longest stored prefix of ``token_ids``' full blocks for the request (held
         until :meth:`release` or :meth:`hand_off`) and returns its verified KV; None when the
