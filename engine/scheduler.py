@@ -316,6 +316,15 @@ class Scheduler:
         if kv is not None:
             self.external_kv[request_id] = kv
 
+    def reset_cache_and_counters(self) -> None:
+        """Forgets the prefix cache and zeroes the counters (after calibration passes). Call with
+        no request in flight. Mutates the block pool's cache and counters."""
+        kv = self.kv
+        kv.block_pool.reset_prefix_cache()
+        kv.block_pool.num_evictions = 0
+        kv.num_prefix_queries_tokens = kv.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
     # Read-only views for the engine and its callers.
 
     def request_ids(self) -> list[str]:
