@@ -58,8 +58,18 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         except BaseException:  # cancelled by the router, or the pool failed: leave nothing behind
             await self.connector.release(rid)
             raise
-        self.connector.hand_off(rid)  # the manifest's holder (the decode worker) releases it
+        if self._ends_with_first_token(request, params, response.first_token_id):
+            await self.connector.release(rid)  # the router sends no Decode: no one else will
+        else:
+            self.connector.hand_off(rid)  # the manifest's holder (the decode worker) releases it
         return response
+
+    def _ends_with_first_token(self, request, params, first_token_id: int) -> bool:
+        """True when the request's own stop rule ends it at its first token (max_tokens 1, or a
+        stop token past min_tokens): the router then streams it and decodes nothing."""
+        probe = Request(request.request_id, list(request.prompt_token_ids), params,
+                        eos_token_id=self.engine.engine.eos_token_id)
+        return probe.append_output_token(first_token_id) is not None
 
     async def _prefill(self, request: Request, ring: HashRing, started: float):
         rid = request.request_id

@@ -15,7 +15,8 @@ Exactly one connector holds a request at any time, and only the holder releases 
     prefill worker's connector        router            decode worker's connector
     lease prefix, write blocks ──► answer (manifest) ──► load_manifest: fetch, release
       failure / cancel: release      hand_off: holds    early finish / refused: drop_manifest
-                                     nothing any more   resumed (migration): lease, load, release
+      ends at its first token:       nothing any more   resumed (migration): lease, load, release
+      release (no Decode follows)
 
 - *finish*: the decode connector releases right after fetching (the blocks stay readable to
   others, only the request's leases and its scoped tail go); the request then lives in the

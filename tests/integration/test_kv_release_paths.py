@@ -131,8 +131,8 @@ class Cluster:
         self.decode.connector.close()
         self.client.close()
 
-    def prefill_request(self, rid: str) -> prefill_worker_pb2.PrefillRequest:
-        params = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=len(DECODE_TOKENS) + 1))
+    def prefill_request(self, rid: str, max_tokens: int = len(DECODE_TOKENS) + 1) -> prefill_worker_pb2.PrefillRequest:
+        params = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return prefill_worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling_params=params)
 
     def decode_request(self, rid: str, prefill=None, output_token_ids=()) -> decode_worker_pb2.DecodeRequest:
@@ -144,8 +144,8 @@ class Cluster:
             message.manifest.CopyFrom(prefill.manifest)
         return message
 
-    async def run_prefill(self, rid: str, context=None):
-        return await self.prefill.servicer.Prefill(self.prefill_request(rid), context or FakeContext())
+    async def run_prefill(self, rid: str, context=None, max_tokens: int = len(DECODE_TOKENS) + 1):
+        return await self.prefill.servicer.Prefill(self.prefill_request(rid, max_tokens), context or FakeContext())
 
     async def run_decode(self, message, context=None, max_responses: int | None = None) -> list:
         responses = []
@@ -243,6 +243,14 @@ def test_finish_on_the_first_token_releases_without_loading(cluster):
     assert len(responses) == 1 and responses[0].HasField("finished")
     assert responses[0].finished.num_output_tokens == 1 and cluster.decode.engine.external == []
     assert cluster.releases == {"req-eos": 1}
+    cluster.assert_idle(stored(cluster, 2))
+
+
+def test_finish_at_the_first_token_the_prefill_connector_releases_once(cluster):
+    """max_tokens 1: the router streams the first token and sends no Decode."""
+    prefill = asyncio.run(cluster.run_prefill("req-one", max_tokens=1))
+    assert prefill.first_token_id == 5
+    assert cluster.releases == {"req-one": 1} and cluster.prefill.connector.num_releases == 1
     cluster.assert_idle(stored(cluster, 2))
 
 
