@@ -18,7 +18,6 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from core.cost_model import BandwidthMeter
 from core.request import FinishReason, Request
 from core.worker_load import WorkerLoad
 from engine.engine import LLMEngine
@@ -52,8 +51,6 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        # Pool -> worker KV bandwidth, recorded by the servicer around its pool reads.
-        self.kv_load = BandwidthMeter()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -151,7 +148,7 @@ class AsyncEngine:
 
     def _fail_all(self) -> list[RequestOutput]:
         failed = []
-        for rid in list(self.engine.scheduler.requests):
+        for rid in self.engine.request_ids():
             self.engine.abort_request(rid)
             failed.append(RequestOutput(rid, [], True, FinishReason.ABORT, error="engine step failed"))
         return failed

@@ -16,6 +16,7 @@ from core.worker_load import WorkerLoad
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
+from engine.kv_connector.swap import HostSwapSpace, SwapSpace
 from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers, warm_up
 from engine.model.loader import TORCH_DTYPES, load_model
@@ -23,8 +24,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.preemption import PreemptionPolicy
 from engine.step_stats import StepStats
-from engine.swap_space import HostSwapSpace, SwapSpace
 
 if TYPE_CHECKING:
     from engine.parallel.build import TensorParallel
@@ -85,7 +86,8 @@ class LLMEngine:
         )
         if swap_space is None and config.preemption_mode == "swap":
             swap_space = HostSwapSpace(config.swap_space_bytes)
-        self.scheduler = Scheduler(config, swap_space)
+        self.swap_space = swap_space
+        self.scheduler = Scheduler(config, PreemptionPolicy(config.preemption_mode if swap_space else "recompute"))
         self.num_swapped_out = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         backend, sampler = make_attention_backend(config), Sampler(config.seed)
@@ -133,7 +135,19 @@ class LLMEngine:
         self.scheduler.add_request(request, external_kv)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        aborted = self.scheduler.abort(request_id) is not None
+        if aborted and self.swap_space is not None:
+            self.swap_space.discard(request_id)
+        return aborted
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (not yet finished and freed, nor aborted)."""
+        return self.scheduler.request_ids()
+
+    def use_swap_space(self, swap_space: SwapSpace) -> None:
+        """Swap preempted requests into ``swap_space`` from now on (the decode worker's pool
+        swap, built once the KV connector exists). Call before the first request."""
+        self.swap_space = swap_space
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -154,7 +168,7 @@ class LLMEngine:
         if self.config.enable_overlap:
             yield from self._overlapped_steps()
             return
-        out, substep = self.scheduler.schedule(), 0
+        out, substep = self._schedule(), 0
         while not out.is_empty:
             self._swap_out(out)
             runner_output = self._record(self.runner.execute(out))
@@ -167,12 +181,25 @@ class LLMEngine:
             following = self.scheduler.continue_decode(out)
             if not following.is_empty:
                 return following, substep + 1
-        return self.scheduler.schedule(), 0
+        return self._schedule(), 0
+
+    def _schedule(self) -> SchedulerOutput:
+        """Swap-in, then a new scheduling decision (which itself never waits on I/O)."""
+        self._swap_in()
+        return self.scheduler.schedule()
+
+    def _swap_in(self) -> None:
+        """Brings swapped-out KV back for the requests the next decision may admit; a swap-in
+        that fails leaves the request to recompute. Blocking on a pool swap space."""
+        if self.swap_space is None:
+            return
+        for request_id in self.scheduler.swap_in_candidates():
+            self.scheduler.resume_swapped(request_id, self.swap_space.take(request_id))
 
     def _overlapped_steps(self) -> Iterator[list[RequestOutput]]:
         """Pipeline: launch k → commit k's computed tokens → schedule and prepare k+1 → wait for k
         → resolve k's tokens → patch them into k+1 → launch k+1 → yield k's outputs."""
-        out, substep = self.scheduler.schedule(), 0
+        out, substep = self._schedule(), 0
         if out.is_empty:
             return
         running = self._executor.submit(self.runner.run, self.runner.prepare(out))
@@ -183,7 +210,8 @@ class LLMEngine:
             runner_output = self._record(running.result())
             self._swap_out(following)  # step k no longer writes the victims' blocks
             outputs = self._finish(self.scheduler.resolve_sampled(out, runner_output))
-            if any(o.finished for o in outputs) and self._drop_finished(following):
+            finished = {o.request_id for o in outputs if o.finished}
+            if finished and self._drop_finished(following, finished):
                 prepared = self.runner.prepare(following)  # rare: a stop token ended a request
             prepared.patch({rid: t.token_id for rid, t in runner_output.sampled.items()})
             if following.is_empty:
@@ -203,14 +231,16 @@ class LLMEngine:
         """Packs preempted requests' KV into the swap space before their blocks are reused."""
         for swap in out.swap_outs:
             kv = ExternalKV(swap.num_tokens, self.runner.pack_blocks(swap.block_ids))
-            if self.scheduler.swap_space.put(swap.request_id, kv):
+            if self.swap_space.put(swap.request_id, kv):
                 self.num_swapped_out += 1
+            else:
+                self.scheduler.resume_swapped(swap.request_id, None)  # recomputed instead
         out.swap_outs.clear()
 
     @staticmethod
-    def _drop_finished(out: SchedulerOutput) -> bool:
-        """Removes finished requests from a prepared-ahead step; True if any was removed."""
-        kept = [item for item in out.scheduled if not item.request.is_finished]
+    def _drop_finished(out: SchedulerOutput, finished: set[str]) -> bool:
+        """Removes ``finished`` requests from a prepared-ahead step; True if any was removed."""
+        kept = [item for item in out.scheduled if item.request_id not in finished]
         dropped = len(kept) != len(out.scheduled)
         out.scheduled[:] = kept
         return dropped
@@ -223,28 +253,30 @@ class LLMEngine:
 
     def _release(self, output: RequestOutput) -> None:
         if self.save_kv_on_finish:
-            request = self.scheduler.requests[output.request_id]
+            request = self.scheduler.get_request(output.request_id)
             num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
-            block_ids = self.scheduler.kv.get(output.request_id).block_ids[:num_prompt_blocks]
+            block_ids = self.scheduler.block_ids(output.request_id)[:num_prompt_blocks]
             output.saved_kv = self.runner.pack_blocks(block_ids)
         self.scheduler.free(output.request_id)
+        if self.swap_space is not None:
+            self.swap_space.discard(output.request_id)
 
     def stats(self) -> WorkerLoad:
         """A snapshot of the load; refits the cost model when due (engine thread only). The
         KV-load bandwidth is the worker's to fill in (engine.worker_runtime.worker_load)."""
-        kv = self.scheduler.kv
         sched = self.scheduler
         last = self.step_stats.last
+        num_used_blocks, num_free_blocks = sched.block_usage()
         return WorkerLoad(
-            num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
             num_total_blocks=self.config.num_kv_blocks,
-            num_used_blocks=kv.num_used_blocks,
-            num_free_blocks=kv.num_free_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_used_blocks=num_used_blocks,
+            num_free_blocks=num_free_blocks,
+            num_preemptions=sched.num_preemptions,
             num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,
-            num_waiting_tokens=self._num_waiting_tokens(),
-            num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            num_waiting_tokens=sched.num_waiting_tokens,
+            num_kv_tokens=sched.num_kv_tokens,
             recent_step_time_s=self.step_stats.recent_step_time_s,
             max_num_seqs=self.config.max_num_seqs,
             cost_model=self.step_stats.model(
@@ -252,14 +284,3 @@ class LLMEngine:
                 kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,
             ),
         )
-
-    def _num_waiting_tokens(self) -> int:
-        """Tokens to compute before each waiting or prefilling request samples (a request with
-        one token left is decoding and counts 0)."""
-        sched = self.scheduler
-        total = 0
-        for request in (*sched.waiting, *sched.running):
-            ext = sched.external_kv.get(request.request_id)
-            left = request.num_tokens - max(request.num_computed_tokens, ext.num_tokens if ext else 0)
-            total += left if left > 1 else 0
-        return total

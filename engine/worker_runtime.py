@@ -18,6 +18,7 @@ import click
 import redis
 from prometheus_client import Gauge, start_http_server
 
+from core.cost_model import BandwidthMeter
 from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
 from core.proto_convert import worker_stats_to_proto
@@ -27,7 +28,7 @@ from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.pool_locator import PoolLocator  # noqa: F401  (re-exported: servicers import it from here)
+from engine.kv_connector import KVConnector, PoolLocator
 from tandem.v1 import prefill_worker_pb2
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
     return worker, engine_config, kwargs["log_level"]
 
 
-def _export_gauges(engine: AsyncEngine, role: str) -> None:
+def _export_gauges(engine: AsyncEngine, kv_load: BandwidthMeter, role: str) -> None:
     labels = {"role": role}
     Gauge("tandem:num_requests_running", "Requests in the running batch", ["role"]).labels(**labels).set_function(
         lambda: engine.stats().num_requests_running
@@ -159,20 +160,23 @@ def _export_gauges(engine: AsyncEngine, role: str) -> None:
         coefficient.labels(role=role, coefficient=name).set_function(
             lambda name=name: getattr(engine.stats().cost_model, name))
     Gauge("tandem:kv_load_bandwidth_bytes_per_second", "Measured pool -> worker KV bandwidth (EWMA)",
-          ["role"]).labels(**labels).set_function(lambda: engine.kv_load.bytes_per_s)
+          ["role"]).labels(**labels).set_function(lambda: kv_load.bytes_per_s)
 
 
-def worker_load(engine: AsyncEngine) -> WorkerLoad:
+def worker_load(engine: AsyncEngine, kv_load: BandwidthMeter) -> WorkerLoad:
     """The live load a worker publishes in its heartbeat and GetStats: the engine's last
-    snapshot with the measured pool -> worker KV bandwidth filled into its cost model."""
+    snapshot with ``kv_load`` (the worker's KV connector's measured pool -> worker bandwidth)
+    filled into its cost model."""
     load = engine.stats()
-    cost = dataclasses.replace(load.cost_model, kv_load_bytes_per_s=engine.kv_load.bytes_per_s)
+    cost = dataclasses.replace(load.cost_model, kv_load_bytes_per_s=kv_load.bytes_per_s)
     return dataclasses.replace(load, cost_model=cost)
 
 
-def stats_response(engine: AsyncEngine, num_cached_tokens: int = 0) -> prefill_worker_pb2.GetWorkerStatsResponse:
+def stats_response(
+    engine: AsyncEngine, kv_load: BandwidthMeter, num_cached_tokens: int = 0
+) -> prefill_worker_pb2.GetWorkerStatsResponse:
     """The GetStats reply both workers give."""
-    return worker_stats_to_proto(worker_load(engine), engine.num_prompt_tokens, num_cached_tokens,
+    return worker_stats_to_proto(worker_load(engine, kv_load), engine.num_prompt_tokens, num_cached_tokens,
                                  engine.num_generated_tokens)
 
 
@@ -194,7 +198,7 @@ def serve_worker(
     engine_config: EngineConfig,
     log_level: str,
     service_name: str,
-    add_servicer: Callable[[GrpcService, AsyncEngine, PoolLocator], None],
+    add_servicer: Callable[[GrpcService, AsyncEngine, KVConnector], None],
     save_kv_on_finish: bool,
 ) -> None:
     """Loads the model, serves until SIGTERM, deregisters, drains in-flight RPCs, exits."""
@@ -210,7 +214,8 @@ def serve_worker(
         async_engine = AsyncEngine(engine, thread)
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
-        add_servicer(service, async_engine, PoolLocator(registry, worker.pool_address, worker.kv_transfer))
+        connector = KVConnector(engine.spec, PoolLocator(registry, worker.pool_address, worker.kv_transfer))
+        add_servicer(service, async_engine, connector)
         heartbeat: Heartbeat | None = None
 
         async def start() -> None:
@@ -221,11 +226,11 @@ def serve_worker(
             spec = engine.spec
             info = WorkerInfo(worker.worker_id, worker.role, address,
                               spec_fingerprint=spec.fingerprint, block_size=spec.block_size)
-            heartbeat = Heartbeat(registry, info, lambda: worker_load(async_engine),
+            heartbeat = Heartbeat(registry, info, lambda: worker_load(async_engine, connector.kv_load),
                                   worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
             await heartbeat.start()
             if worker.metrics_port:
-                _export_gauges(async_engine, worker.role)
+                _export_gauges(async_engine, connector.kv_load, worker.role)
                 start_http_server(worker.metrics_port)
             log.info("serving %s on %s", service_name, address)
 
@@ -238,6 +243,7 @@ def serve_worker(
             shutdown = thread.submit(engine.shutdown)
             async_engine.stop()
             shutdown.result(timeout=30)
+            connector.close()
             await registry.close()
 
         await run_until_signalled(start, stop)

@@ -16,7 +16,6 @@ reusing an id share worker or pool state; the client's id stays in logs and resp
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -85,7 +84,6 @@ class _Run:
     request: ValidatedRequest
     arrival_time_s: float  # time.monotonic()
     output: OutputProcessor
-    pool_address: str = ""
     num_cached_tokens: int = 0
     ttft_s: float = 0.0
     last_token_time_s: float = 0.0
@@ -111,7 +109,6 @@ class Generation:
     ):
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
         self.metrics, self.placer, self.timeout_s = metrics, placer, timeout_s
-        self._background: set[asyncio.Task] = set()  # pool releases in flight
         self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
 
     async def generate(
@@ -172,7 +169,8 @@ class Generation:
             self.metrics.num_requests_running.dec()
             self.placer.finished(run.placement)
             self._record_end(run, error)
-            self._release(run)
+            # No pool release here: the workers' KV connectors own every request's pool state
+            # (engine/kv_connector/connector.py says who releases on each path).
 
     def _choose(self, role: str, run: _Run) -> WorkerInfo:
         """The placement's worker of ``role`` while it is live; else (a retry, a migration) the
@@ -221,7 +219,6 @@ class Generation:
                 failure = err
                 self._worker_failed("prefill", err, run)
                 continue
-            run.pool_address = result.pool_address
             run.num_cached_tokens = result.num_cached_tokens
             return result
         raise RouterError(f"{failure.message} (after {MAX_PREFILL_ATTEMPTS} attempts)", ErrorKind.UNAVAILABLE)
@@ -320,21 +317,3 @@ class Generation:
             reason.value, len(run.request.prompt_token_ids), run.output.num_output_tokens,
             extra={"request_id": run.request_id},
         )
-
-    def _release(self, run: _Run) -> None:
-        """Tells the pool that every attempt of the request is over, in the background: the
-        caller may be cancelled. Each attempt id is released on the manifest's pool and on
-        every registered pool (a failed attempt may have leased or written blocks anywhere)."""
-        addresses = {w.address for w in self.view.workers("pool")}
-        if run.pool_address:
-            addresses.add(run.pool_address)
-        for rid in run.attempt_ids:
-            for address in sorted(addresses):
-                task = asyncio.create_task(self.clients.release(address, rid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-
-    async def drain(self) -> None:
-        """Waits for pending pool releases (at shutdown)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)

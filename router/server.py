@@ -128,6 +128,5 @@ class RouterServer:
         self.uvicorn.should_exit = True
         await asyncio.gather(self.grpc.stop(), self._http_task, return_exceptions=True)
         await self.view.stop()
-        await self.generation.drain()
         await self.clients.close()
         await self.registry.close()

@@ -26,15 +26,12 @@ from tandem.v1 import (
     common_pb2,
     decode_worker_pb2,
     decode_worker_pb2_grpc,
-    kv_pool_pb2,
-    kv_pool_pb2_grpc,
     prefill_worker_pb2,
     prefill_worker_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
 
-RELEASE_TIMEOUT_S = 5.0
 # Each channel its own subchannel: from gRPC's global pool a new channel would inherit the old
 # one's connection, reconnect backoff included (WorkerClients._channel).
 _CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
@@ -203,14 +200,6 @@ class WorkerClients:
         except grpc.aio.AioRpcError as err:
             return Health.NOT_SERVING if err.code() == grpc.StatusCode.UNAVAILABLE else Health.UNKNOWN
         return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
-
-    async def release(self, pool_address: str, request_id: str) -> None:
-        """Asks the pool to free the request's scoped blocks and leases; failures are logged."""
-        stub = kv_pool_pb2_grpc.KVPoolStub(self._channel(pool_address))
-        try:
-            await stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            log.warning("ReleaseRequest at %s failed: %s", pool_address, err.code().name, extra={"request_id": request_id})
 
     async def close(self) -> None:
         for channel in self._channels.values():
