@@ -1,8 +1,8 @@
-"""Clients of the KV pool (``tandem.v1.KVPool``): blocking for workers, asyncio for the router.
+"""Client of the KV pool (``tandem.v1.KVPool``), blocking: workers call it from worker threads
+(engine.kv_connector.pool_io), never from their event loop.
 
-Both speak in domain types (:class:`BlockKey`, ``bytes``); protobuf stays inside this module.
-Every method raises ``grpc.RpcError`` (``grpc.aio.AioRpcError`` for the async client, a subclass)
-when the call fails; ``err.code()`` tells why:
+It speaks in domain types (:class:`BlockKey`, ``bytes``); protobuf stays inside this module.
+Every method raises ``grpc.RpcError`` when the call fails; ``err.code()`` tells why:
 
 - ``INVALID_ARGUMENT``: a malformed key, an empty fingerprint or request_id;
 - ``NOT_FOUND``: ``get_blocks`` named a block the pool does not hold (never stored or evicted;
@@ -13,11 +13,11 @@ when the call fails; ``err.code()`` tells why:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from core.block_key import BlockKey
-from core.grpc_service import aio_channel, insecure_channel
+from core.grpc_service import insecure_channel
 from core.proto_convert import block_key_to_proto
 from tandem.v1 import kv_pool_pb2, kv_pool_pb2_grpc
 
@@ -245,64 +245,3 @@ class PoolClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class AsyncPoolClient:
-    """asyncio client of one pool node; the same methods as :class:`PoolClient`, as coroutines.
-
-    Create it inside the event loop that will use it.
-    """
-
-    def __init__(self, address: str, timeout_s: float | None = None):
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = aio_channel(address)
-        self._stub = kv_pool_pb2_grpc.KVPoolStub(self._channel)
-
-    async def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
-        msg = kv_pool_pb2.LookupRequest(spec_fingerprint=spec_fingerprint, block_hashes=block_hashes)
-        return (await self._stub.Lookup(msg, timeout=self.timeout_s)).num_hit_blocks
-
-    async def acquire_lease(
-        self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float
-    ) -> int:
-        msg = kv_pool_pb2.AcquireLeaseRequest(
-            spec_fingerprint=spec_fingerprint, block_hashes=block_hashes, request_id=request_id, ttl_ms=_ttl_ms(ttl_s)
-        )
-        return (await self._stub.AcquireLease(msg, timeout=self.timeout_s)).num_hit_blocks
-
-    async def put_blocks(
-        self, items: Iterable[tuple[BlockKey, BlockBytes]], lease_request_id: str = "", lease_ttl_s: float = 60.0
-    ) -> tuple[int, int]:
-        if lease_request_id:
-            _ttl_ms(lease_ttl_s)
-        requests = _put_requests(_chunk_blocks(items), lease_request_id, lease_ttl_s)
-        response = await self._stub.PutBlocks(_aiter(requests), timeout=self.timeout_s)
-        return response.num_committed_blocks, response.num_duplicate_blocks
-
-    async def get_blocks(self, keys: Sequence[BlockKey]) -> list[bytes]:
-        assembler = _BlockAssembler(keys)
-        msg = kv_pool_pb2.GetBlocksRequest(keys=[block_key_to_proto(k) for k in keys])
-        async for chunk in self._stub.GetBlocks(msg, timeout=self.timeout_s):
-            assembler.add(chunk)
-        return assembler.blocks()
-
-    async def release_request(self, request_id: str) -> None:
-        await self._stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=self.timeout_s)
-
-    async def stats(self) -> dict[str, int]:
-        return _stats_dict(await self._stub.GetStats(kv_pool_pb2.GetPoolStatsRequest(), timeout=self.timeout_s))
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> AsyncPoolClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-async def _aiter(requests: Iterator[kv_pool_pb2.PutBlocksRequest]) -> AsyncIterator[kv_pool_pb2.PutBlocksRequest]:
-    for request in requests:
-        yield request

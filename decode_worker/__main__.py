@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import click
 
-from core.pool_client import PoolClient
 from decode_worker.servicer import DecodeServicer
-from engine.swap_space import PoolSwapSpace
 from engine.worker_runtime import engine_options, serve_worker, split_config, worker_options
 from tandem.v1 import decode_worker_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.DecodeWorker"
 
 
-def _add(service, engine, pool) -> None:
-    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(engine, pool), service.server)
-    address = pool.fixed_address.split(",")[0].strip()
-    if address and engine.engine.config.preemption_mode == "swap":  # preempted KV goes to the pool
-        engine.engine.scheduler.swap_space = PoolSwapSpace(PoolClient(address), engine.engine.spec)
+def _add(service, engine, connector) -> None:
+    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(engine, connector), service.server)
+    swap = connector.swap_space()  # preempted KV goes to the pool when its nodes are fixed by flag
+    if swap is not None and engine.engine.config.preemption_mode == "swap":
+        engine.engine.use_swap_space(swap)
 
 
 @click.command(context_settings={"auto_envvar_prefix": "TANDEM_DECODE", "show_default": True})

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 
-from core.proto_convert import block_key_from_proto, sampling_params_from_proto, token_logprob_to_proto
-from core.request import FinishReason, Request
+from core.proto_convert import (
+    block_key_from_proto, finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto,
+)
+from core.request import Request
 from engine.async_engine import AsyncEngine
-from engine.outputs import ExternalKV
-from engine.pool_io import PoolIO
-from engine.worker_runtime import PoolLocator, stats_response
-from tandem.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
+from engine.kv_connector import KVConnector, Manifest
+from engine.worker_runtime import stats_response
+from tandem.v1 import decode_worker_pb2, decode_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_FINISH = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
-
 
 def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
     return decode_worker_pb2.DecodeResponse(
         finished=decode_worker_pb2.Finished(
-            finish_reason=_FINISH[request.finish_reason], num_output_tokens=request.num_output_tokens
+            finish_reason=finish_reason_to_proto(request.finish_reason), num_output_tokens=request.num_output_tokens
         )
     )
 
@@ -42,35 +35,47 @@ def _append_outputs(request: Request, output_token_ids) -> None:
                              f"({request.finish_reason.value})")
 
 
-class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
-    """Disaggregated decode: fetch the manifest's blocks from the pool (off the step loop),
-    release the request in the pool, join the running batch at the next step, stream every new
-    token. Colocated (no manifest): prefill here in chunks mixed into the decode steps
-    (Sarathi-Serve), then decode; every token is streamed, the first included. Resumed
-    (``output_token_ids``, after another decode worker failed): load the longest prefix of prompt
-    + those tokens stored in the pool, recompute the rest in chunks, stream only new tokens."""
+def manifest_from_proto(manifest) -> Manifest:
+    return Manifest(manifest.spec_fingerprint, manifest.pool_address,
+                    [block_key_from_proto(k) for k in manifest.blocks], manifest.num_tokens)
 
-    def __init__(self, engine: AsyncEngine, pool: PoolLocator):
+
+class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
+    """Disaggregated decode: the KV connector fetches the manifest's blocks (off the step loop)
+    and releases the request in the pool; the request joins the running batch at the next step
+    and streams every new token. Colocated (no manifest): prefill here in chunks mixed into the
+    decode steps (Sarathi-Serve), then decode; every token is streamed, the first included.
+    Resumed (``output_token_ids``, after another decode worker failed): the connector loads the
+    longest prefix of prompt + those tokens stored in the pool, the engine recomputes the rest,
+    only new tokens are streamed."""
+
+    def __init__(self, engine: AsyncEngine, connector: KVConnector):
         self.engine = engine
-        self.pool = pool
-        self.io = PoolIO(engine.engine.spec, transfer=pool.kv_transfer)
+        self.connector = connector
 
     async def Decode(self, request, context):
+        manifest = manifest_from_proto(request.manifest) if request.HasField("manifest") else None
         try:
-            engine_request, keys = self._convert(request)
+            engine_request = self._convert(request, manifest)
         except ValueError as err:
+            if manifest is not None:  # this worker got the request's pool state: it releases it
+                await self.connector.drop_manifest(request.request_id, manifest)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         external = None
-        if request.HasField("first_token_id"):  # disaggregated: the prompt's KV is in the pool
+        if manifest is not None:  # disaggregated: the prompt's KV is in the pool
             if engine_request.append_output_token(request.first_token_id) is not None:
+                await self.connector.drop_manifest(request.request_id, manifest)
                 yield _finished(engine_request)  # the first token already ends it
                 return
-            external = await self._fetch_prompt_kv(request, keys, context)
+            external = await self.connector.load_manifest(request.request_id, manifest)
         elif request.output_token_ids:  # resumed: the tokens so far are outputs, not prompt
             if engine_request.is_finished:
                 yield _finished(engine_request)
                 return
-            external = await self._load_resumed_kv(engine_request)
+            external = await self.connector.load_resumed(request.request_id, engine_request.all_token_ids)
+            log.info("resuming after %d output tokens: %d of %d tokens loaded from the pool, the rest recomputed",
+                     engine_request.num_output_tokens, external.num_tokens if external else 0,
+                     engine_request.num_tokens, extra={"request_id": request.request_id})
         # A cancelled stream parked at `yield` gets no exception in this handler: abort from the
         # RPC's done callback instead (a no-op once the request finished).
         context.add_done_callback(lambda _: self.engine.abort(request.request_id))
@@ -84,92 +89,20 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         yield _finished(engine_request)
 
-    async def _fetch_prompt_kv(self, request, keys, context) -> ExternalKV | None:
-        """Pulls the manifest's blocks (off the step loop), then ends the request in the pool.
-
-        Whatever the pool cannot give (it died, a block is gone or fails its checksum) is
-        recomputed here: the engine prefills what the returned ExternalKV does not cover.
-        """
-        manifest = request.manifest
-        rid = request.request_id
-        payloads: list[bytes] = []
-        pool = manifest.pool_address  # one node; "" when blocks are spread over the pool's ring
-        try:
-            if not pool:
-                pool = await self.pool.ring()
-            fetch_started = time.perf_counter()
-            payloads = await self.io.fetch(pool, keys, rid)
-            if payloads:  # the router's KV-load estimate: bytes / this measured bandwidth
-                self.engine.kv_load.record(len(payloads) * self.io.spec.block_bytes, time.perf_counter() - fetch_started)
-        except (grpc.RpcError, OSError, LookupError) as err:
-            log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": rid})
-        finally:
-            try:
-                if pool:
-                    await self.io.release(pool, rid)
-            except grpc.RpcError:  # a dead pool holds nothing of ours any more
-                log.warning("KV pool release failed", extra={"request_id": rid})
-        return self._external_kv(manifest.num_tokens, keys, payloads)
-
-    async def _load_resumed_kv(self, request: Request) -> ExternalKV | None:
-        """KV of the longest prefix of prompt + outputs stored in the pool (full blocks only: in
-        practice the prompt's, written by the prefill worker); None when the pool has none or
-        cannot be reached. The engine recomputes everything after it."""
-        rid = request.request_id
-        hashes, _ = self.io.prompt_keys(rid, request.all_token_ids)
-        payloads: list[bytes] = []
-        try:
-            ring = await self.pool.ring()
-        except LookupError:
-            return None
-        try:
-            payloads = await self.io.load_cached_prefix(ring, rid, hashes)
-        except (grpc.RpcError, OSError) as err:
-            log.warning("KV pool fetch failed (%s); recomputing", err, extra={"request_id": rid})
-        finally:
-            try:
-                await self.io.release(ring, rid)
-            except grpc.RpcError:
-                log.warning("KV pool release failed", extra={"request_id": rid})
-        num_loaded = len(payloads) * self.engine.engine.spec.block_size
-        log.info("resuming after %d output tokens: %d of %d tokens loaded from the pool, the rest recomputed",
-                 request.num_output_tokens, num_loaded, request.num_tokens, extra={"request_id": rid})
-        return ExternalKV(num_loaded, payloads) if payloads else None
-
-    def _external_kv(self, num_tokens: int, keys: list, payloads: list[bytes]) -> ExternalKV | None:
-        """The fetched KV; when the pool gave only a prefix (a block missing or corrupt), the
-        verified full blocks, and the engine prefills the rest locally."""
-        if len(payloads) == len(keys):
-            return ExternalKV(num_tokens, payloads)
-        log.warning("pool gave %d of %d blocks; recomputing the rest", len(payloads), len(keys))
-        return ExternalKV(len(payloads) * self.engine.engine.spec.block_size, payloads) if payloads else None
-
-    def _convert(self, request) -> tuple[Request, list]:
+    def _convert(self, request, manifest: Manifest | None) -> Request:
         """Raises ValueError on a malformed request or a manifest of another KV spec."""
         params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
         # EOS known before resumed outputs are appended: one inside them ends the request there.
         engine_request = Request(request.request_id, list(request.prompt_token_ids), params,
                                  eos_token_id=self.engine.engine.eos_token_id)
-        if request.HasField("first_token_id") != request.HasField("manifest"):
+        if request.HasField("first_token_id") != (manifest is not None):
             raise ValueError("first_token_id and manifest come together (disaggregated) or not at all (colocated)")
-        if request.output_token_ids and request.HasField("manifest"):
+        if request.output_token_ids and manifest is not None:
             raise ValueError("output_token_ids resume a request: they come without first_token_id and manifest")
         _append_outputs(engine_request, request.output_token_ids)
-        if not request.HasField("manifest"):
-            return engine_request, []
-        spec = self.engine.engine.spec
-        manifest = request.manifest
-        if manifest.spec_fingerprint != spec.fingerprint:
-            raise ValueError(f"manifest KV spec {manifest.spec_fingerprint!r} != this worker's {spec.fingerprint!r}")
-        if manifest.num_tokens != len(request.prompt_token_ids):
-            raise ValueError(f"manifest covers {manifest.num_tokens} tokens, prompt has {len(request.prompt_token_ids)}")
-        keys = [block_key_from_proto(k) for k in manifest.blocks]
-        if len(keys) != -(-manifest.num_tokens // spec.block_size):
-            raise ValueError(f"manifest lists {len(keys)} blocks for {manifest.num_tokens} tokens")
-        return engine_request, keys
-
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
+        if manifest is not None:
+            manifest.validate(self.engine.engine.spec, len(request.prompt_token_ids))
+        return engine_request
 
     async def GetStats(self, request, context):
-        return stats_response(self.engine, num_cached_tokens=0)
+        return stats_response(self.engine, self.connector.kv_load, num_cached_tokens=0)

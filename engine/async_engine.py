@@ -18,9 +18,9 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from core.cost_model import BandwidthMeter
 from core.request import FinishReason, Request
-from engine.engine import EngineStats, LLMEngine
+from core.worker_load import WorkerLoad
+from engine.engine import LLMEngine
 from engine.outputs import ExternalKV, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        # Pool -> worker KV bandwidth, recorded by the servicer around its pool reads.
-        self.kv_load = BandwidthMeter()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -69,7 +67,7 @@ class AsyncEngine:
                 log.warning("engine step loop did not stop within 10 s")
         self._executor.shutdown(wait=False)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> WorkerLoad:
         """Snapshot taken after the latest step."""
         return self._stats
 
@@ -150,7 +148,7 @@ class AsyncEngine:
 
     def _fail_all(self) -> list[RequestOutput]:
         failed = []
-        for rid in list(self.engine.scheduler.requests):
+        for rid in self.engine.request_ids():
             self.engine.abort_request(rid)
             failed.append(RequestOutput(rid, [], True, FinishReason.ABORT, error="engine step failed"))
         return failed

@@ -101,11 +101,7 @@ def _run_probe(engine: LLMEngine, probe: Probe, rng: random.Random) -> None:
 
 def _reset(engine: LLMEngine) -> None:
     """Leaves the engine as a fresh one, but for the cost model's samples."""
-    kv = engine.scheduler.kv
-    kv.block_pool.reset_prefix_cache()
-    kv.block_pool.num_evictions = 0
-    kv.num_prefix_queries_tokens = kv.num_prefix_hit_tokens = 0
-    engine.scheduler.num_preemptions = 0
+    engine.scheduler.reset_cache_and_counters()
     engine.num_swapped_out = 0
     engine.runner.busy_time_s = 0.0
     engine.step_stats.forget_last()

@@ -37,15 +37,8 @@ class CpuAttentionBackend:
         self._plan: _StepPlan | None = None
         self._kernel = load_kernel() if use_kernel else None
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]; mutated
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """AttentionBackend.forward (shapes there); mutates ``kv_cache``."""
         write_kv(key, value, kv_cache, meta.slot_mapping)
         plan = self._plan_for(meta, kv_cache.shape[2])
         if plan.all_decode:

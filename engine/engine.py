@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from core.cost_model import CostModel
 from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
+from core.worker_load import WorkerLoad
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kv_connector import pack_blocks
+from engine.kv_connector.swap import HostSwapSpace, SwapSpace
 from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers, warm_up
 from engine.model.loader import TORCH_DTYPES, load_model
@@ -24,33 +24,13 @@ from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.preemption import PreemptionPolicy
 from engine.step_stats import StepStats
-from engine.swap_space import HostSwapSpace, SwapSpace
+
+if TYPE_CHECKING:
+    from engine.parallel.build import TensorParallel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_requests_running: int
-    num_requests_waiting: int
-    num_total_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    # Preemptions whose KV was swapped out (the rest were recomputed).
-    num_swapped_out: int = 0
-    # Tokens the last pass computed (0 when idle).
-    num_batched_tokens: int = 0
-    # Prompt tokens still to compute: waiting requests (less external KV) and running ones
-    # still prefilling.
-    num_waiting_tokens: int = 0
-    # Tokens whose KV the running requests hold.
-    num_kv_tokens: int = 0
-    # Mean wall time of the last few passes (seconds; 0 before any).
-    recent_step_time_s: float = 0.0
-    # The step-time model fitted from this engine's passes (budget and KV bytes filled in).
-    cost_model: CostModel = CostModel()
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -78,8 +58,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False,
-                 swap_space: SwapSpace | None = None):
+                 swap_space: SwapSpace | None = None, parallel: TensorParallel | None = None):
+        """``parallel``: rank 0's handle when ``model`` is one shard of a tensor-parallel worker
+        (``from_config`` starts the ranks); the KV cache then holds this rank's KV heads."""
         self.config = config
+        self.parallel = parallel
         self.source = source
         self.save_kv_on_finish = save_kv_on_finish
         mc = model.config
@@ -95,17 +78,21 @@ class LLMEngine:
         )
         eos = getattr(mc, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        num_kv_heads = mc.num_key_value_heads if parallel is None else len(parallel.layout.kv_heads())
         kv_cache = torch.zeros(
-            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, mc.num_key_value_heads, head_dim),
+            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, num_kv_heads, head_dim),
             dtype=TORCH_DTYPES[config.dtype],
             device=config.device,
         )
         if swap_space is None and config.preemption_mode == "swap":
             swap_space = HostSwapSpace(config.swap_space_bytes)
-        self.scheduler = Scheduler(config, swap_space)
+        self.swap_space = swap_space
+        self.scheduler = Scheduler(config, PreemptionPolicy(config.preemption_mode if swap_space else "recompute"))
         self.num_swapped_out = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
-        self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
+        backend, sampler = make_attention_backend(config), Sampler(config.seed)
+        self.runner = (ModelRunner(model, kv_cache, backend, sampler) if parallel is None
+                       else parallel.runner(model, kv_cache, backend, sampler))
         self.step_stats = StepStats()
 
     @classmethod
@@ -115,12 +102,22 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
-        model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
-        engine = cls(config, model, source, save_kv_on_finish, swap_space)
+        parallel = None
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.build import start_tensor_parallel  # torch.distributed: only when asked
+
+            model, parallel = start_tensor_parallel(config, source)
+        else:
+            model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
+        engine = cls(config, model, source, save_kv_on_finish, swap_space, parallel)
         if config.compiled:
             compile_layers(model)
             warm_up(engine.runner.warm_up, (1, 2) if config.block_size >= 2 else (1,))
         return engine
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (nothing at TP=1). Idempotent; the engine is unusable after."""
+        self.runner.shutdown()
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
         """Queues a request.
@@ -138,7 +135,19 @@ class LLMEngine:
         self.scheduler.add_request(request, external_kv)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        aborted = self.scheduler.abort(request_id) is not None
+        if aborted and self.swap_space is not None:
+            self.swap_space.discard(request_id)
+        return aborted
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (not yet finished and freed, nor aborted)."""
+        return self.scheduler.request_ids()
+
+    def use_swap_space(self, swap_space: SwapSpace) -> None:
+        """Swap preempted requests into ``swap_space`` from now on (the decode worker's pool
+        swap, built once the KV connector exists). Call before the first request."""
+        self.swap_space = swap_space
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -159,7 +168,7 @@ class LLMEngine:
         if self.config.enable_overlap:
             yield from self._overlapped_steps()
             return
-        out, substep = self.scheduler.schedule(), 0
+        out, substep = self._schedule(), 0
         while not out.is_empty:
             self._swap_out(out)
             runner_output = self._record(self.runner.execute(out))
@@ -172,12 +181,25 @@ class LLMEngine:
             following = self.scheduler.continue_decode(out)
             if not following.is_empty:
                 return following, substep + 1
-        return self.scheduler.schedule(), 0
+        return self._schedule(), 0
+
+    def _schedule(self) -> SchedulerOutput:
+        """Swap-in, then a new scheduling decision (which itself never waits on I/O)."""
+        self._swap_in()
+        return self.scheduler.schedule()
+
+    def _swap_in(self) -> None:
+        """Brings swapped-out KV back for the requests the next decision may admit; a swap-in
+        that fails leaves the request to recompute. Blocking on a pool swap space."""
+        if self.swap_space is None:
+            return
+        for request_id in self.scheduler.swap_in_candidates():
+            self.scheduler.resume_swapped(request_id, self.swap_space.take(request_id))
 
     def _overlapped_steps(self) -> Iterator[list[RequestOutput]]:
         """Pipeline: launch k → commit k's computed tokens → schedule and prepare k+1 → wait for k
         → resolve k's tokens → patch them into k+1 → launch k+1 → yield k's outputs."""
-        out, substep = self.scheduler.schedule(), 0
+        out, substep = self._schedule(), 0
         if out.is_empty:
             return
         running = self._executor.submit(self.runner.run, self.runner.prepare(out))
@@ -188,7 +210,8 @@ class LLMEngine:
             runner_output = self._record(running.result())
             self._swap_out(following)  # step k no longer writes the victims' blocks
             outputs = self._finish(self.scheduler.resolve_sampled(out, runner_output))
-            if any(o.finished for o in outputs) and self._drop_finished(following):
+            finished = {o.request_id for o in outputs if o.finished}
+            if finished and self._drop_finished(following, finished):
                 prepared = self.runner.prepare(following)  # rare: a stop token ended a request
             prepared.patch({rid: t.token_id for rid, t in runner_output.sampled.items()})
             if following.is_empty:
@@ -207,15 +230,17 @@ class LLMEngine:
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Packs preempted requests' KV into the swap space before their blocks are reused."""
         for swap in out.swap_outs:
-            kv = ExternalKV(swap.num_tokens, pack_blocks(self.runner.kv_cache, swap.block_ids))
-            if self.scheduler.swap_space.put(swap.request_id, kv):
+            kv = ExternalKV(swap.num_tokens, self.runner.pack_blocks(swap.block_ids))
+            if self.swap_space.put(swap.request_id, kv):
                 self.num_swapped_out += 1
+            else:
+                self.scheduler.resume_swapped(swap.request_id, None)  # recomputed instead
         out.swap_outs.clear()
 
     @staticmethod
-    def _drop_finished(out: SchedulerOutput) -> bool:
-        """Removes finished requests from a prepared-ahead step; True if any was removed."""
-        kept = [item for item in out.scheduled if not item.request.is_finished]
+    def _drop_finished(out: SchedulerOutput, finished: set[str]) -> bool:
+        """Removes ``finished`` requests from a prepared-ahead step; True if any was removed."""
+        kept = [item for item in out.scheduled if item.request_id not in finished]
         dropped = len(kept) != len(out.scheduled)
         out.scheduled[:] = kept
         return dropped
@@ -228,42 +253,34 @@ class LLMEngine:
 
     def _release(self, output: RequestOutput) -> None:
         if self.save_kv_on_finish:
-            request = self.scheduler.requests[output.request_id]
+            request = self.scheduler.get_request(output.request_id)
             num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
-            block_ids = self.scheduler.kv.get(output.request_id).block_ids[:num_prompt_blocks]
-            output.saved_kv = pack_blocks(self.runner.kv_cache, block_ids)
+            block_ids = self.scheduler.block_ids(output.request_id)[:num_prompt_blocks]
+            output.saved_kv = self.runner.pack_blocks(block_ids)
         self.scheduler.free(output.request_id)
+        if self.swap_space is not None:
+            self.swap_space.discard(output.request_id)
 
-    def stats(self) -> EngineStats:
-        """A snapshot of the load; refits the cost model when due (engine thread only)."""
-        kv = self.scheduler.kv
+    def stats(self) -> WorkerLoad:
+        """A snapshot of the load; refits the cost model when due (engine thread only). The
+        KV-load bandwidth is the worker's to fill in (engine.worker_runtime.worker_load)."""
         sched = self.scheduler
         last = self.step_stats.last
-        return EngineStats(
-            num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+        num_used_blocks, num_free_blocks = sched.block_usage()
+        return WorkerLoad(
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
             num_total_blocks=self.config.num_kv_blocks,
-            num_used_blocks=kv.num_used_blocks,
-            num_free_blocks=kv.num_free_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_swapped_out=self.num_swapped_out,
+            num_used_blocks=num_used_blocks,
+            num_free_blocks=num_free_blocks,
+            num_preemptions=sched.num_preemptions,
             num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,
-            num_waiting_tokens=self._num_waiting_tokens(),
-            num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
+            num_waiting_tokens=sched.num_waiting_tokens,
+            num_kv_tokens=sched.num_kv_tokens,
             recent_step_time_s=self.step_stats.recent_step_time_s,
+            max_num_seqs=self.config.max_num_seqs,
             cost_model=self.step_stats.model(
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,
             ),
         )
-
-    def _num_waiting_tokens(self) -> int:
-        """Tokens to compute before each waiting or prefilling request samples (a request with
-        one token left is decoding and counts 0)."""
-        sched = self.scheduler
-        total = 0
-        for request in (*sched.waiting, *sched.running):
-            ext = sched.external_kv.get(request.request_id)
-            left = request.num_tokens - max(request.num_computed_tokens, ext.num_tokens if ext else 0)
-            total += left if left > 1 else 0
-        return total

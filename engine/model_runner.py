@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -10,10 +9,9 @@ import numpy as np
 import torch
 
 from core.cost_model import StepSample, prefill_attn_pairs
-from core.request import Request
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
-from engine.kv_connector import unpack_blocks
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from engine.kv_connector.blocks import pack_blocks, unpack_blocks
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SamplingInput, SchedulerOutput
 from engine.sampler import Sampler
 
 
@@ -27,22 +25,27 @@ class PreparedStep:
     positions: torch.Tensor | None = None  # [num_tokens], int64
     meta: AttentionMetadata | None = None
     logits_indices: torch.Tensor | None = None  # [num_sampling], int64
-    # Copies of the sampling requests as of preparation (the live ones move on concurrently).
-    sampling_requests: list[Request] = field(default_factory=list)
+    # What the sampler reads of each sampling request (copied at schedule time).
+    sampling: list[SamplingInput] = field(default_factory=list)
     # (index into input_ids, request_id) whose token comes from the previous step.
     placeholders: list[tuple[int, str]] = field(default_factory=list)
-    # The cost model's features of this pass (num_new_tokens, num_seqs, attn_pairs), taken while
-    # num_computed_tokens is still the pass's start (overlap moves it on before the pass runs).
-    features: tuple[int, int, float] = (0, 0, 0.0)
 
     def patch(self, sampled: dict[str, int]) -> None:
-        """Fills placeholders with the tokens the previous step sampled. Mutates this step."""
+        """Fills placeholders with the tokens the previous step sampled. Mutates this step (and
+        its sampling inputs' output copies)."""
         for index, request_id in self.placeholders:
             self.input_ids[index] = sampled[request_id]
-        for snap in self.sampling_requests:
-            if snap.output_token_ids and snap.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                snap.output_token_ids[-1] = sampled[snap.request_id]
+        for item in self.sampling:
+            if item.output_token_ids and item.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                item.output_token_ids[-1] = sampled[item.request_id]
         self.placeholders = []
+
+    @property
+    def features(self) -> tuple[int, int, float]:
+        """The cost model's features of this pass: (num_new_tokens, num_seqs, attn_pairs)."""
+        scheduled = self.out.scheduled
+        pairs = sum(prefill_attn_pairs(s.num_new_tokens, s.num_computed_tokens) for s in scheduled)
+        return self.out.num_scheduled_tokens, len(scheduled), pairs
 
 
 class ModelRunner:
@@ -66,8 +69,8 @@ class ModelRunner:
         return self.run(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
-        """Builds the step's input tensors and sampling snapshots from the requests. CPU only;
-        reads the requests, never the KV cache, so it can run while the previous step executes.
+        """Builds the step's input tensors from ``out`` (plain data). CPU only; never reads the
+        KV cache, so it can run while the previous step executes.
 
         Tokens not known yet (``PLACEHOLDER_TOKEN_ID``, sampled by the step still running) are
         listed in ``placeholders`` for :meth:`PreparedStep.patch`.
@@ -78,33 +81,19 @@ class ModelRunner:
         # Only a request's last token can be unknown: check each request's last input token.
         last_indices = [end - 1 for end in meta.query_start_loc[1:].tolist()]
         placeholders = [
-            (i, item.request.request_id)
+            (i, item.request_id)
             for i, item in zip(last_indices, out.scheduled)
             if input_ids[i] == PLACEHOLDER_TOKEN_ID
         ]
-        snapshots = []
-        for item in out.scheduled:
-            if item.samples:
-                snap = copy.copy(item.request)
-                snap.output_token_ids = list(item.request.output_token_ids)
-                snapshots.append(snap)
-        features = (
-            out.num_scheduled_tokens,
-            len(out.scheduled),
-            sum(prefill_attn_pairs(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled),
-        )
-        return PreparedStep(out, input_ids, positions, meta, logits_indices, snapshots,
-                            placeholders, features)
+        sampling = [item.sampling for item in out.scheduled if item.sampling is not None]
+        return PreparedStep(out, input_ids, positions, meta, logits_indices, sampling, placeholders)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
         """Copies blocks (copy-on-write), loads external KV, runs one forward over every scheduled
         token, samples where due. Mutates the KV cache; touches no request (overlap-safe)."""
         out = step.out
-        for src, dst in out.block_copies:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        for load in out.kv_loads:
-            unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
+        self._move_kv(out)
         if out.is_empty:
             return ModelRunnerOutput()
         started = time.perf_counter()
@@ -112,11 +101,25 @@ class ModelRunner:
         ctx = ForwardContext(step.meta, self.backend, list(self.kv_cache.unbind(0)))
         with forward_context(ctx):
             logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_sampling, vocab]
-        sampled = self.sampler.sample(logits, step.sampling_requests)
+        sampled = self.sampler.sample(logits, step.sampling)
         duration_s = time.perf_counter() - started
         self.busy_time_s += duration_s
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling_requests, sampled)},
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling, sampled)},
                                  StepSample(*step.features, duration_s))
+
+    def _move_kv(self, out: SchedulerOutput) -> None:
+        """The step's copy-on-write block copies, then its external KV loads. Mutates the KV cache."""
+        for src, dst in out.block_copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for load in out.kv_loads:
+            unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
+
+    def pack_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The pool bytes of ``block_ids`` (engine.kv_connector.pack_blocks). Reads only."""
+        return pack_blocks(self.kv_cache, block_ids)
+
+    def shutdown(self) -> None:
+        """Releases what the runner started (nothing here; tensor-parallel ranks in a subclass)."""
 
     def _prepare_inputs(self, out: SchedulerOutput):
         """Step tensors with numpy, one Python operation per sequence, none per token::
@@ -129,13 +132,13 @@ class ModelRunner:
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
-        computed = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
         starts = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q_lens, out=starts[1:])
         seq_lens = computed + q_lens
         input_ids: list[int] = []
-        for item, start, end in zip(scheduled, computed.tolist(), seq_lens.tolist()):
-            input_ids += item.request.all_token_ids[start:end]
+        for item in scheduled:
+            input_ids += item.token_ids
         max_blocks = max(len(s.block_ids) for s in scheduled)
         tables = np.zeros((num_seqs, max_blocks), np.int64)  # padded with block 0, never read
         for i, item in enumerate(scheduled):

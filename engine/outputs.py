@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.cost_model import StepSample
-from core.request import FinishReason, Request
+from core.request import FinishReason
+from core.sampling_params import SamplingParams
 
 
 PLACEHOLDER_TOKEN_ID = -1  # a token being sampled by a step still running (overlap scheduling)
@@ -22,19 +23,44 @@ class ExternalKV:
 
 
 @dataclass(frozen=True)
+class SamplingInput:
+    """What the sampler reads of a request whose step samples, copied at schedule time (the
+    request itself moves on while the step runs under overlap scheduling)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    # Index of the token being sampled: its seed input, and what min_tokens compares with.
+    num_output_tokens: int
+    # Tokens that end the request once past min_tokens (Request.stop_token_ids).
+    stop_token_ids: frozenset[int]
+    # The prompt (shared: never mutated) and, only when penalties apply, a copy of the outputs
+    # so far (its last entry may be PLACEHOLDER_TOKEN_ID until PreparedStep.patch).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: compute tokens ``[num_computed_tokens, +num_new_tokens)``."""
+    """One request's share of a step, as plain data: compute ``token_ids`` at positions
+    ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` into ``block_ids``.
+    Copied from the request at schedule time (vLLM v1's NewRequestData / CachedRequestData)."""
 
-    request: Request
-    num_new_tokens: int
+    request_id: str
+    # The step's input tokens, all_token_ids[num_computed_tokens : + num_new_tokens]; under
+    # overlap scheduling the last may be PLACEHOLDER_TOKEN_ID (sampled by the step still running).
+    token_ids: list[int]
+    num_computed_tokens: int
     block_ids: list[int]
-    # True when this step reaches the request's last token, so a new token is sampled. Fixed at
-    # scheduling time (the request itself moves on once the step is applied).
-    samples: bool = field(init=False)
+    # Set when this step reaches the request's last token, so a new token is sampled.
+    sampling: SamplingInput | None = None
 
-    def __post_init__(self) -> None:
-        reaches_end = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-        object.__setattr__(self, "samples", reaches_end)
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None
 
 
 @dataclass(frozen=True)

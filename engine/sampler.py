@@ -22,8 +22,7 @@ import struct
 
 import torch
 
-from core.request import Request
-from engine.outputs import SampledToken
+from engine.outputs import SampledToken, SamplingInput
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -47,7 +46,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def needs_processing(request: Request) -> bool:
+def needs_processing(request: SamplingInput) -> bool:
     """True when the row's logits must be changed (penalties, min_tokens) before sampling."""
     p = request.sampling_params
     return p.has_penalties or (request.num_output_tokens < p.min_tokens and bool(request.stop_token_ids))
@@ -76,7 +75,7 @@ def apply_penalties(
     return logits
 
 
-def process_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, request: SamplingInput) -> torch.Tensor:
     """The request's processed logits ([vocab], float32, a new tensor): stop tokens masked to
     -inf while it is under ``min_tokens``, then penalties."""
     p = request.sampling_params
@@ -106,8 +105,9 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """Picks one token per row of ``logits`` ([num_seqs, vocab], float32) for ``requests[i]``.
+    def sample(self, logits: torch.Tensor, requests: list[SamplingInput]) -> list[SampledToken]:
+        """Picks one token per row of ``logits`` ([num_seqs, vocab], float32) for ``requests[i]``
+        (a SamplingInput, or anything with its fields: a core Request reads the same).
 
         A request's ``num_output_tokens`` is the index of the token being sampled (its seed input,
         and what ``min_tokens`` compares with). Reads, never mutates, ``logits`` and ``requests``.
@@ -126,7 +126,7 @@ class Sampler:
             tokens.append(SampledToken(token_id) if p.logprobs is None else with_logprobs(row, token_id, p.logprobs))
         return tokens
 
-    def _draw(self, logits: torch.Tensor, request: Request) -> int:
+    def _draw(self, logits: torch.Tensor, request: SamplingInput) -> int:
         """Draws from ``logits`` ([vocab], float32, processed) at the request's temperature,
         top-k and top-p; a seeded request uses its own generator for this token index."""
         p = request.sampling_params

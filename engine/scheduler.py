@@ -2,12 +2,18 @@
 
 Every step: running requests first (decodes, continuing prompt chunks), then waiting requests
 admitted while the token budget, ``max_num_seqs`` and free blocks allow. A request that cannot get
-a block preempts the newest running request, which is freed and recomputed later (its output is
-unchanged: it resumes from prompt + tokens so far).
+a block preempts a running request (:class:`PreemptionPolicy`: the victim, and whether its KV is
+swapped out or recomputed; its output is unchanged either way).
+
+The scheduler does no I/O: swapped-out KV comes back through the engine before ``schedule()``
+(:meth:`Scheduler.swap_in_candidates`, :meth:`Scheduler.resume_swapped`), and a swapped request
+is admitted only once its KV is resident. Its output, :class:`SchedulerOutput`, is plain data
+copied from the requests (ids, token ids, positions, block ids, sampling inputs).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from core.request import FinishReason, Request, RequestStatus
@@ -15,16 +21,41 @@ from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager
 from engine.outputs import (
-    PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
-    SwapOut,
+    PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, SamplingInput, ScheduledRequest,
+    SchedulerOutput, SwapOut,
 )
-from engine.swap_space import SwapSpace
+from engine.preemption import PreemptionMode, PreemptionPolicy
+
+
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without building all_token_ids (a new list)."""
+    prompt, num_prompt = request.prompt_token_ids, request.num_prompt_tokens
+    if start >= num_prompt:
+        return request.output_token_ids[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return prompt[start:end]
+    return prompt[start:] + request.output_token_ids[: end - num_prompt]
+
+
+def scheduled_request(request: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+    """``request``'s share of a step as plain data, copied now (see ScheduledRequest)."""
+    start = request.num_computed_tokens
+    sampling = None
+    if start + num_new_tokens == request.num_tokens:
+        params = request.sampling_params
+        outputs = list(request.output_token_ids) if params.has_penalties else []
+        sampling = SamplingInput(request.request_id, params, request.num_output_tokens, request.stop_token_ids,
+                                 request.prompt_token_ids, outputs)
+    return ScheduledRequest(request.request_id, token_slice(request, start, start + num_new_tokens), start,
+                            list(block_ids), sampling)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, swap_space: SwapSpace | None = None):
+    """``preemption``: default recompute (a swap needs a swap space, which the engine holds)."""
+
+    def __init__(self, config: EngineConfig, preemption: PreemptionPolicy | None = None):
         self.config = config
-        self.swap_space = swap_space
+        self.preemption = preemption or PreemptionPolicy("recompute")
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.batching = make_batching_policy(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
@@ -32,6 +63,8 @@ class Scheduler:
         self.external_kv: dict[str, ExternalKV] = {}
         # Every request until it is freed or aborted.
         self.requests: dict[str, Request] = {}
+        # Preempted requests whose KV is in the engine's swap space, not yet back (resume_swapped).
+        self.swapped: set[str] = set()
         self.num_preemptions = 0
 
     @property
@@ -79,7 +112,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             table = self._allocate_with_lookahead(request, n)
             while table is None:
-                victim = self.running[-1]
+                victim = self.preemption.victim(self.running)
                 if victim.request_id in scheduled_ids:
                     raise RuntimeError("KV cache too small for the requests already scheduled this step")
                 self._preempt(victim, out)
@@ -88,7 +121,7 @@ class Scheduler:
                 table = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
             if table is None:
                 continue
-            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+            out.scheduled.append(scheduled_request(request, n, table.block_ids))
             scheduled_ids.add(request.request_id)
             budget -= n
         return budget
@@ -116,12 +149,12 @@ class Scheduler:
         allocation, no preemption. Mutates nothing."""
         out = SchedulerOutput()
         for item in previous.scheduled:
-            request = item.request
-            if not item.samples or request.status is not RequestStatus.RUNNING:
+            request = self.requests.get(item.request_id)
+            if not item.samples or request is None or request.status is not RequestStatus.RUNNING:
                 continue
             table = self.kv.get(request.request_id)
             if table.capacity_tokens >= request.num_tokens:
-                out.scheduled.append(ScheduledRequest(request, 1, list(table.block_ids)))
+                out.scheduled.append(scheduled_request(request, 1, table.block_ids))
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -140,12 +173,10 @@ class Scheduler:
         schedules its first chunk (none when the budget is spent: a static batch admits all its
         requests at once and prefills them over the next steps). Returns the tokens scheduled, None
         if it cannot start now."""
+        if request.request_id in self.swapped:  # its KV is not back from the swap space yet
+            return None
         bs = self.config.block_size
         hit = self.kv.find_prefix(request)
-        if request.request_id not in self.external_kv and self.swap_space is not None:
-            swapped = self.swap_space.take(request.request_id)  # a swapped-out victim comes back
-            if swapped is not None:
-                self.external_kv[request.request_id] = swapped
         ext = self.external_kv.get(request.request_id)
         num_loaded = ext.num_tokens if ext else 0
         # The last token is always computed: its logits give the next token.
@@ -175,18 +206,19 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if n:
-            out.scheduled.append(ScheduledRequest(request, n, list(table.block_ids)))
+            out.scheduled.append(scheduled_request(request, n, table.block_ids))
         return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Frees ``request``'s blocks and puts it first in line; with swap preemption its KV is
-        listed in ``out.swap_outs`` (packed by the engine before the blocks are reused), else it
-        is recomputed."""
+        """Frees ``request``'s blocks and puts it first in line; when the policy swaps it, its KV
+        is listed in ``out.swap_outs`` (packed by the engine before the blocks are reused) and it
+        waits for :meth:`resume_swapped`, else it is recomputed."""
         self.running.remove(request)
-        if self.swap_space is not None and self.config.preemption_mode == "swap" and request.num_computed_tokens:
+        if self.preemption.mode_for(request) is PreemptionMode.SWAP:
             table = self.kv.get(request.request_id)
             num_blocks = -(-request.num_computed_tokens // self.config.block_size)
             out.swap_outs.append(SwapOut(request.request_id, table.block_ids[:num_blocks], request.num_computed_tokens))
+            self.swapped.add(request.request_id)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -205,8 +237,9 @@ class Scheduler:
         each token being sampled, and takes requests that will stop on length out of ``running``.
         """
         for item in out.scheduled:
-            request = item.request
-            if request.is_finished:  # aborted while its step ran
+            request = self.requests.get(item.request_id)
+            if (request is None or request.status is not RequestStatus.RUNNING  # aborted while its step ran
+                    or request.num_computed_tokens != item.num_computed_tokens):  # (and the id reused)
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(request)
@@ -226,9 +259,9 @@ class Scheduler:
         """
         outputs = []
         for item in out.scheduled:
-            request = item.request
-            sampled = runner_out.sampled.get(request.request_id)
-            if sampled is None or request.is_finished:
+            request = self.requests.get(item.request_id)
+            sampled = runner_out.sampled.get(item.request_id)
+            if sampled is None or request is None or not _awaits_token(request):
                 continue
             request.output_token_ids.pop()  # the placeholder
             reason = request.append_output_token(sampled.token_id)
@@ -248,11 +281,11 @@ class Scheduler:
         return outputs
 
     def free(self, request_id: str) -> None:
-        """Returns a finished request's blocks and forgets it. Idempotent."""
+        """Returns a finished request's blocks and forgets it (the engine discards its swapped
+        KV, if any). Idempotent."""
         self.kv.free(request_id)
         self.requests.pop(request_id, None)
-        if self.swap_space is not None:
-            self.swap_space.discard(request_id)
+        self.swapped.discard(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its blocks; None if unknown."""
@@ -265,3 +298,75 @@ class Scheduler:
                     request.finish(FinishReason.ABORT)
                     return request
         return None
+
+    # Swap-in, between steps (the engine moves the bytes; the scheduler only decides).
+
+    def swap_in_candidates(self) -> list[str]:
+        """Swapped-out requests among the waiting ones the next ``schedule()`` may admit (one per
+        free seat, in queue order): the engine brings their KV back before it. Reads only."""
+        seats = self.config.max_num_seqs - len(self.running)
+        return [r.request_id for r in itertools.islice(self.waiting, max(0, seats)) if r.request_id in self.swapped]
+
+    def resume_swapped(self, request_id: str, kv: ExternalKV | None) -> None:
+        """A swapped request's KV is resident again (``kv``), or was lost (None: it is recomputed).
+        Mutates ``swapped`` and ``external_kv``."""
+        if request_id not in self.swapped:
+            return
+        self.swapped.discard(request_id)
+        if kv is not None:
+            self.external_kv[request_id] = kv
+
+    def reset_cache_and_counters(self) -> None:
+        """Forgets the prefix cache and zeroes the counters (after calibration passes). Call with
+        no request in flight. Mutates the block pool's cache and counters."""
+        kv = self.kv
+        kv.block_pool.reset_prefix_cache()
+        kv.block_pool.num_evictions = 0
+        kv.num_prefix_queries_tokens = kv.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    # Read-only views for the engine and its callers.
+
+    def request_ids(self) -> list[str]:
+        """Every request not yet freed or aborted."""
+        return list(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy). Raises KeyError for a request without blocks."""
+        return list(self.kv.get(request_id).block_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def block_usage(self) -> tuple[int, int]:
+        """(used, free) KV blocks."""
+        return self.kv.num_used_blocks, self.kv.num_free_blocks
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV the running requests hold."""
+        return sum(r.num_computed_tokens for r in self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens to compute before each waiting or prefilling request samples (a request with
+        one token left is decoding and counts 0)."""
+        total = 0
+        for request in (*self.waiting, *self.running):
+            ext = self.external_kv.get(request.request_id)
+            left = request.num_tokens - max(request.num_computed_tokens, ext.num_tokens if ext else 0)
+            total += left if left > 1 else 0
+        return total
+
+
+def _awaits_token(request: Request) -> bool:
+    """True while ``request`` holds the placeholder of a token being sampled."""
+    return not request.is_finished and bool(request.output_token_ids) and request.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID

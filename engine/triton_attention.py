@@ -29,15 +29,8 @@ class TritonAttentionBackend:
         self._meta: AttentionMetadata | None = None
         self._device_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]; mutated
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """AttentionBackend.forward (shapes there); mutates ``kv_cache``."""
         kv_cache_write(key, value, kv_cache, meta.slot_mapping)
         query_start_loc, seq_lens = self._lens_on(meta, kv_cache.device)
         if meta.max_query_len == 1:

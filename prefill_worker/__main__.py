@@ -11,8 +11,8 @@ from tandem.v1 import prefill_worker_pb2_grpc
 SERVICE_NAME = "tandem.v1.PrefillWorker"
 
 
-def _add(service, engine, pool) -> None:
-    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(engine, pool), service.server)
+def _add(service, engine, connector) -> None:
+    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(engine, connector), service.server)
 
 
 @click.command(context_settings={"auto_envvar_prefix": "TANDEM_PREFILL", "show_default": True})

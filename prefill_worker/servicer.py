@@ -11,24 +11,31 @@ import grpc
 from core.proto_convert import block_key_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from core.request import Request
 from engine.async_engine import AsyncEngine
-from engine.outputs import ExternalKV
 from core.pool_ring import HashRing
-from engine.pool_io import PoolIO
-from engine.worker_runtime import PoolLocator, stats_response
+from engine.kv_connector import KVConnector, Manifest
+from engine.worker_runtime import stats_response
 from tandem.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
-    """Prefill = load the cached prefix from the pool, compute the rest, sample the first token,
-    write the new blocks (full ones content-addressed, the tail request-scoped) leased to the
-    request, and answer with a manifest. Nothing stays on the worker afterwards."""
+def manifest_to_proto(manifest: Manifest) -> common_pb2.KVManifest:
+    return common_pb2.KVManifest(
+        spec_fingerprint=manifest.spec_fingerprint, pool_address=manifest.pool_address,
+        blocks=[block_key_to_proto(k) for k in manifest.keys], num_tokens=manifest.num_tokens,
+    )
 
-    def __init__(self, engine: AsyncEngine, pool: PoolLocator):
+
+class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
+    """Prefill = the KV connector loads the cached prefix from the pool, the engine computes the
+    rest and samples the first token, the connector writes the new blocks (full ones
+    content-addressed, the tail request-scoped) leased to the request, and the answer carries
+    the manifest: the request's pool state goes with it (``KVConnector.hand_off``). On any
+    failure the connector releases what it holds. Nothing stays on the worker afterwards."""
+
+    def __init__(self, engine: AsyncEngine, connector: KVConnector):
         self.engine = engine
-        self.pool = pool
-        self.io = PoolIO(engine.engine.spec, transfer=pool.kv_transfer)
+        self.connector = connector
         self.num_cached_tokens = 0
 
     async def Prefill(self, request, context):
@@ -40,44 +47,45 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
-            ring = await self.pool.ring()  # the pool nodes; each block goes to its node
+            ring = await self.connector.ring()  # the pool nodes; each block goes to its node
         except LookupError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        hashes, keys = self.io.prompt_keys(rid, engine_request.prompt_token_ids)
         try:
-            return await self._prefill(engine_request, ring, hashes, keys, started)
+            response = await self._prefill(engine_request, ring, started)
         except ValueError as err:
-            await self.io.release(ring, rid)
+            await self.connector.release(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except BaseException:  # cancelled by the router, or the pool failed: leave nothing behind
-            await self.io.release(ring, rid)
+            await self.connector.release(rid)
             raise
+        if self._ends_with_first_token(request, params, response.first_token_id):
+            await self.connector.release(rid)  # the router sends no Decode: no one else will
+        else:
+            self.connector.hand_off(rid)  # the manifest's holder (the decode worker) releases it
+        return response
 
-    async def _prefill(self, request: Request, ring: HashRing, hashes, keys, started: float):
-        load_started = time.perf_counter()
-        cached = await self.io.load_cached_prefix(ring, request.request_id, hashes)
-        if cached:  # the router's KV-load estimate: bytes / this measured bandwidth
-            self.engine.kv_load.record(len(cached) * self.io.spec.block_bytes, time.perf_counter() - load_started)
-        bs = self.engine.engine.config.block_size
-        external = ExternalKV(len(cached) * bs, cached) if cached else None
+    def _ends_with_first_token(self, request, params, first_token_id: int) -> bool:
+        """True when the request's own stop rule ends it at its first token (max_tokens 1, or a
+        stop token past min_tokens): the router then streams it and decodes nothing."""
+        probe = Request(request.request_id, list(request.prompt_token_ids), params,
+                        eos_token_id=self.engine.engine.eos_token_id)
+        return probe.append_output_token(first_token_id) is not None
+
+    async def _prefill(self, request: Request, ring: HashRing, started: float):
+        rid = request.request_id
+        cached = await self.connector.load_cached_prefix(rid, request.prompt_token_ids, ring)
         output = None
-        async for output in self.engine.generate(request, external):
+        async for output in self.engine.generate(request, cached):
             pass
         assert output is not None and output.finished and output.saved_kv is not None
-        await self.io.store(ring, request.request_id, keys, output.saved_kv, skip=len(cached))
+        keys = self.connector.prompt_keys(rid, request.prompt_token_ids)
+        await self.connector.save(rid, ring, keys, output.saved_kv, skip=len(cached.payloads) if cached else 0)
         self.num_cached_tokens += output.num_cached_tokens
-        manifest = common_pb2.KVManifest(
-            spec_fingerprint=self.engine.engine.spec.fingerprint,
-            # One node: its address. Several: "" (the decode worker places keys on its own ring,
-            # the router releases the request on every node).
-            pool_address=ring.addresses[0] if len(ring.nodes) == 1 else "",
-            blocks=[block_key_to_proto(k) for k in keys],
-            num_tokens=request.num_prompt_tokens,
-        )
+        manifest = self.connector.manifest(ring, keys, request.num_prompt_tokens)
         response = prefill_worker_pb2.PrefillResponse(
             first_token_id=output.new_token_ids[0],
             num_cached_tokens=output.num_cached_tokens,
-            manifest=manifest,
+            manifest=manifest_to_proto(manifest),
             prefill_time_s=time.monotonic() - started,
         )
         if output.logprobs:
@@ -85,8 +93,5 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             response.first_token_logprob.CopyFrom(token_logprob_to_proto(first.token_id, first.logprob, first.top_logprobs))
         return response
 
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
-
     async def GetStats(self, request, context):
-        return stats_response(self.engine, num_cached_tokens=self.num_cached_tokens)
+        return stats_response(self.engine, self.connector.kv_load, num_cached_tokens=self.num_cached_tokens)

@@ -5,7 +5,7 @@ Pool view: every pool node mirrors its content-addressed index into the Redis ha
 ``tandem:kv_index:{spec_fingerprint}`` (field: the block hash as 16 hex chars, value
 ``{node_id}:{tier}``; kv_pool/index_mirror.py writes it). The router hashes the prompt's full
 blocks exactly as the workers do (``core.block_hash.hash_block_chain``, no extra keys: see
-``engine.pool_io.PoolIO.prompt_keys``) and reads them with one HMGET: the longest run present from
+``engine.kv_connector.pool_io.PoolIO.prompt_keys``) and reads them with one HMGET: the longest run present from
 the first block is the pool-cached prefix (Mooncake §5, "cache-aware" prefill scheduling). The
 index is read per request, so a restarted router has nothing to rebuild.
 
@@ -85,7 +85,3 @@ class LocalPrefixCache:
             lru.move_to_end(h)
         while len(lru) > self.capacity_blocks:
             lru.popitem(last=False)
-
-    def forget(self, address: str) -> None:
-        """Drops what is known of ``address`` (a worker that died or restarted)."""
-        self._lru.pop(address, None)

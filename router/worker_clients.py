@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.grpc_service import CHANNEL_OPTIONS
-from core.proto_convert import sampling_params_to_proto, token_logprob_from_proto
+from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
 from router.logprobs import TokenLogprob
@@ -26,15 +26,12 @@ from tandem.v1 import (
     common_pb2,
     decode_worker_pb2,
     decode_worker_pb2_grpc,
-    kv_pool_pb2,
-    kv_pool_pb2_grpc,
     prefill_worker_pb2,
     prefill_worker_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
 
-RELEASE_TIMEOUT_S = 5.0
 # Each channel its own subchannel: from gRPC's global pool a new channel would inherit the old
 # one's connection, reconnect backoff included (WorkerClients._channel).
 _CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
@@ -46,11 +43,6 @@ WORKER_FAILURE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
 })
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 
 
 @dataclass(frozen=True)
@@ -115,7 +107,7 @@ class DecodeStream:
                     yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs))
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
-                    yield DecodeFinished(_FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT), done.num_output_tokens)
+                    yield DecodeFinished(finish_reason_from_proto(done.finish_reason), done.num_output_tokens)
                     return
         except grpc.aio.AioRpcError as err:
             raise _router_error("decode", self._address, err, self._timeout_s) from err
@@ -208,14 +200,6 @@ class WorkerClients:
         except grpc.aio.AioRpcError as err:
             return Health.NOT_SERVING if err.code() == grpc.StatusCode.UNAVAILABLE else Health.UNKNOWN
         return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
-
-    async def release(self, pool_address: str, request_id: str) -> None:
-        """Asks the pool to free the request's scoped blocks and leases; failures are logged."""
-        stub = kv_pool_pb2_grpc.KVPoolStub(self._channel(pool_address))
-        try:
-            await stub.ReleaseRequest(kv_pool_pb2.ReleaseRequestRequest(request_id=request_id), timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            log.warning("ReleaseRequest at %s failed: %s", pool_address, err.code().name, extra={"request_id": request_id})
 
     async def close(self) -> None:
         for channel in self._channels.values():

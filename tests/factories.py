@@ -30,7 +30,7 @@ def make_scheduler(**overrides) -> Scheduler:
 
 def fake_runner_output(out: SchedulerOutput, token_id: int = 100) -> ModelRunnerOutput:
     """Samples ``token_id`` for every request whose step reaches its last token."""
-    return ModelRunnerOutput({s.request.request_id: SampledToken(token_id) for s in out.scheduled if s.samples})
+    return ModelRunnerOutput({s.request_id: SampledToken(token_id) for s in out.scheduled if s.samples})
 
 
 def engine_logits(model, token_ids: list[int], backend, num_cached: int = 0, block_size: int = 16):

@@ -48,6 +48,36 @@ def output_like(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def check_paged_query(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Checks a paged attention kernel's query ``[T, H_q, D]`` against its cache
+    ``[2, num_blocks, block_size, H_kv, D]``.
+
+    Raises:
+        ValueError: ``H_q`` not a multiple of ``H_kv``, mismatched head dims or dtypes, or a
+            last dimension that is not contiguous.
+    """
+    _, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = kv_cache.shape[3:]
+    if head_dim != cache_head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)}")
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("query and kv_cache need a contiguous last dimension")
+
+
+def prepare_paged_launch(kernel, query: torch.Tensor, kv_cache: torch.Tensor, block_n: int | None) -> int:
+    """Checks a paged attention launch (:func:`check_paged_query`, :func:`check_launchable`) and
+    returns its keys per tile: ``block_n``, or :func:`default_block_n` when None.
+
+    Raises:
+        ValueError, RuntimeError: as those checks.
+    """
+    check_paged_query(query, kv_cache)
+    check_launchable(kernel, kv_cache)
+    return block_n or default_block_n(query)
+
+
 def default_block_n(query: torch.Tensor) -> int:
     """Keys per attention tile: 64, or 32 when one K row is 512+ bytes (fp32, D=128), so that
     three pipelined K and V tiles stay well inside a Hopper SM's shared memory."""

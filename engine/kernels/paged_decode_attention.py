@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import check_launchable, default_block_n, output_like
+from engine.kernels import output_like, prepare_paged_launch
+from engine.kernels.paged_tile import attend_tile
 
 LOG2E = 1.4426950408889634
 
@@ -67,22 +68,12 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_base = cache_ptr + kv_head * stride_c_h
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot = block.to(tl.int64) * stride_c_block + (n % BLOCK_SIZE) * stride_c_slot
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(k_base + stride_c_kv + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, m, l, acc, k_base, table_ptr, n, n_mask, n_mask[None, :], d, d_mask,
+                                stride_c_kv, stride_c_block, stride_c_slot, sm_scale_log2, BLOCK_SIZE, PRECISION)
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -163,15 +154,8 @@ def paged_decode_attention(
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if head_dim != cache_head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)}")
-    if query.dtype != kv_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
-    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("query and kv_cache need a contiguous last dimension")
-    block_n = block_n or default_block_n(query)
-    check_launchable(_decode_kernel, kv_cache)
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    block_n = prepare_paged_launch(_decode_kernel, query, kv_cache, block_n)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.block_key import BlockKey
 from core.grpc_service import aio_channel, insecure_channel
-from core.pool_client import MAX_CHUNK_BYTES, AsyncPoolClient, PoolClient
+from core.pool_client import MAX_CHUNK_BYTES, PoolClient
 from core.proto_convert import block_key_to_proto
 from core.registry import worker_key
 from kv_pool.index_mirror import EVENTS_STREAM, hash_field, index_key
@@ -138,17 +138,6 @@ def test_put_get_round_trip_single_and_multi_chunk(client, fp):
     stats = client.stats()
     assert stats["num_stored_blocks"] - stored_before == 4 and stats["num_scoped_blocks"] == 1
     client.release_request("req-rt")
-
-
-async def test_async_client_round_trip(pool, client, fp):
-    key = BlockKey.content(fp, 7)
-    data = block(7, MAX_CHUNK_BYTES + 1)
-    async with AsyncPoolClient(pool.address, timeout_s=30) as aclient:
-        assert await aclient.put_blocks([(key, data)], lease_request_id="req-async", lease_ttl_s=30) == (1, 0)
-        assert await aclient.lookup(fp, [7, 8]) == 1
-        assert (await aclient.stats())["num_leases"] == 1
-        assert await aclient.get_blocks([key]) == [data]
-        await aclient.release_request("req-async")
 
 
 async def test_cancelled_put_leaves_nothing_visible(pool, client, fp, wait_until):

@@ -21,7 +21,7 @@ from core.kv_transfer.select import connect
 from core.kv_transfer.shm_backend import BATCH_BLOCKS
 from core.pool_client import PoolClient
 from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
-from engine.pool_io import PoolIO
+from engine.kv_connector.pool_io import PoolIO
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, fp, start_pool  # noqa: F401
 
 BLOCK = SMOLLM_BLOCK_BYTES

@@ -1,4 +1,4 @@
-"""ModelRunner's step inputs from plain ints: a hand-built SchedulerOutput, no model.
+"""ModelRunner's step inputs from plain ints: a hand-built SchedulerOutput (no Request), no model.
 
 One mixed step, block size 4::
 
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from core.request import Request
 from core.sampling_params import SamplingParams
 from engine.model_runner import ModelRunner
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from engine.outputs import PLACEHOLDER_TOKEN_ID, SamplingInput, ScheduledRequest, SchedulerOutput
 
 BLOCK_SIZE = 4
 
@@ -25,16 +24,21 @@ def runner() -> ModelRunner:
     return ModelRunner(model=None, kv_cache=kv_cache, backend=None, sampler=None)
 
 
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+PENALISED = SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5)
+
+
+def sampling(request_id: str, prompt: list[int], outputs: list[int], params=PARAMS) -> SamplingInput:
+    return SamplingInput(request_id, params, len(outputs), frozenset({2}), prompt, outputs)
+
+
 def mixed_step(last_token_of_a: int = 15) -> SchedulerOutput:
-    params = SamplingParams(temperature=0, max_tokens=8)
-    a = Request("a", [10, 11, 12, 13, 14], params)
-    a.append_output_token(last_token_of_a)
-    a.num_computed_tokens = 5
-    b = Request("b", list(range(20, 30)), params)
-    b.num_computed_tokens = b.num_cached_tokens = 4
-    c = Request("c", [40, 41, 42], params)
-    return SchedulerOutput([ScheduledRequest(a, 1, [7, 2]), ScheduledRequest(b, 4, [3, 5]),
-                            ScheduledRequest(c, 3, [6])])
+    a_prompt, c_prompt = [10, 11, 12, 13, 14], [40, 41, 42]
+    return SchedulerOutput([
+        ScheduledRequest("a", [last_token_of_a], 5, [7, 2], sampling("a", a_prompt, [last_token_of_a], PENALISED)),
+        ScheduledRequest("b", [24, 25, 26, 27], 4, [3, 5]),  # 10-token prompt, 4 cached: no sample
+        ScheduledRequest("c", c_prompt, 0, [6], sampling("c", c_prompt, [])),
+    ])
 
 
 def test_prepare_inputs_of_a_mixed_step():
@@ -54,25 +58,22 @@ def test_prepare_inputs_of_a_mixed_step():
 
 
 def test_prepare_inputs_of_one_decode():
-    params = SamplingParams(temperature=0, max_tokens=8)
-    r = Request("d", list(range(100, 108)), params)  # 8 prompt tokens: exactly 2 blocks, out in a 3rd
-    r.append_output_token(200)
-    r.num_computed_tokens = 8
-    out = SchedulerOutput([ScheduledRequest(r, 1, [4, 1, 3])])
+    # 8 prompt tokens: exactly 2 blocks, the first output in a 3rd
+    out = SchedulerOutput([ScheduledRequest("d", [200], 8, [4, 1, 3], sampling("d", list(range(100, 108)), [200]))])
     input_ids, positions, meta, logits_indices = runner()._prepare_inputs(out)
     assert (input_ids, positions.tolist(), meta.slot_mapping.tolist()) == ([200], [8], [12])
     assert meta.seq_lens.tolist() == [9] and meta.block_tables.tolist() == [[4, 1, 3]]
     assert logits_indices.tolist() == [0] and meta.max_query_len == 1
 
 
-def test_prepare_lists_placeholders_and_snapshots_sampling_requests():
+def test_prepare_lists_placeholders_and_patches_them_with_the_sampled_token():
     """A decode whose last token is still being sampled by the running step (overlap)."""
     out = mixed_step(last_token_of_a=PLACEHOLDER_TOKEN_ID)
     step = runner().prepare(out)
     assert step.placeholders == [(0, "a")]
-    assert [r.request_id for r in step.sampling_requests] == ["a", "c"]
-    assert step.features[:2] == (8, 3)
+    assert [r.request_id for r in step.sampling] == ["a", "c"]
+    # 8 tokens, 3 sequences; attention pairs: a 1 query over 6, b 4 over 5..8, c 3 over 1..3.
+    assert step.features == (8, 3, (6 + (5 + 6 + 7 + 8) + (1 + 2 + 3)) / 1000)
     step.patch({"a": 99})
     assert step.input_ids[0] == 99 and step.placeholders == []
-    assert step.sampling_requests[0].output_token_ids == [99]
-    assert out.scheduled[0].request.output_token_ids == [PLACEHOLDER_TOKEN_ID]  # the live request is not touched
+    assert step.sampling[0].output_token_ids == [99]  # the penalty history too

@@ -21,6 +21,11 @@ class PoolLocator:
         self._fixed_ring = HashRing({a: a for a in fixed}) if fixed else None
         self._cached: tuple[float, HashRing | None] = (0.0, None)
 
+    @property
+    def fixed_ring(self) -> HashRing | None:
+        """The ring given by flag; None when the pool is found through the registry."""
+        return self._fixed_ring
+
     async def ring(self) -> HashRing:
         """Raises LookupError when no pool is registered."""
         if self._fixed_ring is not None:
@@ -34,7 +39,3 @@ class PoolLocator:
             ring = ring if ring == fresh else fresh
             self._cached = (time.monotonic(), ring)
         return ring
-
-    async def address(self) -> str:
-        """One pool node's address (the first by address). Raises LookupError."""
-        return (await self.ring()).addresses[0]

@@ -11,7 +11,7 @@ from core.kv_cache_spec import KVCacheSpec
 from core.kv_transfer.backend import ReadBlock, TransferBackend
 from core.kv_transfer.checksum import block_checksum
 from core.pool_ring import HashRing
-from engine.pool_io import PoolIO
+from engine.kv_connector.pool_io import PoolIO
 
 SPEC = KVCacheSpec("m", "r", "float32", 1, 1, 4, 16)
 

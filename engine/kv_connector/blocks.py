@@ -5,7 +5,7 @@ A block's bytes are its ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` 
 (DESIGN.md §4). How the bytes reach the pool is the worker's business.
 
 Payloads to load are ``bytes`` (gRPC, NIXL, host swap) or :class:`ArenaBlock` views of a pool's
-shared-memory arena mapped into this process (``engine.pool_io`` on the shm backend): those are
+shared-memory arena mapped into this process (``engine.kv_connector.pool_io`` on the shm backend): those are
 copied straight from the mapping into their cache blocks, with no copy in between, and then the
 pool lease that kept their slots in place is let go (:class:`LoadGuard`).
 

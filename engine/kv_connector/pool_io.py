@@ -9,7 +9,7 @@ before it, so the caller recomputes that part instead of using wrong KV. Blockin
 run in worker threads so the event loop and the engine's step loop never wait on the network.
 
 On the shared-memory backend reads are zero-copy (``map_arena``): ``fetch`` verifies each block
-in the mapped arena and returns :class:`~engine.kv_connector.ArenaBlock` views, which the model
+in the mapped arena and returns :class:`~engine.kv_connector.blocks.ArenaBlock` views, which the model
 runner copies straight into its KV cache. The pool must not reuse those slots before that copy,
 so a ``release`` of the request while its views are not yet copied is deferred until they are
 (or until they are dropped unused); the pool's lease deadline bounds it either way::
@@ -37,7 +37,7 @@ from core.kv_transfer.checksum import block_checksum, matches, verify_enabled
 from core.kv_transfer.select import connect
 from core.pool_client import PoolClient
 from core.pool_ring import HashRing
-from engine.kv_connector import ArenaBlock, LoadGuard
+from engine.kv_connector.blocks import ArenaBlock, LoadGuard
 
 # Where blocks go: one pool address, or a ring of pool nodes (consistent hashing of block keys).
 PoolTarget = str | HashRing
@@ -123,25 +123,35 @@ class PoolIO:
         keys, payloads = keys[skip:], payloads[skip:]
         if not keys:
             return
-        await asyncio.to_thread(self._store, _ring(pool), request_id, keys, payloads)
+        await asyncio.to_thread(self.store_now, _ring(pool), request_id, keys, payloads)
 
     async def fetch(self, pool: PoolTarget, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
         """Leases the longest stored prefix of ``keys`` to the request and returns its verified
         part, in order: fewer than ``keys`` when a block is missing, corrupt, or on a node that
         does not answer. Blocks read through shared memory are ArenaBlock views (``map_arena``),
         to be handed to ``engine.kv_connector.unpack_blocks`` (or dropped)."""
-        return await asyncio.to_thread(self._fetch, _ring(pool), keys, request_id)
+        return await asyncio.to_thread(self.fetch_now, _ring(pool), keys, request_id)
 
     async def release(self, pool: PoolTarget, request_id: str) -> None:
         """Ends the request on every pool node: drops its leases and scoped blocks. Idempotent;
         a node that does not answer holds nothing that outlives its lease deadline. Deferred
         (returns at once) while ArenaBlock views fetched for the request are not yet copied."""
+        if not self._defer_release(_ring(pool), request_id):
+            await asyncio.to_thread(self._release, _ring(pool), request_id)
+
+    def release_now(self, ring: HashRing, request_id: str) -> None:
+        """:meth:`release`, blocking (from the engine thread: swap space)."""
+        if not self._defer_release(ring, request_id):
+            self._release(ring, request_id)
+
+    def _defer_release(self, ring: HashRing, request_id: str) -> bool:
+        """True when views of ``request_id`` are uncopied: the release runs once they are."""
         with self._lock:
             pending = self._pending_loads.get(request_id)
             if pending is not None:
-                pending.release_ring = _ring(pool)
-                return
-        await asyncio.to_thread(self._release, _ring(pool), request_id)
+                pending.release_ring = ring
+                return True
+        return False
 
     def close(self) -> None:
         """Closes every backend and client; deferred releases still queued run first."""
@@ -154,7 +164,12 @@ class PoolIO:
         for client in clients:
             client.close()
 
-    def _store(self, ring: HashRing, request_id: str, keys: list[BlockKey], payloads: list[bytes]) -> None:
+    def store_now(
+        self, ring: HashRing, request_id: str, keys: list[BlockKey], payloads: list[bytes],
+        lease_ttl_s: float | None = None,
+    ) -> None:
+        """:meth:`store` of every block, blocking. ``lease_ttl_s``: default the connector's."""
+        ttl_s = self.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
         checksums = [block_checksum(p) for p in payloads]
         by_node: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
@@ -163,7 +178,7 @@ class PoolIO:
             try:
                 self.backend(address).write(
                     [keys[i] for i in idx], [payloads[i] for i in idx], [checksums[i] for i in idx],
-                    request_id, self.lease_ttl_s,
+                    request_id, ttl_s,
                 )
             except (grpc.RpcError, OSError) as err:
                 if len(ring.nodes) == 1:
@@ -172,8 +187,8 @@ class PoolIO:
                 log.warning("pool %s did not take %d blocks (%s); readers will recompute them",
                             address, len(idx), _why(err), extra={"request_id": request_id})
 
-    def _fetch(self, ring: HashRing, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
-        """Reads runs of consecutive keys that live on one node, in order, until one comes short."""
+    def fetch_now(self, ring: HashRing, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
+        """:meth:`fetch`, blocking. Reads runs of consecutive keys that live on one node, in order, until one comes short."""
         out: list[bytes | ArenaBlock] = []
         guard = self._guard(request_id) if self.map_arena else None
         try:

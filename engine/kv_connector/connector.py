@@ -1,0 +1,199 @@
+"""KVConnector: a worker's one road to the KV pool (DESIGN.md §3 "KV connector to the pool").
+
+It owns where the pool is (:class:`PoolLocator`: the ring of pool nodes), how bytes move
+(:class:`PoolIO`: a transfer backend per node, checksums written and verified), the pool -> worker
+bandwidth meter the router's cost model reads, and the release of every request it touched.
+Operations: load a cached prefix, load a manifest, save a prompt's blocks, swap out / swap in
+(:meth:`swap_space`), release.
+
+Who releases a request's pool state (leases and request-scoped blocks; DESIGN.md §5)
+-------------------------------------------------------------------------------------
+Exactly one connector holds a request at any time, and only the holder releases it, once:
+
+::
+
+    prefill worker's connector        router            decode worker's connector
+    lease prefix, write blocks ──► answer (manifest) ──► load_manifest: fetch, release
+      failure / cancel: release      hand_off: holds    early finish / refused: drop_manifest
+      ends at its first token:       nothing any more   resumed (migration): lease, load, release
+      release (no Decode follows)
+
+- *finish*: the decode connector releases right after fetching (the blocks stay readable to
+  others, only the request's leases and its scoped tail go); the request then lives in the
+  decode worker's paged cache and frees its blocks there on finish.
+- *abort*: before the prefill answers, the prefill connector releases (the RPC is cancelled);
+  once a Decode RPC with the manifest arrived, the decode connector does, whatever happens next.
+- *failure*: a worker that fails an RPC releases what it holds before answering; a worker that
+  dies holds nothing past the lease deadline, which the pool enforces by itself (DESIGN.md §5)
+  — as it does for a manifest the router never delivers.
+- *migration*: the resumed attempt has its own request id; its connector leases the stored
+  prefix, loads it and releases it.
+
+The router never releases: it cannot know which ArenaBlock views a decode worker has not copied
+yet (:mod:`engine.kv_connector.pool_io` defers a release until they are), and a second releaser
+is how blocks were released twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from core.block_hash import hash_block_chain
+from core.block_key import BlockKey
+from core.cost_model import BandwidthMeter
+from core.kv_cache_spec import KVCacheSpec
+from core.pool_ring import HashRing
+from engine.kv_connector.locator import PoolLocator
+from engine.kv_connector.manifest import Manifest
+from engine.kv_connector.pool_io import PoolIO
+from engine.kv_connector.swap import PoolSwapSpace
+from engine.outputs import ExternalKV
+
+log = logging.getLogger(__name__)
+
+_POOL_ERRORS = (grpc.RpcError, OSError)
+
+
+class KVConnector:
+    """One per worker; used from the worker's event loop (``swap_space`` from the engine thread).
+
+    ``io``: the transport (default: a :class:`PoolIO` over ``locator.kv_transfer``).
+    """
+
+    def __init__(self, spec: KVCacheSpec, locator: PoolLocator, io: PoolIO | None = None):
+        self.spec = spec
+        self.locator = locator
+        self.io = io or PoolIO(spec, transfer=locator.kv_transfer)
+        # Pool -> worker KV bandwidth (the router's KV-load estimate: bytes / this).
+        self.kv_load = BandwidthMeter()
+        # request_id -> the pool nodes where this connector holds the request's leases / blocks.
+        self._holding: dict[str, HashRing] = {}
+        self.num_releases = 0  # requests this connector released (each exactly once)
+
+    async def ring(self) -> HashRing:
+        """The pool nodes. Raises LookupError when no pool is registered."""
+        return await self.locator.ring()
+
+    def prompt_keys(self, request_id: str, prompt_token_ids: list[int]) -> list[BlockKey]:
+        """One key per prompt block: full blocks content-addressed, the tail request-scoped."""
+        return self.io.prompt_keys(request_id, prompt_token_ids)[1]
+
+    async def load_cached_prefix(self, request_id: str, token_ids: list[int], ring: HashRing) -> ExternalKV | None:
+        """Leases the longest stored prefix of ``token_ids``' full blocks for the request (held
+        until :meth:`release` or :meth:`hand_off`) and returns its verified KV; None when the
+        pool has none. Raises grpc.RpcError / OSError when a single pool node fails."""
+        hashes = hash_block_chain(token_ids, self.spec.block_size)
+        if not hashes:
+            return None
+        self._holding[request_id] = ring
+        started_s = time.perf_counter()
+        payloads = await self.io.load_cached_prefix(ring, request_id, hashes)
+        self._record(len(payloads), started_s)
+        return ExternalKV(len(payloads) * self.spec.block_size, payloads) if payloads else None
+
+    async def load_resumed(self, request_id: str, token_ids: list[int]) -> ExternalKV | None:
+        """KV of the longest stored prefix of ``token_ids`` (a resumed request's prompt + outputs;
+        in practice the prompt's full blocks), then the request is released. None when the pool
+        has none or cannot be reached: the engine recomputes everything after what it gets."""
+        try:
+            ring = await self.locator.ring()
+        except LookupError:
+            return None
+        kv = None
+        try:
+            kv = await self.load_cached_prefix(request_id, token_ids, ring)
+        except _POOL_ERRORS as err:
+            log.warning("KV pool fetch failed (%s); recomputing", err, extra={"request_id": request_id})
+        finally:
+            await self.release(request_id)
+        return kv
+
+    async def load_manifest(self, request_id: str, manifest: Manifest) -> ExternalKV | None:
+        """Takes the request over from the prefill worker, fetches the manifest's blocks, releases
+        the request in the pool. Whatever the pool cannot give (it died, a block is gone or fails
+        its checksum) is left to recompute: the ExternalKV covers the verified full blocks only
+        then, None when there are none."""
+        payloads: list = []
+        try:
+            ring = await self._manifest_ring(request_id, manifest)
+        except LookupError as err:
+            log.warning("no KV pool (%s); recomputing the prompt", err, extra={"request_id": request_id})
+            return None
+        try:
+            started_s = time.perf_counter()
+            payloads = await self.io.fetch(ring, manifest.keys, request_id)
+            self._record(len(payloads), started_s)
+        except _POOL_ERRORS as err:
+            log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": request_id})
+        finally:
+            await self.release(request_id)
+        if len(payloads) == len(manifest.keys):
+            return ExternalKV(manifest.num_tokens, payloads)
+        log.warning("pool gave %d of %d blocks; recomputing the rest", len(payloads), len(manifest.keys),
+                    extra={"request_id": request_id})
+        return ExternalKV(len(payloads) * self.spec.block_size, payloads) if payloads else None
+
+    async def drop_manifest(self, request_id: str, manifest: Manifest) -> None:
+        """Takes the request over and releases it without loading (it ended with its first token,
+        or this worker refused it)."""
+        try:
+            await self._manifest_ring(request_id, manifest)
+        except LookupError:
+            return
+        await self.release(request_id)
+
+    async def save(
+        self, request_id: str, ring: HashRing, keys: list[BlockKey], payloads: Sequence[bytes], skip: int
+    ) -> None:
+        """Writes blocks ``skip..`` (those not loaded from the pool) with checksums, leased to the
+        request (held until :meth:`release` or :meth:`hand_off`)."""
+        self._holding[request_id] = ring
+        await self.io.store(ring, request_id, keys, list(payloads), skip)
+
+    def manifest(self, ring: HashRing, keys: list[BlockKey], num_tokens: int) -> Manifest:
+        """The manifest of blocks saved to ``ring``. One node: its address; several: "" (the
+        decode worker places the keys on its own ring)."""
+        address = ring.addresses[0] if len(ring.nodes) == 1 else ""
+        return Manifest(self.spec.fingerprint, address, keys, num_tokens)
+
+    def hand_off(self, request_id: str) -> None:
+        """The request's pool state now belongs to whoever receives its manifest: forget it
+        without releasing. Mutates only this connector."""
+        self._holding.pop(request_id, None)
+
+    async def release(self, request_id: str) -> None:
+        """Ends the request on every pool node it holds: drops its leases and scoped blocks.
+        At most once per hold (a second call is a no-op); a node that does not answer holds
+        nothing past the lease deadline. Deferred while ArenaBlock views are uncopied (PoolIO)."""
+        ring = self._holding.pop(request_id, None)
+        if ring is None:
+            return
+        self.num_releases += 1
+        try:
+            await self.io.release(ring, request_id)
+        except grpc.RpcError as err:  # a dead pool holds nothing of ours any more
+            log.warning("KV pool release failed (%s)", err.code(), extra={"request_id": request_id})
+
+    def swap_space(self, lease_ttl_s: float = 600.0) -> PoolSwapSpace | None:
+        """Swap preemption into the pool, over the fixed ring of pool nodes and checksummed;
+        None when the pool is found through the registry (the engine swaps into host memory)."""
+        ring = self.locator.fixed_ring
+        return PoolSwapSpace(self.io, ring, lease_ttl_s) if ring is not None else None
+
+    def close(self) -> None:
+        self.io.close()
+
+    async def _manifest_ring(self, request_id: str, manifest: Manifest) -> HashRing:
+        """Where the manifest's blocks are, now held by this connector. Raises LookupError."""
+        address = manifest.pool_address
+        ring = HashRing({address: address}) if address else await self.locator.ring()
+        self._holding[request_id] = ring
+        return ring
+
+    def _record(self, num_blocks: int, started_s: float) -> None:
+        if num_blocks:
+            self.kv_load.record(num_blocks * self.spec.block_bytes, time.perf_counter() - started_s)
