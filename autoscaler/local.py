@@ -13,13 +13,15 @@ import redis
 from autoscaler.actuators import LocalActuator
 from autoscaler.policy import ROLES, Autoscaler, AutoscaleConfig, role_pressure
 from core.registry import KEY_PREFIX, WorkerInfo
+from core.worker_load import WorkerLoad
 
 
-def read_loads(redis_url: str) -> dict[str, list[dict]]:
-    """role -> the heartbeat loads of its registered workers (blocking Redis reads)."""
+def read_loads(redis_url: str) -> dict[str, list[WorkerLoad]]:
+    """role -> the heartbeat loads of its registered workers (blocking Redis reads); an entry
+    that does not parse (another release's load version) raises ValueError."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        loads: dict[str, list[dict]] = {role: [] for role in ROLES}
+        loads: dict[str, list[WorkerLoad]] = {role: [] for role in ROLES}
         for role in ROLES:
             keys = list(client.scan_iter(match=f"{KEY_PREFIX}:{role}:*", count=100))
             for value in client.mget(keys) if keys else []:
@@ -40,7 +42,7 @@ class LocalAutoscaler:
         self._next_s = 0.0
         self.history: list[tuple[float, dict[str, float], dict[str, int]]] = []  # (time, pressures, replicas)
 
-    def read_live(self, role: str) -> list[dict]:
+    def read_live(self, role: str) -> list[WorkerLoad]:
         """The heartbeats of ``role``'s registered workers."""
         return read_loads(self.cluster.redis_url)[role]
 

@@ -1,7 +1,7 @@
 """When to add or remove a prefill or a decode worker: pressure against the SLOs, with hysteresis.
 
-Each role's **pressure** is read from its workers' heartbeats (``WorkerInfo.load``, the keys of
-``engine.worker_runtime.load_dict``); 1.0 means "at the SLO":
+Each role's **pressure** is read from its workers' heartbeats (``WorkerInfo.load``, a
+``core.worker_load.WorkerLoad``, its fields); 1.0 means "at the SLO":
 
 - prefill: the predicted TTFT of the queue, ``CostModel.prefill_s`` of the prompt tokens waiting
   and in the running pass (``num_waiting_tokens + num_batched_tokens``) on the worker's own fitted
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from core.cost_model import CostModel
+from core.worker_load import WorkerLoad
 
 ROLES = ("prefill", "decode")
 
@@ -70,31 +70,27 @@ class AutoscaleConfig:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
 
 
-def _get(load: dict, key: str) -> float:
-    return float(load.get(key, 0.0))
-
-
-def prefill_pressure(load: dict, config: AutoscaleConfig) -> float:
-    """One prefill worker's queue, as predicted TTFT over the TTFT SLO (0 without a cost model)."""
-    cost = CostModel.from_load(load)
+def prefill_pressure(load: WorkerLoad, config: AutoscaleConfig) -> float:
+    """One prefill worker's queue, as predicted TTFT over the TTFT SLO (0 without a fitted cost
+    model)."""
+    cost = load.fitted_cost_model
     if cost is None:
         return 0.0
-    queued = int(_get(load, "num_waiting_tokens") + _get(load, "num_batched_tokens"))
-    return cost.prefill_s(queued) / config.ttft_slo_s
+    return cost.prefill_s(load.num_waiting_tokens + load.num_batched_tokens) / config.ttft_slo_s
 
 
-def decode_pressure(load: dict, config: AutoscaleConfig) -> float:
+def decode_pressure(load: WorkerLoad, config: AutoscaleConfig) -> float:
     """One decode worker's: step time over the TBT SLO, KV blocks and batch slots in use over
     ``kv_usage_high``, its prompt backlog's predicted TTFT over the TTFT SLO."""
-    pressures = [_get(load, "recent_step_time_s") / config.tbt_slo_s, prefill_pressure(load, config)]
-    if _get(load, "num_total_blocks"):
-        pressures.append(_get(load, "num_used_blocks") / _get(load, "num_total_blocks") / config.kv_usage_high)
-    if _get(load, "max_num_seqs"):
-        pressures.append(_get(load, "num_requests_running") / _get(load, "max_num_seqs") / config.kv_usage_high)
+    pressures = [load.recent_step_time_s / config.tbt_slo_s, prefill_pressure(load, config)]
+    if load.num_total_blocks:
+        pressures.append(load.num_used_blocks / load.num_total_blocks / config.kv_usage_high)
+    if load.max_num_seqs:
+        pressures.append(load.num_requests_running / load.max_num_seqs / config.kv_usage_high)
     return max(pressures)
 
 
-def role_pressure(role: str, loads: Sequence[dict], config: AutoscaleConfig) -> float:
+def role_pressure(role: str, loads: Sequence[WorkerLoad], config: AutoscaleConfig) -> float:
     """The mean pressure of ``role``'s workers (0 with none)."""
     one = prefill_pressure if role == "prefill" else decode_pressure
     return sum(one(load, config) for load in loads) / len(loads) if loads else 0.0
@@ -114,7 +110,8 @@ class Autoscaler:
     config: AutoscaleConfig
     _streaks: dict[str, _Streak] = field(default_factory=lambda: {role: _Streak() for role in ROLES})
 
-    def evaluate(self, now_s: float, loads: dict[str, Sequence[dict]], replicas: dict[str, int]) -> dict[str, int]:
+    def evaluate(self, now_s: float, loads: dict[str, Sequence[WorkerLoad]],
+                 replicas: dict[str, int]) -> dict[str, int]:
         """The replicas each role should have: ``replicas[role]`` or one more or fewer.
 
         ``loads[role]``: the heartbeats of that role's live workers; ``replicas[role]``: the
@@ -123,7 +120,7 @@ class Autoscaler:
         """
         return {role: self._role(role, now_s, loads.get(role, ()), replicas.get(role, 0)) for role in ROLES}
 
-    def _role(self, role: str, now_s: float, loads: Sequence[dict], current: int) -> int:
+    def _role(self, role: str, now_s: float, loads: Sequence[WorkerLoad], current: int) -> int:
         low, high = self.config.bounds(role)
         if current < low or current > high:
             return min(high, max(low, current))  # back within bounds at once

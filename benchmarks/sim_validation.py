@@ -40,6 +40,7 @@ from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from core.cost_model import CostModel  # noqa: E402
+from core.worker_load import WorkerLoad  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port  # noqa: E402
 from sim.cluster import ClusterSpec, RouterSpec, fitted_worker  # noqa: E402
@@ -93,7 +94,7 @@ def wait_for_cost_models(redis_url: str, num_workers: int, timeout_s: float = 30
 
 def role_model(loads: list[dict]) -> CostModel:
     """One cost model per role: the median of each coefficient over the role's workers."""
-    models = [m for m in (CostModel.from_load(load) for load in loads) if m is not None]
+    models = [m for m in (WorkerLoad.from_wire(load).fitted_cost_model for load in loads) if m is not None]
     med = lambda name: statistics.median(getattr(m, name) for m in models)  # noqa: E731
     return CostModel(med("base_s"), med("per_token_s"), med("per_seq_s"), med("per_attn_s"), len(models),
                      ENGINE["max_num_batched_tokens"], med("kv_load_bytes_per_s"), med("kv_bytes_per_token"))

@@ -7,9 +7,16 @@ placement and admission is decided by the production code, unmodified:
   builds every step of every simulated worker; :class:`SimEngine` only times the step (a
   ``StepTimer``) and feeds back a ``ModelRunnerOutput`` whose sampled token is a constant.
 - ``router.placer.Placer`` with a ``router.routing`` policy and ``router.admission.Admission``
-  places and admits every request; :class:`SimRouter` hands it ``WorkerInfo`` heartbeats built
-  from the simulated schedulers (the keys of ``engine.worker_runtime.load_dict``) and drives its
-  coroutine to completion without an event loop (nothing in it awaits real I/O).
+  places and admits every request, writing its own ``router.placement_state.PlacementBook``;
+  :class:`SimRouter` hands it ``WorkerInfo`` heartbeats whose ``load`` is a
+  ``core.worker_load.WorkerLoad`` built from the simulated schedulers (as
+  ``engine.engine.LLMEngine.stats`` builds it) and drives its coroutine to completion without an
+  event loop (nothing in it awaits real I/O).
+
+The Scheduler is read through its public accessors, except in the bulk-decode fast path
+(:meth:`SimEngine.decode_run_steps` / :meth:`SimEngine.advance_decode`), which reads its running
+requests and block tables and advances them in place, and the prefix-cache counters (its
+``KVCacheManager``'s); no accessor covers those.
 
 When the engine or router APIs change, this module is the one to update.
 """
@@ -21,23 +28,25 @@ from typing import Protocol
 
 from core.cost_model import CostModel, prefill_attn_pairs
 from core.registry import WorkerInfo
+from core.worker_load import WorkerLoad
 from core.request import Request
 from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.outputs import ExternalKV, ModelRunnerOutput, SampledToken, SchedulerOutput
+from engine.preemption import PreemptionPolicy
 from engine.scheduler import Scheduler
 from router.admission import Admission
-from router.errors import RouterError
 from router.placement import SLO, Placement
+from router.placement_state import PlacementBook
 from router.placer import Placer
-from router.routing import RoutingContext, make_policy
+from router.routing import make_policy
 from sim.hardware import StepFeatures
 
 SAMPLED_TOKEN_ID = 1  # every simulated step samples this token (outputs run to max_tokens)
 SIM_SPEC_FINGERPRINT = "sim"
 
 # What tests/unit/sim checks are the production classes, not copies.
-REAL_CLASSES = {"Scheduler": Scheduler, "Placer": Placer, "Admission": Admission, "RoutingContext": RoutingContext}
+REAL_CLASSES = {"Scheduler": Scheduler, "Placer": Placer, "Admission": Admission, "PlacementBook": PlacementBook}
 
 
 class StepTimer(Protocol):
@@ -75,7 +84,7 @@ def step_features(out: SchedulerOutput) -> StepFeatures:
     takes them)."""
     pairs, kv_read = 0.0, 0
     for s in out.scheduled:
-        c = s.request.num_computed_tokens
+        c = s.num_computed_tokens
         pairs += prefill_attn_pairs(s.num_new_tokens, c)
         kv_read += c + s.num_new_tokens
     return StepFeatures(out.num_scheduled_tokens, len(out.scheduled), pairs, kv_read)
@@ -86,8 +95,8 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        # Preempted requests are recomputed (no swap space: swap needs real KV bytes).
-        self.scheduler = Scheduler(config, swap_space=None)
+        # Preempted requests are recomputed (no swap: it needs a swap space of real KV bytes).
+        self.scheduler = Scheduler(config, PreemptionPolicy("recompute"))
         self.last_num_batched_tokens = 0
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, output_token_ids: Sequence[int] = (),
@@ -115,12 +124,18 @@ class SimEngine:
     def apply(self, out: SchedulerOutput) -> list[tuple[str, bool]]:
         """Applies a finished step: (request_id, finished) per sampled token. Finished requests
         are freed (their blocks return to the pool's free/cached lists)."""
-        sampled = {s.request.request_id: SampledToken(SAMPLED_TOKEN_ID) for s in out.scheduled if s.samples}
+        sampled = {s.request_id: SampledToken(SAMPLED_TOKEN_ID) for s in out.scheduled if s.samples}
         outputs = self.scheduler.update_from_output(out, ModelRunnerOutput(sampled))
         for o in outputs:
             if o.finished:
                 self.scheduler.free(o.request_id)
         return [(o.request_id, o.finished) for o in outputs]
+
+    # The bulk-decode fast path (decode_run_steps, decode_run_features, advance_decode) reaches
+    # into the Scheduler: it reads ``running`` (the live Requests) and ``kv`` (their block tables,
+    # the free blocks) and advances them in place, as ``num_steps`` schedule/update_from_output
+    # rounds would. The Scheduler has no public accessor for that; when its internals change,
+    # tests/unit/sim's bulk-vs-step-by-step test is what catches a drift here.
 
     def decode_run_steps(self) -> int:
         """How many whole decode steps may be applied in bulk (:meth:`advance_decode`): those in
@@ -129,10 +144,10 @@ class SimEngine:
         are free (so no step could preempt); the step in which a request would reach
         max_tokens or max_model_len is left to :meth:`schedule` (it finishes there)."""
         s, config = self.scheduler, self.config
-        if s.waiting or not s.running or len(s.running) > config.max_num_batched_tokens:
+        if s.num_waiting or not s.num_running or s.num_running > config.max_num_batched_tokens:
             return 0
         steps = config.max_model_len
-        for r in s.running:
+        for r in s.running:  # reaches in (see above)
             if r.num_computed_tokens != r.num_tokens - 1:
                 return 0
             steps = min(steps, r.sampling_params.max_tokens - r.num_output_tokens - 1,
@@ -140,13 +155,12 @@ class SimEngine:
         if steps <= 0:
             return 0
         bs = config.block_size
-        needed = sum(max(0, -(-(r.num_tokens + steps) // bs) - len(s.kv.get(r.request_id).block_ids)) for r in s.running)
-        return steps if needed <= s.kv.num_free_blocks else 0
+        needed = sum(max(0, -(-(r.num_tokens + steps) // bs) - len(s.block_ids(r.request_id))) for r in s.running)
+        return steps if needed <= s.block_usage()[1] else 0
 
     def decode_run_features(self, num_steps: int) -> list[StepFeatures]:
         """The features of the next ``num_steps`` decode steps of the running batch."""
-        running = self.scheduler.running
-        batch, context = len(running), sum(r.num_computed_tokens for r in running)
+        batch, context = self.scheduler.num_running, self.scheduler.num_kv_tokens
         return [StepFeatures(batch, batch, prefill_attn_pairs(1, 0) * batch + (context + i * batch) / 1000,
                              context + (i + 1) * batch) for i in range(num_steps)]
 
@@ -155,7 +169,7 @@ class SimEngine:
         the scheduler as ``num_steps`` schedule/update_from_output rounds would: each running
         request has ``num_steps`` more tokens, computed and block-cached, in blocks allocated
         from the pool. Returns the running request ids (each got ``num_steps`` tokens)."""
-        kv = self.scheduler.kv
+        kv = self.scheduler.kv  # reaches in (see above)
         for r in self.scheduler.running:
             kv.allocate_slots(r.request_id, r.num_computed_tokens + num_steps)
             r.output_token_ids.extend([SAMPLED_TOKEN_ID] * num_steps)
@@ -170,34 +184,32 @@ class SimEngine:
     @property
     def num_used_blocks(self) -> int:
         """Blocks some request holds (cached-but-free ones are not counted)."""
-        return self.scheduler.kv.num_used_blocks
+        return self.scheduler.block_usage()[0]
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
     def prefix_hit_rate(self) -> tuple[int, int]:
-        """(prompt tokens looked up, of them hit) in this worker's prefix cache."""
+        """(prompt tokens looked up, of them hit) in this worker's prefix cache (the counters of
+        the Scheduler's KVCacheManager: the Scheduler has no accessor for them)."""
         kv = self.scheduler.kv
         return kv.num_prefix_queries_tokens, kv.num_prefix_hit_tokens
 
-    def load(self, cost: CostModel) -> dict[str, float]:
-        """The heartbeat load (engine.worker_runtime.load_dict's keys) of this scheduler."""
-        s, kv = self.scheduler, self.scheduler.kv
-        waiting_tokens = 0
-        for r in (*s.waiting, *s.running):
-            ext = s.external_kv.get(r.request_id)
-            left = r.num_tokens - max(r.num_computed_tokens, ext.num_tokens if ext else 0)
-            waiting_tokens += left if left > 1 else 0
-        return {
-            "num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
-            "num_total_blocks": self.config.num_kv_blocks, "num_used_blocks": kv.num_used_blocks,
-            "num_free_blocks": kv.num_free_blocks, "num_preemptions": s.num_preemptions,
-            "num_batched_tokens": self.last_num_batched_tokens if s.num_unfinished else 0,
-            "num_waiting_tokens": waiting_tokens,
-            "num_kv_tokens": sum(r.num_computed_tokens for r in s.running),
-            "recent_step_time_s": 0.0, "max_num_seqs": self.config.max_num_seqs, **cost.to_load(),
-        }
+    def load(self, cost: CostModel) -> WorkerLoad:
+        """The heartbeat load of this scheduler, built as ``engine.engine.LLMEngine.stats`` builds
+        it (the step time is the simulator's, so ``recent_step_time_s`` stays 0; ``cost`` is the
+        worker's fitted cost model)."""
+        s = self.scheduler
+        num_used_blocks, num_free_blocks = s.block_usage()
+        return WorkerLoad(
+            num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
+            num_total_blocks=self.config.num_kv_blocks, num_used_blocks=num_used_blocks,
+            num_free_blocks=num_free_blocks, num_preemptions=s.num_preemptions,
+            num_batched_tokens=self.last_num_batched_tokens if s.num_unfinished else 0,
+            num_waiting_tokens=s.num_waiting_tokens, num_kv_tokens=s.num_kv_tokens,
+            recent_step_time_s=0.0, max_num_seqs=self.config.max_num_seqs, cost_model=cost,
+        )
 
 
 def worker_info(worker_id: str, role: str, block_size: int) -> WorkerInfo:
@@ -223,9 +235,10 @@ class SimRouter:
 
     def __init__(self, policy: str, disaggregation: str, slo: SLO, max_queue_s: float,
                  pool_num_cached_blocks=None, prefix_cache_blocks: int = 8192):
-        context = RoutingContext.create(disaggregation, slo, prefix_cache_blocks)
+        book = PlacementBook(prefix_cache_blocks)  # as router.server builds it
         self._index = _PoolIndex(pool_num_cached_blocks) if pool_num_cached_blocks else None
-        self.placer = Placer(make_policy(policy, context), Admission(slo, max_queue_s), pool_index=self._index)
+        self.placer = Placer(book, make_policy(policy, book.view, disaggregation, slo), Admission(slo, max_queue_s),
+                             pool_index=self._index)
         self._tracking: dict[tuple[str, str], object] = {}
 
     def place(self, request_id: str, prompt: Sequence[int], max_tokens: int, prefill: Sequence[WorkerInfo],
@@ -240,8 +253,9 @@ class SimRouter:
         return placement, self._index.last_hashes if self._index else ()
 
     def track(self, request_id: str, address: str) -> None:
-        """Counts the request in flight at ``address`` (the router's ``in_flight.track``)."""
-        manager = self.placer.in_flight.track(address)
+        """Counts the request in flight at ``address`` (the router's ``placer.attempt``) until
+        :meth:`untrack`."""
+        manager = self.placer.attempt(address)
         manager.__enter__()
         self._tracking[(request_id, address)] = manager
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from bench.arrivals import ArrivalConfig
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, WorkloadConfig, load_workload
 from core.cost_model import CostModel
+from core.worker_load import WorkerLoad
 from engine.config import EngineConfig
 from router.placement import SLO
 from sim.cluster import ClusterSpec, RouterSpec, WorkerSpec, fitted_worker, roofline_worker
@@ -74,14 +75,15 @@ class ClusterChoice:
 
 
 def read_cost_model(path: Path) -> CostModel:
-    """A CostModel from JSON: its fields, or a heartbeat load dict (``cost_*`` keys).
+    """A CostModel from JSON: its fields, or a heartbeat load (``cost_*`` keys, the wire format
+    of core.worker_load.WorkerLoad).
 
     Raises:
         ValueError: neither, or nothing was measured.
     """
     data = json.loads(Path(path).read_text())
     if any(k.startswith("cost_") for k in data):
-        model = CostModel.from_load(data)
+        model = WorkerLoad.from_wire(data).fitted_cost_model
         if model is None:
             raise ValueError(f"{path}: the load carries no fitted cost model")
         return model

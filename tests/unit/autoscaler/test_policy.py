@@ -5,14 +5,18 @@ from __future__ import annotations
 import pytest
 
 from autoscaler.policy import Autoscaler, AutoscaleConfig, decode_pressure, prefill_pressure, role_pressure
+from dataclasses import replace
+
 from core.cost_model import CostModel
+from core.worker_load import WorkerLoad
 
-COST = CostModel(base_s=0.01, per_token_s=0.001, num_samples=8, max_num_batched_tokens=1000).to_load()
+COST = CostModel(base_s=0.01, per_token_s=0.001, num_samples=8, max_num_batched_tokens=1000)
+IDLE = WorkerLoad()  # a heartbeat with nothing in it (no cost model yet)
 
 
-def decode_load(used_blocks: int, step_s: float = 0.01, running: int = 1, waiting: int = 0) -> dict:
-    return {"num_total_blocks": 100, "num_used_blocks": used_blocks, "recent_step_time_s": step_s,
-            "num_requests_running": running, "num_requests_waiting": waiting, "max_num_seqs": 64}
+def decode_load(used_blocks: int, step_s: float = 0.01, running: int = 1, waiting: int = 0) -> WorkerLoad:
+    return WorkerLoad(num_total_blocks=100, num_used_blocks=used_blocks, recent_step_time_s=step_s,
+                      num_requests_running=running, num_requests_waiting=waiting, max_num_seqs=64)
 
 
 CONFIG = AutoscaleConfig(ttft_slo_s=1.0, tbt_slo_s=0.1, min_prefill=1, max_prefill=3, min_decode=1, max_decode=3,
@@ -21,12 +25,14 @@ CONFIG = AutoscaleConfig(ttft_slo_s=1.0, tbt_slo_s=0.1, min_prefill=1, max_prefi
 
 def test_pressures_are_the_slo_ratios():
     # 2000 queued tokens = 2 chunks of 1000: 2 x 10 ms + 2000 x 1 ms = 2.02 s against a 1 s SLO.
-    assert prefill_pressure({**COST, "num_waiting_tokens": 1500, "num_batched_tokens": 500}, CONFIG) == pytest.approx(2.02)
-    assert prefill_pressure({"num_waiting_tokens": 1500}, CONFIG) == 0.0  # no cost model yet
+    queued = WorkerLoad(num_waiting_tokens=1500, num_batched_tokens=500, cost_model=COST)
+    assert prefill_pressure(queued, CONFIG) == pytest.approx(2.02)
+    assert prefill_pressure(WorkerLoad(num_waiting_tokens=1500), CONFIG) == 0.0  # no cost model yet
     assert decode_pressure(decode_load(45), CONFIG) == pytest.approx(0.5)  # 45 % of blocks / 0.9
     assert decode_pressure(decode_load(10, step_s=0.15), CONFIG) == pytest.approx(1.5)  # TBT 150 ms / 100 ms
     assert decode_pressure(decode_load(10, running=2, waiting=1), CONFIG) == pytest.approx(0.111, abs=1e-3)  # a snapshot's queue
-    colocated = {**decode_load(10), **COST, "num_waiting_tokens": 1500}  # 1500 prompt tokens: 1.52 s of prefill
+    # 1500 prompt tokens: 1.52 s of prefill
+    colocated = replace(decode_load(10), cost_model=COST, num_waiting_tokens=1500)
     assert decode_pressure(colocated, CONFIG) == pytest.approx(1.52)
     # (90 % / 0.9 = 1.0, and the idle one's 10 ms step / 100 ms = 0.1): their mean
     assert role_pressure("decode", [decode_load(90), decode_load(0)], CONFIG) == pytest.approx(0.55)
@@ -34,10 +40,10 @@ def test_pressures_are_the_slo_ratios():
 
 def test_scales_decode_up_after_two_hot_evaluations_then_respects_the_cooldown():
     scaler = Autoscaler(CONFIG)
-    hot = {"prefill": [{}], "decode": [decode_load(99)]}
+    hot = {"prefill": [IDLE], "decode": [decode_load(99)]}
     assert scaler.evaluate(0.0, hot, {"prefill": 1, "decode": 1})["decode"] == 1  # once is not enough
     assert scaler.evaluate(1.0, hot, {"prefill": 1, "decode": 1})["decode"] == 2
-    both_hot = {"prefill": [{}], "decode": [decode_load(99), decode_load(99)]}
+    both_hot = {"prefill": [IDLE], "decode": [decode_load(99), decode_load(99)]}
     for t in (2.0, 3.0, 4.0):  # within the cooldown: no second step
         assert scaler.evaluate(t, both_hot, {"prefill": 1, "decode": 2})["decode"] == 2
     assert scaler.evaluate(11.0, both_hot, {"prefill": 1, "decode": 2})["decode"] == 3

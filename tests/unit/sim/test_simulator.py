@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 from core.cost_model import CostModel
+from core.worker_load import WorkerLoad
 from engine.config import EngineConfig
 from engine.scheduler import Scheduler
+from router.admission import Admission
+from router.placement_state import PlacementBook
 from router.placer import Placer
 from router.placement import SLO
 from router.routing import PredictedLatencyPolicy, RoundRobinPolicy
@@ -80,10 +83,18 @@ def test_second_request_loads_the_shared_prefix_from_the_pool():
 
 
 def test_the_simulator_runs_the_real_scheduler_and_router_classes():
-    assert adapter.Scheduler is Scheduler and adapter.Placer is Placer
+    assert adapter.REAL_CLASSES == {"Scheduler": Scheduler, "Placer": Placer, "Admission": Admission,
+                                    "PlacementBook": PlacementBook}
+    assert all(getattr(adapter, name) is cls for name, cls in adapter.REAL_CLASSES.items())
     sim = Simulation(cluster(1, 2, policy="predicted_latency"))
     assert type(sim.decode[0].engine.scheduler) is Scheduler
-    assert type(sim.router.placer) is Placer and type(sim.router.placer.policy) is PredictedLatencyPolicy
+    placer = sim.router.placer
+    assert type(placer) is Placer and type(placer.policy) is PredictedLatencyPolicy
+    assert type(placer.book) is PlacementBook and placer.policy.view.reads(placer.book)
+    assert type(placer.admission) is Admission
+    sim.run([SimRequest(list(range(1, 9)), 2, 0.0)])
+    assert type(sim.decode[0].info.load) is WorkerLoad  # the heartbeat the policy read
+    assert sim.decode[0].info.load.cost_model == COST
     assert type(Simulation(cluster(0, 1)).router.placer.policy) is RoundRobinPolicy
     probe = "import sys, sim.simulator, sim.cli; assert 'torch' not in sys.modules, 'sim imports torch'"
     subprocess.run([sys.executable, "-c", probe], check=True, cwd=Path(__file__).parents[3])
