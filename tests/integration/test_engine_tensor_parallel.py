@@ -14,7 +14,7 @@ from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import ExternalKV
-from engine.pool_io import PoolIO
+from engine.kv_connector import PoolIO
 from tests import reference
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, start_pool  # noqa: F401
 
