@@ -11,7 +11,8 @@ decode worker, colocated). A decode stream that breaks mid-answer is resumed on 
 worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``), at most
 ``MAX_MIGRATIONS`` times: the client sees one stream, no token repeated or missing. Every attempt
 gets its own worker-facing request id (:func:`attempt_id`), so neither attempts nor clients
-reusing an id share worker or pool state; the client's id stays in logs and responses.
+reusing an id share worker or pool state; the client's id stays in logs and responses. A worker
+that hangs (stops heartbeating) fails its waiting calls the same way (router.worker_loss).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from router.placer import Placer
 from router.tokenizer import ModelTokenizer
 from router.validation import ValidatedRequest
 from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
+from router.worker_loss import stream_unless_lost, unless_lost
 from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -222,7 +224,8 @@ class Generation:
             rid = self._new_attempt(run)
             try:
                 with self.policies.in_flight.track(worker.address):
-                    result = await self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
+                    call = self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
+                    result = await unless_lost(call, self.view.loss.lost_event(worker.address), worker.address)
             except WorkerFailedError as err:
                 failure = err
                 self._worker_failed("prefill", err, run)
@@ -285,7 +288,7 @@ class Generation:
             resume = () if prefill is not None else tuple(run.output.token_ids)
             stream = self.clients.decode(worker.address, rid, run.request, prefill, self._remaining_s(run), resume)
             try:
-                async for event in stream:
+                async for event in stream_unless_lost(stream, self.view.loss.lost_event(worker.address), worker.address):
                     if isinstance(event, DecodeTokens):
                         first = not run.sent_first_token
                         if first:

@@ -275,14 +275,6 @@ async def test_a_failed_health_check_marks_down_and_a_slow_one_does_not(tokenize
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
 
 
-async def test_worker_gone_from_the_registry_is_forgotten(tokenizer):
-    _, _, view, registry = await make_generation(tokenizer)
-    view.mark_down("decode:0", "test")
-    registry.workers = [w for w in registry.workers if w.address != "decode:0"]
-    await view.refresh()
-    assert not view.is_down("decode:0") and addresses(view, "decode") == ["decode:1"]
-
-
 @pytest.mark.parametrize(("code", "worker_failed"), [
     (grpc.StatusCode.UNAVAILABLE, True), (grpc.StatusCode.INTERNAL, True), (grpc.StatusCode.UNKNOWN, True),
     (grpc.StatusCode.INVALID_ARGUMENT, False), (grpc.StatusCode.RESOURCE_EXHAUSTED, False),
