@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:workers"
 ROLES = ("prefill", "decode", "pool")
+REDIS_TIMEOUT_S = 2.0  # connect and each command
 
 
 @dataclass
@@ -69,7 +70,10 @@ class WorkerRegistry:
     """Reads and writes worker entries; holds one Redis connection pool."""
 
     def __init__(self, redis_url: str):
-        self.redis = aioredis.from_url(redis_url, decode_responses=True)
+        # Timeouts: a hung Redis (SIGSTOP, a partition) fails a call instead of hanging it, so
+        # heartbeats, routers and the index mirror carry on and retry (issue 16).
+        self.redis = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S,
+                                       socket_connect_timeout=REDIS_TIMEOUT_S)
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Writes ``info`` with a fresh time stamp; the key expires after ``ttl_s``."""
