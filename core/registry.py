@@ -133,8 +133,8 @@ class Heartbeat:
             await asyncio.sleep(self.interval_s)
             try:
                 await self._beat()
-            except Exception:  # Redis down: keep trying, the TTL tells the router
-                log.warning("heartbeat failed", exc_info=True)
+            except Exception as err:  # Redis down: keep trying, the TTL tells the router
+                log.warning("heartbeat failed: %s: %s", type(err).__name__, err)
 
     async def stop(self) -> None:
         if self._task is not None:
