@@ -9,10 +9,12 @@ once (cached next to the results), runs each scenario and writes ``results.json`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -68,12 +70,11 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
     refs = references(requests, model, out_dir / "references.json") if with_reference else None
     fault_file = str((out_dir / "faults.json").resolve())
     (out_dir / "faults.json").write_text('{"rules": []}')
-    os.environ[ENV_VAR] = fault_file  # inherited by every service: the chaos option (core.fault_injection)
     config = cluster_config(campaign, model, out_dir / "logs")
     expected = {"decode": config.num_decode_workers, "pool": 1,
                 **({} if config.colocated else {"prefill": config.num_prefill_workers})}
     results: list[ScenarioResult] = []
-    with LocalCluster(config) as cluster:
+    with _fault_injection(fault_file), LocalCluster(config) as cluster:
         cluster.start(on_progress=console.print)
         client = ClientConfig(cluster.http_url, resolve_model(model).name, timeout_s=campaign.deadline_s)
         runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected)
@@ -83,6 +84,21 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
             results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31))))
             _write(out_dir, campaign, results, with_reference)
     return results
+
+
+@contextlib.contextmanager
+def _fault_injection(fault_file: str) -> Iterator[None]:
+    """Names ``fault_file`` in the environment every service started meanwhile inherits (the
+    chaos option of core.fault_injection); restores the environment after."""
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = fault_file
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
 
 
 def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], with_reference: bool) -> None:
