@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from core.request import FinishReason
 from core.registry import WorkerInfo
 from router.errors import ErrorKind, RouterError
+from router.fallback import ColocatedFallbacks
 from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
@@ -115,6 +116,7 @@ class Generation:
         self.metrics, self.policies, self.timeout_s = metrics, policies, timeout_s
         self._background: set[asyncio.Task] = set()  # pool releases in flight
         self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
+        self.fallbacks = ColocatedFallbacks(metrics)  # colocated for want of a prefill worker
 
     async def generate(
         self, request_id: str, request: ValidatedRequest, arrival_time_s: float
@@ -156,6 +158,7 @@ class Generation:
                 run.request_id, request.prompt_token_ids, params.max_tokens,
                 self.view.workers("prefill"), self.view.workers("decode"),
             )
+            self.fallbacks.placed(len(self.view.workers("prefill")), run.placement.prefill is None)
             prefill = None
             if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
@@ -217,6 +220,7 @@ class Generation:
         for _ in range(MAX_PREFILL_ATTEMPTS):
             if failure is not None and not self.view.workers("prefill"):
                 log.warning("no prefill worker left; prefilling on the decode worker", extra={"request_id": run.request_id})
+                self.fallbacks.count("prefill_failed")
                 return None
             if failure is not None:
                 self.metrics.prefill_retried()
