@@ -37,6 +37,7 @@ class WorkerInfo:
     address: str
     load: dict[str, float] = field(default_factory=dict)
     heartbeat_time_s: float = 0.0
+    heartbeat_ttl_s: float = 0.0  # its registry key's TTL (0: an older worker that does not say)
     spec_fingerprint: str = ""
     block_size: int = 0
 
@@ -76,8 +77,9 @@ class WorkerRegistry:
                                        socket_connect_timeout=REDIS_TIMEOUT_S)
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Writes ``info`` with a fresh time stamp; the key expires after ``ttl_s``."""
-        info.heartbeat_time_s = time.time()
+        """Writes ``info`` with a fresh time stamp and ``ttl_s``; the key expires after ``ttl_s``.
+        Mutates: ``info.heartbeat_time_s``, ``info.heartbeat_ttl_s``."""
+        info.heartbeat_time_s, info.heartbeat_ttl_s = time.time(), ttl_s
         await self.redis.set(worker_key(info.role, info.worker_id), json.dumps(asdict(info)), px=int(ttl_s * 1000))
 
     async def deregister(self, role: str, worker_id: str) -> None:

@@ -3,9 +3,11 @@
 A hung worker (SIGSTOP, a wedged event loop) keeps its TCP connections open: its RPCs neither
 answer nor fail, so nothing in gRPC notices. What stops is its heartbeat. :class:`LossWatch`
 follows each worker's ``heartbeat_time_s`` as the router reads it from the registry and declares
-a worker **lost** when no new heartbeat was seen for ``loss_after_s`` seconds of registry time the
-router could read (a Redis outage or restart pauses the clock: the router cannot tell who beat
-meanwhile). A worker that merely vanished from the registry (its key expired, or Redis restarted
+a worker **lost** when no new heartbeat was seen for its bound, ``heartbeat_ttl_s`` +
+``LOSS_MARGIN_S`` (``loss_after_s`` for a worker that does not say its TTL), in seconds of
+registry time the router could read (a Redis outage or restart pauses the clock: the router
+cannot tell who beat meanwhile). With the workers' defaults (a beat every 1 s, TTL 3 s) the
+bound is 5 s. A worker that merely vanished from the registry (its key expired, or Redis restarted
 with its data lost) stays known until then, so a Redis restart neither empties the view nor
 migrates anything; a worker that re-registers within ``loss_after_s`` was never lost.
 
@@ -28,7 +30,8 @@ from typing import TypeVar
 from core.registry import WorkerInfo
 
 T = TypeVar("T")
-DEFAULT_LOSS_AFTER_S = 5.0  # heartbeats every 1 s, registry TTL 3 s (core.registry.Heartbeat)
+DEFAULT_LOSS_AFTER_S = 5.0  # for a worker that does not say its heartbeat TTL
+LOSS_MARGIN_S = 2.0  # past its registry key's TTL: two missed 1 s beats beyond the key's expiry
 
 
 @dataclass
@@ -68,10 +71,14 @@ class LossWatch:
             else:
                 seen.info = info
         lost = [s.info for s in self._seen.values()
-                if now_s - max(s.heartbeat_seen_at_s, self._readable_since_s) > self.loss_after_s]
+                if now_s - max(s.heartbeat_seen_at_s, self._readable_since_s) > self.bound_s(s.info)]
         for info in lost:
             self._lose(info.address)
         return lost
+
+    def bound_s(self, info: WorkerInfo) -> float:
+        """How long ``info``'s heartbeat may stand still before the worker is lost."""
+        return info.heartbeat_ttl_s + LOSS_MARGIN_S if info.heartbeat_ttl_s > 0 else self.loss_after_s
 
     def unreadable(self) -> None:
         """The registry could not be read: the loss clock restarts when it can be again."""

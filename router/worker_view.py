@@ -9,7 +9,7 @@ heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING;
 disappears from the registry is forgotten (a restarted worker registers afresh) once its
 heartbeat is older than the loss bound.
 
-Hung workers (issue 16): a worker whose heartbeat stops moving for ``LossWatch.loss_after_s`` is
+Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s) is
 **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. A worker
 that only vanished from the registry (Redis restarted, its data lost) stays in the view until
 then, so a Redis restart does not empty it. While Redis cannot be read at all, the view is kept as
@@ -105,7 +105,7 @@ class WorkerView:
             raise
         self.loss.readable()
         for info in self.loss.observe([w for ws in fresh.values() for w in ws]):
-            log.warning("worker %s lost: no heartbeat for %g s", info.address, self.loss.loss_after_s)
+            log.warning("worker %s lost: no heartbeat for %g s", info.address, self.loss.bound_s(info))
         known = {role: self.loss.known(role) for role in ROLES}
         by_address = {w.address: w for ws in known.values() for w in ws}
         for address in [a for a in self._down if a not in by_address]:

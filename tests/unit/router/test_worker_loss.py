@@ -219,3 +219,15 @@ async def test_stream_unless_lost_passes_items_and_errors_through():
 def test_loss_after_must_be_positive():
     with pytest.raises(ValueError, match="loss_after_s must be > 0, got 0"):
         LossWatch(0)
+
+
+def test_the_loss_bound_follows_the_heartbeat_ttl_a_worker_announces():
+    clock = Clock()
+    watch = LossWatch(5.0, clock)
+    quick = WorkerInfo("d0", "decode", "decode:0", heartbeat_time_s=1.0, heartbeat_ttl_s=3.0)
+    slow = WorkerInfo("d1", "decode", "decode:1", heartbeat_time_s=1.0, heartbeat_ttl_s=600.0)
+    assert (watch.bound_s(quick), watch.bound_s(slow)) == (5.0, 602.0)
+    watch.observe([quick, slow])
+    clock.now_s += 30.0
+    assert [w.address for w in watch.observe([quick, slow])] == ["decode:0"]
+    assert [w.address for w in watch.known("decode")] == ["decode:1"]
