@@ -98,7 +98,8 @@ class CampaignRunner:
     async def run(self, scenario: Scenario, seed: int) -> ScenarioResult:
         probe = ClusterProbe(self.cluster)
         rss_before = probe.rss_bytes()
-        driver = Driver(self.requests, self.client, self.campaign.concurrency, self.campaign.deadline_s, seed)
+        c = self.campaign
+        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, c.duration_s)
         ctx = FaultContext(self.cluster, driver, self.fault_file)
         events: list[str] = []
         supervisor = asyncio.create_task(self._supervise(ctx, events))

@@ -21,6 +21,7 @@ import click
 from rich.console import Console
 
 from bench.client import ClientConfig
+from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
 from chaos import report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
@@ -51,6 +52,8 @@ def workload(campaign: Campaign) -> WorkloadConfig:
     values = dict(campaign.workload)
     values.setdefault("kind", "prompts")
     values["path"] = Path(values["path"]) if values.get("path") else None
+    if "synthesis" in values:
+        values["synthesis"] = SynthesisConfig(**values["synthesis"])
     return WorkloadConfig(**values)
 
 

@@ -75,8 +75,10 @@ class Driver:
     """One run of ``requests`` against ``client.url``; see the module docstring."""
 
     def __init__(self, requests: list[BenchRequest], client: ClientConfig, concurrency: int, deadline_s: float,
-                 seed: int):
+                 seed: int, duration_s: float = 0.0):
+        """``duration_s`` > 0: keep sending (cycling ``requests``) until then; else each once."""
         self.requests, self.client, self.concurrency, self.deadline_s = requests, client, concurrency, deadline_s
+        self.duration_s = duration_s
         self.rng = random.Random(seed)
         self.progress = Progress()
         self.outcomes: list[Outcome] = []
@@ -101,8 +103,8 @@ class Driver:
         return len(self._tasks)
 
     async def _loop(self) -> None:
-        while self._next < len(self.requests):
-            index = self._next
+        while (self.progress.now_s() < self.duration_s) if self.duration_s else self._next < len(self.requests):
+            index = self._next % len(self.requests)
             self._next += 1
             await self._start(index)
 

@@ -18,7 +18,8 @@ A fault runs when the scenario has run ``at_s`` seconds or its clients have rece
 ``at_tokens`` tokens (exactly one of the two). ``do`` is one of :data:`FAULT_KINDS`; see
 chaos.faults for what each does and which fields it reads. ``cluster`` takes
 launcher.local_cluster.ClusterConfig fields; ``workload`` takes bench.workloads.WorkloadConfig
-fields plus ``concurrency`` (requests in flight, closed loop).
+fields plus ``concurrency`` (requests in flight, closed loop) and ``duration_s`` (send for that
+long, cycling the workload; 0: each request once).
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ class Campaign:
     cluster: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     concurrency: int = 8
+    duration_s: float = 0.0  # > 0: each scenario sends for this long, cycling the workload (a soak)
 
     def __post_init__(self) -> None:
+        if self.duration_s < 0:
+            raise ValueError(f"workload.duration_s must be >= 0, got {self.duration_s!r}")
         if not self.scenarios:
             raise ValueError("scenarios must not be empty")
         if self.deadline_s <= 0 or self.idle_bound_s <= 0:
@@ -145,8 +149,10 @@ def parse_campaign(data: object) -> Campaign:
         scenarios.append(Scenario(str(entry["name"]), faults))
     workload = dict(data.get("workload") or {})
     concurrency = int(workload.pop("concurrency", 8))
+    duration_s = float(workload.pop("duration_s", 0.0))
     return Campaign(tuple(scenarios), int(data.get("seed", 0)), float(data.get("deadline_s", 120.0)),
-                    float(data.get("idle_bound_s", 45.0)), dict(data.get("cluster") or {}), workload, concurrency)
+                    float(data.get("idle_bound_s", 45.0)), dict(data.get("cluster") or {}), workload, concurrency,
+                    duration_s)
 
 
 def load_campaign(path: Path) -> Campaign:
