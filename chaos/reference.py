@@ -23,7 +23,7 @@ def references(requests: list[BenchRequest], model: str, cache_path: Path) -> di
     ``cache_path`` (read, completed, written back). Chat prompts go through the chat template,
     token-id prompts as they are; greedy, batch 1, stopping at EOS; special tokens skipped."""
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    missing = [r for r in requests if _key(r) not in cache]
+    missing = list({_key(r): r for r in requests if _key(r) not in cache}.values())  # each distinct once
     if missing:
         tokenizer, hf = _load(model)
         for request in missing:
