@@ -130,21 +130,25 @@ async def unless_lost(call: Awaitable[T], lost: asyncio.Event, address: str) -> 
 
 async def stream_unless_lost(stream: AsyncIterable[T], lost: asyncio.Event, address: str) -> AsyncIterator[T]:
     """Yields ``stream``'s items; raises WorkerFailedError once ``lost`` is set while waiting
-    for the next one (the pending read is cancelled; the caller cancels the RPC)."""
+    for the next one (the pending read is cancelled; the caller cancels the RPC). Nothing is
+    left pending while suspended at a ``yield``, so a caller may stop iterating at any item."""
     items = aiter(stream)
-    waiter = asyncio.ensure_future(lost.wait())
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(items))
+    while True:
+        step = asyncio.ensure_future(anext(items))
+        waiter = asyncio.ensure_future(lost.wait())
+        try:
             await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                raise _lost_error(address)
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        waiter.cancel()
+        except BaseException:  # the caller was cancelled: so is the read
+            step.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+            raise _lost_error(address)
+        try:
+            item = step.result()
+        except StopAsyncIteration:
+            return
+        yield item
