@@ -11,7 +11,10 @@ bound is 5 s. A worker that merely vanished from the registry (its key expired, 
 with its data lost) stays known until then, so a Redis restart neither empties the view nor
 migrates anything; a worker that re-registers within ``loss_after_s`` was never lost.
 
-Losing a worker sets its :meth:`LossWatch.lost_event`; :func:`unless_lost` and
+The router confirms a stale heartbeat with a health check before it loses the worker
+(router.worker_view): a worker that still answers SERVING (alive, only starved of CPU so its
+heartbeats ran late) is spared and its clock restarts. Losing a worker sets its
+:meth:`LossWatch.lost_event`; :func:`unless_lost` and
 :func:`stream_unless_lost` race a call against that event and raise
 :class:`~router.worker_clients.WorkerFailedError` when it fires, so the caller retries the prefill
 or migrates the decode stream (router.generation) exactly as after a broken connection. The
@@ -57,9 +60,9 @@ class LossWatch:
         self._readable_since_s = clock()  # registry readable without a break since then
 
     def observe(self, listed: Iterable[WorkerInfo]) -> list[WorkerInfo]:
-        """Takes one successful registry read. Returns the workers lost by it (heartbeat still
-        for ``loss_after_s``); sets their events and forgets them (a lost worker comes back only
-        with a newer heartbeat: it woke up, or a successor registered). Mutates: what is known."""
+        """Takes one successful registry read. Returns the workers whose heartbeat stood still
+        past their bound: the caller confirms each (:meth:`lose`) or spares it (:meth:`spare`).
+        Mutates: what is known."""
         now_s = self.clock()
         for info in listed:
             if info.heartbeat_time_s <= self._lost.get(info.address, float("-inf")):
@@ -70,11 +73,14 @@ class LossWatch:
                 self._seen[info.address] = _Seen(info, info.heartbeat_time_s, now_s)
             else:
                 seen.info = info
-        lost = [s.info for s in self._seen.values()
+        return [s.info for s in self._seen.values()
                 if now_s - max(s.heartbeat_seen_at_s, self._readable_since_s) > self.bound_s(s.info)]
-        for info in lost:
-            self._lose(info.address)
-        return lost
+
+    def spare(self, address: str) -> None:
+        """A stale worker proved alive another way (it answered a health check): its clock
+        restarts now. Mutates: what is known of it."""
+        if address in self._seen:
+            self._seen[address].heartbeat_seen_at_s = self.clock()
 
     def bound_s(self, info: WorkerInfo) -> float:
         """How long ``info``'s heartbeat may stand still before the worker is lost."""
@@ -98,7 +104,9 @@ class LossWatch:
         """Set once the worker at ``address`` is lost (a fresh event after that, for its successor)."""
         return self._events.setdefault(address, asyncio.Event())
 
-    def _lose(self, address: str) -> None:
+    def lose(self, address: str) -> None:
+        """Declares the worker at ``address`` lost: sets its event and forgets it (it comes back
+        only with a newer heartbeat: it woke up, or a successor registered)."""
         self._lost[address] = self._seen.pop(address).heartbeat_time_s
         event = self._events.pop(address, None)
         if event is not None:

@@ -9,8 +9,8 @@ heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING;
 disappears from the registry is forgotten (a restarted worker registers afresh) once its
 heartbeat is older than the loss bound.
 
-Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s) is
-**lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. A worker
+Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
+and that does not answer a health check with SERVING is **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. A worker
 that only vanished from the registry (Redis restarted, its data lost) stays in the view until
 then, so a Redis restart does not empty it. While Redis cannot be read at all, the view is kept as
 long as the health sweeps keep confirming it.
@@ -105,7 +105,7 @@ class WorkerView:
             raise
         self.loss.readable()
         for info in self.loss.observe([w for ws in fresh.values() for w in ws]):
-            log.warning("worker %s lost: no heartbeat for %g s", info.address, self.loss.bound_s(info))
+            await self._lose_unless_serving(info)
         known = {role: self.loss.known(role) for role in ROLES}
         by_address = {w.address: w for ws in known.values() for w in ws}
         for address in [a for a in self._down if a not in by_address]:
@@ -118,6 +118,17 @@ class WorkerView:
         self._workers = known  # mark_down reads the fresh heartbeats
         await self._sweep_due()
         self._refreshed_at_s = time.monotonic()
+
+    async def _lose_unless_serving(self, info: WorkerInfo) -> None:
+        """A worker whose heartbeat stood still past its bound: lost, unless it answers a health
+        check with SERVING (then its heartbeats only ran late). Without a probe: lost."""
+        if self.probe is not None and await self._probe(info.address) is Health.SERVING:
+            self.loss.spare(info.address)
+            log.info("worker %s heartbeat %g s late but it answers SERVING; kept", info.address,
+                     self.loss.bound_s(info))
+            return
+        self.loss.lose(info.address)
+        log.warning("worker %s lost: no heartbeat for %g s", info.address, self.loss.bound_s(info))
 
     async def _sweep_due(self) -> int:
         """Health-checks the view's prefill and decode workers if ``health_interval_s`` passed.

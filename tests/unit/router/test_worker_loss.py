@@ -16,7 +16,7 @@ from core.request import FinishReason
 from router.worker_clients import DecodeTokens
 from router.worker_loss import LossWatch, stream_unless_lost, unless_lost
 from router.worker_clients import WorkerFailedError
-from router.worker_view import WorkerView
+from router.worker_view import Health, WorkerView
 from tests.unit.router.test_failover import FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
 
 
@@ -116,8 +116,11 @@ class HangingStream(FakeStream):
         await asyncio.Event().wait()
 
 
-async def lose(view, registry, address: str) -> None:
-    """Moves the fake clock past the loss bound with every worker but ``address`` beating."""
+async def lose(view, registry, address: str, clients=None) -> None:
+    """Moves the fake clock past the loss bound with every worker but ``address`` beating (and,
+    with ``clients``, ``address`` not answering health checks: hung)."""
+    if clients is not None:
+        clients.health_of[address] = Health.UNKNOWN
     view.loss.clock.now_s += 5.5
     for w in registry.workers:
         if w.address != address:
@@ -150,7 +153,7 @@ async def test_a_hung_decode_stream_migrates_once_its_worker_is_lost(tokenizer):
     for _ in range(10):
         await asyncio.sleep(0)  # its 4 tokens arrive, then it hangs
     assert not task.done()
-    await lose(view, registry, "decode:0")
+    await lose(view, registry, "decode:0", clients)
     tokens, finished = await asyncio.wait_for(task, timeout=5)
     assert tokens == clients.answer  # nothing repeated, nothing missing
     assert finished.finish_reason is FinishReason.LENGTH
@@ -175,7 +178,7 @@ async def test_a_hung_prefill_is_retried_once_its_worker_is_lost(tokenizer):
     clients.prefill = hang_on_prefill0
     task = asyncio.create_task(run(generation))
     await hung.wait()
-    await lose(view, registry, "prefill:0")
+    await lose(view, registry, "prefill:0", clients)
     tokens, _ = await asyncio.wait_for(task, timeout=5)
     assert tokens == clients.answer
     assert [a for a, _ in clients.prefill_calls] == ["prefill:0", "prefill:1"]
@@ -230,4 +233,15 @@ def test_the_loss_bound_follows_the_heartbeat_ttl_a_worker_announces():
     watch.observe([quick, slow])
     clock.now_s += 30.0
     assert [w.address for w in watch.observe([quick, slow])] == ["decode:0"]
+    watch.lose("decode:0")
     assert [w.address for w in watch.known("decode")] == ["decode:1"]
+
+
+async def test_a_late_heartbeat_of_a_worker_that_answers_serving_is_spared(tokenizer):
+    """A worker starved of CPU beats late but still answers: its streams are not abandoned."""
+    generation, clients, view, registry = await generation_with_clock(tokenizer)
+    event = view.loss.lost_event("decode:0")
+    await lose(view, registry, "decode:0")  # health: SERVING (the fakes' default)
+    assert not event.is_set() and addresses(view, "decode") == ["decode:0", "decode:1"]
+    await lose(view, registry, "decode:0", clients)  # now it does not answer either
+    assert event.is_set() and addresses(view, "decode") == ["decode:1"]
