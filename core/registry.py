@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:workers"
 ROLES = ("prefill", "decode", "pool")
-REDIS_TIMEOUT_S = 2.0  # connect and each command
+REDIS_TIMEOUT_S = 5.0  # connect and each command (generous: a loaded machine answers late)
 
 
 @dataclass
