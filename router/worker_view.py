@@ -10,9 +10,11 @@ disappears from the registry is forgotten (a restarted worker registers afresh) 
 heartbeat is older than the loss bound.
 
 Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
-and that does not answer a health check with SERVING is **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. A worker
-that only vanished from the registry (Redis restarted, its data lost) stays in the view until
-then, so a Redis restart does not empty it. While Redis cannot be read at all, the view is kept as
+and that does not answer a health check with SERVING is **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. When
+every entry vanished at once (Redis restarted, its data lost) the workers known before stay in
+the view for ``WIPE_GRACE_S`` while they re-register, so a Redis restart does not empty it; a
+single worker gone from the registry (deregistered, expired) leaves the view at once, though its
+calls still fail over only once it is lost. While Redis cannot be read at all, the view is kept as
 long as the health sweeps keep confirming it.
 """
 
@@ -42,6 +44,9 @@ class Health(enum.Enum):
 
 HealthProbe = Callable[[str], Awaitable[Health]]  # address -> its health
 PROBED_ROLES = ("prefill", "decode")
+# After a registry read finds every entry gone (Redis restarted, its data lost), the workers known
+# before stay in the view this long, or until lost, while they re-register.
+WIPE_GRACE_S = 10.0
 
 
 @dataclass
@@ -69,6 +74,7 @@ class WorkerView:
         self._checked_at_s = 0.0  # time.monotonic() of the last health sweep
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refreshed_at_s = 0.0  # time.monotonic() of the last successful refresh
+        self._wiped_at_s = float("-inf")  # time.monotonic() when the registry last read empty
         self._down: dict[str, _Down] = {}  # by address
         self._task: asyncio.Task | None = None
 
@@ -115,7 +121,12 @@ class WorkerView:
             if by_address[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
                 del self._down[address]
                 log.info("worker %s is healthy again (was down: %s)", address, down.reason)
-        self._workers = known  # mark_down reads the fresh heartbeats
+        if not any(fresh.values()) and any(self._workers.values()):
+            self._wiped_at_s = time.monotonic()  # every entry gone at once: Redis lost its data
+        if time.monotonic() - self._wiped_at_s < WIPE_GRACE_S:
+            self._workers = known  # the workers re-register with their next heartbeats
+        else:  # a worker gone from the registry (deregistered, expired) leaves the view at once
+            self._workers = {role: [w for w in fresh[role] if w.address in by_address] for role in ROLES}
         await self._sweep_due()
         self._refreshed_at_s = time.monotonic()
 
