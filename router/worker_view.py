@@ -58,12 +58,13 @@ class _Down:
 class WorkerView:
     """Live workers by role, refreshed every ``interval_s``.
 
-    When Redis cannot be read the last view is kept for ``stale_after_s`` past the last read or
-    health sweep that confirmed it, then dropped: better to answer 503 than to route to workers
+    When Redis cannot be read the last view is kept for ``stale_after_s`` (15 s: three Redis call
+    timeouts, so a hung Redis does not outlast it) past the last read or health sweep that
+    confirmed it, then dropped: better to answer 503 than to route to workers
     that may have died meanwhile.
     """
 
-    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 5.0,
+    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 15.0,
                  probe: HealthProbe | None = None, health_interval_s: float = 2.0, loss: LossWatch | None = None):
         self.registry = registry
         self.loss = loss or LossWatch()
