@@ -7,7 +7,9 @@
 3. a decode-kernel sweep (tile size, context splits) at that shape;
 4. the end-to-end greedy check: the engine with the Triton backend against transformers'
    ``generate()``, float32 — on SmolLM2-135M-Instruct when it can be loaded, else on random
-   weights of its shape (labelled as such in the table).
+   weights of its shape (labelled as such in the table);
+5. the same at tensor-parallel size 2 (NCCL, eager and compiled) when two GPUs are visible; with
+   one GPU the table says it was skipped.
 
 Prints one table; exits 1 when a check fails, 2 when there is no GPU. ``--cpu-smoke`` runs a tiny
 version on CPU under Triton's interpreter so the script itself stays exercised in CI.
@@ -326,9 +328,10 @@ def hf_greedy(hf_model, ids: list[int], max_tokens: int, device: torch.device) -
     return out[0, len(ids):].tolist()
 
 
-def e2e_row(device: torch.device, smoke: bool, model: str, compiled: bool = False) -> Row:
+def e2e_row(device: torch.device, smoke: bool, model: str, compiled: bool = False, tp: int = 1) -> Row:
     """Batched engine run with the Triton backend (eager, or the torch.compile'd forward) vs
-    transformers ``generate()`` one prompt at a time."""
+    transformers ``generate()`` one prompt at a time; ``tp`` > 1: tensor-parallel over that many
+    GPUs (NCCL; rank 0 on this process's GPU, the others spawned on the next ones)."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import EngineConfig
@@ -339,25 +342,36 @@ def e2e_row(device: torch.device, smoke: bool, model: str, compiled: bool = Fals
         hf_dir, label = model_dir(model, smoke, Path(scratch))
         config = EngineConfig(model=str(hf_dir), attention_backend="triton", device=str(device), dtype="float32",
                               block_size=16, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=512,
-                              enforce_eager=not compiled)
+                              enforce_eager=not compiled, tensor_parallel_size=tp)
         build_start = time.perf_counter()
         engine = LLMEngine.from_config(config)
         build_s = time.perf_counter() - build_start
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
         prompts = prompt_ids(hf_dir, hf_model.config.vocab_size)[: 1 if smoke else None]
-    run_engine(engine, prompts[:1], 2)  # warm: first-call allocations and autotuning out of the timing
-    start = time.perf_counter()
-    got = run_engine(engine, prompts, max_tokens)
-    elapsed_ms = (time.perf_counter() - start) * 1e3
+    try:
+        run_engine(engine, prompts[:1], 2)  # warm: first-call allocations and autotuning out of the timing
+        start = time.perf_counter()
+        got = run_engine(engine, prompts, max_tokens)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+    finally:
+        engine.shutdown()  # tensor-parallel ranks exit (nothing at TP=1)
     want = [hf_greedy(hf_model, ids, max_tokens, device) for ids in prompts]
     equal = sum(g == w for g, w in zip(got, want))
-    mode = "compiled" if compiled else "eager"
+    mode = ("compiled" if compiled else "eager") + (f", TP={tp}" if tp > 1 else "")
     for g, w in zip(got, want):
         if g != w:
             print(f"gpu_check: greedy mismatch ({mode}): triton {g} vs hf {w}")
     return Row(f"end-to-end greedy vs HF, {mode}", f"{label}: {len(prompts)} prompts x {max_tokens} tok, fp32",
                triton_ms=elapsed_ms, ok=equal == len(prompts),
                note=f"{equal}/{len(prompts)} equal (ms: whole batch; engine built in {build_s:.1f} s)")
+
+
+def tensor_parallel_rows(device: torch.device, model: str) -> list[Row]:
+    """TP=2 greedy vs HF (eager and compiled) when the device has two GPUs; else one row saying so."""
+    if torch.cuda.device_count() < 2:
+        return [Row("end-to-end greedy vs HF, TP=2", "-", note=f"skipped: {torch.cuda.device_count()} GPU visible, "
+                                                             "TP=2 needs 2")]
+    return [e2e_row(device, False, model, compiled=compiled, tp=2) for compiled in (False, True)]
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -408,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(e2e_row(device, smoke, args.model))
     if not smoke:  # the compiled forward (torch.compile per layer, inductor + Triton) on CUDA
         rows.append(e2e_row(device, smoke, args.model, compiled=True))
+        rows += tensor_parallel_rows(device, args.model)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter, smoke)"
     text = f"{name}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)\n{format_table(rows)}"
     if sweep:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU check for the Triton kernels (see benchmarks/gpu_check.py): kernel tests on the
-# GPU, kernel timings against torch and the copy-bandwidth floor, end-to-end greedy vs HF.
+# GPU, kernel timings against torch and the copy-bandwidth floor, end-to-end greedy vs HF
+# (and at tensor-parallel size 2 over NCCL when two GPUs are visible).
 # Under ten minutes on one H200. Exits 2 with a message on a machine without a GPU.
 #   benchmarks/gpu_check.sh [--cpu-smoke] [--model NAME_OR_PATH] [--out FILE] [--peers]
 # --peers then also runs the peer benchmark against the regular vllm wheel (installed into

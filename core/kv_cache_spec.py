@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_LAYOUTS = ("all_heads",)
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,13 @@ class KVCacheSpec:
     """Layout of one KV block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` of ``dtype``.
 
     Two caches can exchange blocks only when their specs are equal; the fingerprint enforces it.
+
+    ``kv_layout`` is the tensor-parallel layout of a block's bytes. The one layout is
+    ``"all_heads"``: a block holds every KV head in head order whatever the writer's
+    tensor-parallel size (a TP worker's ranks join their heads before a write and split them
+    after a read, engine.parallel.runner), so workers of any TP degree share blocks and prefix
+    hits, and the TP degree is deliberately not part of the fingerprint. A layout that stored
+    each rank's heads as separate blocks would get its own name, and so its own namespace.
 
     Raises:
         ValueError: for an unknown dtype or a non-positive size.
@@ -26,12 +34,14 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    tensor_parallel_size: int = 1
+    kv_layout: str = "all_heads"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tensor_parallel_size"):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

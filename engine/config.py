@@ -59,6 +59,8 @@ class EngineConfig:
     num_threads: int = 0
     # Seed of the generator used by requests without their own seed.
     seed: int = 0
+    # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
+    tensor_parallel_size: int = 1
 
     @property
     def compiled(self) -> bool:
@@ -77,9 +79,13 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_overlap and self.tensor_parallel_size > 1:
+            # Overlap packs finished requests' KV on the engine thread while the forward thread
+            # runs the next pass: two threads would drive the ranks' collectives at once.
+            raise ValueError(f"enable_overlap needs tensor_parallel_size 1, got {self.tensor_parallel_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

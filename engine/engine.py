@@ -5,18 +5,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from core.cost_model import CostModel
 from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
+from core.worker_load import WorkerLoad
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kv_connector import pack_blocks
 from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers, warm_up
 from engine.model.loader import TORCH_DTYPES, load_model
@@ -27,30 +26,10 @@ from engine.scheduler import Scheduler
 from engine.step_stats import StepStats
 from engine.swap_space import HostSwapSpace, SwapSpace
 
+if TYPE_CHECKING:
+    from engine.parallel.build import TensorParallel
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_requests_running: int
-    num_requests_waiting: int
-    num_total_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    # Preemptions whose KV was swapped out (the rest were recomputed).
-    num_swapped_out: int = 0
-    # Tokens the last pass computed (0 when idle).
-    num_batched_tokens: int = 0
-    # Prompt tokens still to compute: waiting requests (less external KV) and running ones
-    # still prefilling.
-    num_waiting_tokens: int = 0
-    # Tokens whose KV the running requests hold.
-    num_kv_tokens: int = 0
-    # Mean wall time of the last few passes (seconds; 0 before any).
-    recent_step_time_s: float = 0.0
-    # The step-time model fitted from this engine's passes (budget and KV bytes filled in).
-    cost_model: CostModel = CostModel()
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -78,8 +57,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False,
-                 swap_space: SwapSpace | None = None):
+                 swap_space: SwapSpace | None = None, parallel: TensorParallel | None = None):
+        """``parallel``: rank 0's handle when ``model`` is one shard of a tensor-parallel worker
+        (``from_config`` starts the ranks); the KV cache then holds this rank's KV heads."""
         self.config = config
+        self.parallel = parallel
         self.source = source
         self.save_kv_on_finish = save_kv_on_finish
         mc = model.config
@@ -95,8 +77,9 @@ class LLMEngine:
         )
         eos = getattr(mc, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        num_kv_heads = mc.num_key_value_heads if parallel is None else len(parallel.layout.kv_heads())
         kv_cache = torch.zeros(
-            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, mc.num_key_value_heads, head_dim),
+            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, num_kv_heads, head_dim),
             dtype=TORCH_DTYPES[config.dtype],
             device=config.device,
         )
@@ -105,7 +88,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, swap_space)
         self.num_swapped_out = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
-        self.runner = ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))
+        backend, sampler = make_attention_backend(config), Sampler(config.seed)
+        self.runner = (ModelRunner(model, kv_cache, backend, sampler) if parallel is None
+                       else parallel.runner(model, kv_cache, backend, sampler))
         self.step_stats = StepStats()
 
     @classmethod
@@ -115,12 +100,22 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
-        model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
-        engine = cls(config, model, source, save_kv_on_finish, swap_space)
+        parallel = None
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.build import start_tensor_parallel  # torch.distributed: only when asked
+
+            model, parallel = start_tensor_parallel(config, source)
+        else:
+            model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len)
+        engine = cls(config, model, source, save_kv_on_finish, swap_space, parallel)
         if config.compiled:
             compile_layers(model)
             warm_up(engine.runner.warm_up, (1, 2) if config.block_size >= 2 else (1,))
         return engine
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (nothing at TP=1). Idempotent; the engine is unusable after."""
+        self.runner.shutdown()
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
         """Queues a request.
@@ -207,7 +202,7 @@ class LLMEngine:
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Packs preempted requests' KV into the swap space before their blocks are reused."""
         for swap in out.swap_outs:
-            kv = ExternalKV(swap.num_tokens, pack_blocks(self.runner.kv_cache, swap.block_ids))
+            kv = ExternalKV(swap.num_tokens, self.runner.pack_blocks(swap.block_ids))
             if self.scheduler.swap_space.put(swap.request_id, kv):
                 self.num_swapped_out += 1
         out.swap_outs.clear()
@@ -231,26 +226,27 @@ class LLMEngine:
             request = self.scheduler.requests[output.request_id]
             num_prompt_blocks = -(-request.num_prompt_tokens // self.config.block_size)
             block_ids = self.scheduler.kv.get(output.request_id).block_ids[:num_prompt_blocks]
-            output.saved_kv = pack_blocks(self.runner.kv_cache, block_ids)
+            output.saved_kv = self.runner.pack_blocks(block_ids)
         self.scheduler.free(output.request_id)
 
-    def stats(self) -> EngineStats:
-        """A snapshot of the load; refits the cost model when due (engine thread only)."""
+    def stats(self) -> WorkerLoad:
+        """A snapshot of the load; refits the cost model when due (engine thread only). The
+        KV-load bandwidth is the worker's to fill in (engine.worker_runtime.worker_load)."""
         kv = self.scheduler.kv
         sched = self.scheduler
         last = self.step_stats.last
-        return EngineStats(
+        return WorkerLoad(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
             num_total_blocks=self.config.num_kv_blocks,
             num_used_blocks=kv.num_used_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            num_swapped_out=self.num_swapped_out,
             num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,
             num_waiting_tokens=self._num_waiting_tokens(),
             num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
             recent_step_time_s=self.step_stats.recent_step_time_s,
+            max_num_seqs=self.config.max_num_seqs,
             cost_model=self.step_stats.model(
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,

@@ -12,7 +12,7 @@ import torch
 from core.cost_model import StepSample, prefill_attn_pairs
 from core.request import Request
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
-from engine.kv_connector import unpack_blocks
+from engine.kv_connector import pack_blocks, unpack_blocks
 from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler
 
@@ -101,10 +101,7 @@ class ModelRunner:
         """Copies blocks (copy-on-write), loads external KV, runs one forward over every scheduled
         token, samples where due. Mutates the KV cache; touches no request (overlap-safe)."""
         out = step.out
-        for src, dst in out.block_copies:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        for load in out.kv_loads:
-            unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
+        self._move_kv(out)
         if out.is_empty:
             return ModelRunnerOutput()
         started = time.perf_counter()
@@ -117,6 +114,20 @@ class ModelRunner:
         self.busy_time_s += duration_s
         return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling_requests, sampled)},
                                  StepSample(*step.features, duration_s))
+
+    def _move_kv(self, out: SchedulerOutput) -> None:
+        """The step's copy-on-write block copies, then its external KV loads. Mutates the KV cache."""
+        for src, dst in out.block_copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for load in out.kv_loads:
+            unpack_blocks(self.kv_cache, load.block_ids, load.payloads)
+
+    def pack_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The pool bytes of ``block_ids`` (engine.kv_connector.pack_blocks). Reads only."""
+        return pack_blocks(self.kv_cache, block_ids)
+
+    def shutdown(self) -> None:
+        """Releases what the runner started (nothing here; tensor-parallel ranks in a subclass)."""
 
     def _prepare_inputs(self, out: SchedulerOutput):
         """Step tensors with numpy, one Python operation per sequence, none per token::

@@ -53,6 +53,11 @@ def main() -> None:
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
 @click.option("--num-prefill-workers", default=1, show_default=True, type=int, help="Prefill worker processes.")
 @click.option("--num-decode-workers", default=1, show_default=True, type=int, help="Decode worker processes.")
+@click.option("--prefill-tp", default=1, show_default=True, type=int,
+              help="Tensor-parallel ranks of each prefill worker (one GPU each on CUDA; threads split on the CPU).")
+@click.option("--decode-tp", default=1, show_default=True, type=int,
+              help="Tensor-parallel ranks of each decode worker; may differ from --prefill-tp (the pool's KV "
+                   "blocks do not depend on it).")
 @click.option("--colocated", is_flag=True,
               help="No prefill worker: the decode worker prefills in chunks mixed into its decode steps.")
 @click.option("--scheduling-policy", default="continuous", show_default=True,

@@ -71,13 +71,25 @@ class ClusterConfig:
     num_decode_workers: int = 1
     # Restarts of exited worker and pool processes (max_restarts 0: any exit stops the cluster).
     restart: RestartPolicy = RestartPolicy()
+    # Tensor-parallel ranks of each prefill / decode worker (engine.parallel; one GPU each on CUDA).
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        for name in ("num_prefill_workers", "num_decode_workers"):
+        for name in ("num_prefill_workers", "num_decode_workers", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks of one ``role`` worker (prefill or decode)."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def rank_threads(self, role: str, worker_threads: int) -> int:
+        """Threads of each rank of a ``role`` worker given ``worker_threads`` for the whole
+        worker: split between its ranks, at least 1 (TP=2 on 2 cores: 1 thread a rank)."""
+        return max(1, worker_threads // self.tensor_parallel_size(role))
 
     @property
     def worker_roles(self) -> tuple[str, ...]:
@@ -197,7 +209,8 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
     """``python -m <package> <flags>`` of one service (role: kv_pool, prefill, decode, router).
 
     ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``). Shared by the local and
-    the Ray launcher, so both start the services with the same flags.
+    the Ray launcher, so both start the services with the same flags. ``num_threads``: the whole
+    worker's; a tensor-parallel worker's ranks split it (``ClusterConfig.rank_threads``).
     """
     common = [python, "-m", SERVICE_PACKAGES[role], "--host", host, "--redis-url", redis_url]
     if role == "kv_pool":
@@ -211,7 +224,8 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
         *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
         "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
         "--max-model-len", str(c.max_model_len), "--pool-address", pool_address,
-        *c.extra_worker_args, "--port", str(port), "--num-threads", str(num_threads),
+        *c.extra_worker_args, "--port", str(port), "--num-threads", str(c.rank_threads(role, num_threads)),
+        "--tensor-parallel-size", str(c.tensor_parallel_size(role)),
     ]
 
 
@@ -278,7 +292,8 @@ class LocalCluster:
         workers = [
             self._spawn(name, service_argv(c, role, py, c.host, _port(self.addresses[name]), self.redis_url,
                                            pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
-                        _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads[role])})
+                        _grpc_ready(self.addresses[name]),
+                        env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads[role]))})
             for name, role in c.worker_names
         ]
         for worker in workers:

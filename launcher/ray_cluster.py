@@ -190,8 +190,8 @@ class RayCluster:
 
         threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated, share_cores=False)
         # Explicit resources: a worker never shares its GPU, nor (on CPU) its thread budget.
-        worker_resources = {role: {"num_gpus": 1, "num_cpus": 1} if self.use_gpus else {"num_cpus": threads[role]}
-                            for role in c.worker_roles}
+        worker_resources = {role: {"num_gpus": c.tensor_parallel_size(role), "num_cpus": c.tensor_parallel_size(role)}
+                            if self.use_gpus else {"num_cpus": threads[role]} for role in c.worker_roles}
         pool, *workers, router = self._place(
             {"kv_pool": {"num_cpus": 0}, **worker_resources, "router": {"num_cpus": 0}}, host, log_dir)
 
@@ -203,7 +203,8 @@ class RayCluster:
                 return [*service_argv(c, role, py, h, port, self.redis_url, pool_address=pool.address,
                                       num_threads=threads[role]), *extra]
 
-            self._launch(worker, argv, {"OMP_NUM_THREADS": str(threads[worker.name])}, None, timeout_s)
+            rank_threads = c.rank_threads(worker.name, threads[worker.name])
+            self._launch(worker, argv, {"OMP_NUM_THREADS": str(rank_threads)}, None, timeout_s)
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
         self.http_url = f"http://{host or router.node_ip}:{c.http_port}"

@@ -86,9 +86,6 @@ class WorkerView:
             return []
         return [w for w in self._workers[role] if w.address not in self._down]
 
-    def is_down(self, address: str) -> bool:
-        return address in self._down
-
     def mark_down(self, address: str, reason: str) -> None:
         """Stops routing to ``address`` at once (mutates the down set; logs the first marking)."""
         if address in self._down:
@@ -115,16 +112,19 @@ class WorkerView:
             await self._lose_unless_serving(info)
         known = {role: self.loss.known(role) for role in ROLES}
         by_address = {w.address: w for ws in known.values() for w in ws}
-        for address in [a for a in self._down if a not in by_address]:
+        if not any(fresh.values()) and any(self._workers.values()):
+            self._wiped_at_s = time.monotonic()  # every entry gone at once: Redis lost its data
+        wiped = time.monotonic() - self._wiped_at_s < WIPE_GRACE_S
+        present = by_address.keys() if wiped else {w.address for ws in fresh.values() for w in ws}
+        for address in [a for a in self._down if a not in present]:
             log.info("worker %s left the registry; forgotten", address)
             del self._down[address]
         for address, down in list(self._down.items()):
-            if by_address[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
+            info = by_address.get(address)  # None: lost, its stale entry still listed
+            if info is not None and info.heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
                 del self._down[address]
                 log.info("worker %s is healthy again (was down: %s)", address, down.reason)
-        if not any(fresh.values()) and any(self._workers.values()):
-            self._wiped_at_s = time.monotonic()  # every entry gone at once: Redis lost its data
-        if time.monotonic() - self._wiped_at_s < WIPE_GRACE_S:
+        if wiped:
             self._workers = known  # the workers re-register with their next heartbeats
         else:  # a worker gone from the registry (deregistered, expired) leaves the view at once
             self._workers = {role: [w for w in fresh[role] if w.address in by_address] for role in ROLES}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,10 +14,14 @@ from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepack: bool = True) -> LlamaForCausalLM:
+def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepack: bool = True,
+               shard: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
     """Loads weights from every ``*.safetensors`` file in ``hf_dir`` (transformers' layout: the
     separate Q/K/V and gate/up projections are fused on load), then, with ``prepack``, packs the
     linear layers' weights for the CPU GEMM where it can (:mod:`engine.model.linear`).
+
+    ``shard``: called on the loaded model while it is still on the CPU, before it moves to
+    ``device`` and is prepacked (a tensor-parallel rank keeps its slice: engine.parallel.layers).
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
@@ -49,6 +54,8 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepac
     # Rotary tables are buffers built on "meta": rebuild them on the target device.
     rotary = model.model.rotary
     model.model.rotary = type(rotary)(config, rotary.cos.shape[-1], max_positions)
+    if shard is not None:
+        shard(model)
     model = model.to(device).eval()
     if prepack:
         prepack_linears(model)

@@ -212,7 +212,8 @@ def test_chart_default_ports_are_the_services_default_ports(tools):
 def test_resources_follow_values(tools):
     objects = helm_template(
         tools,
-        "--set", "decode.gpus=2", "--set", "decode.resources.requests.memory=40Gi",
+        "--set", "decode.gpus=2", "--set", "decode.tensorParallelSize=2",
+        "--set", "decode.resources.requests.memory=40Gi",
         "--set", "gpu.resourceName=amd.com/gpu", "--set", "kvPool.dram=32Gi",
         "--set", "prefill.replicas=3", "--set", "kvPool.replicas=2",
     )
@@ -257,6 +258,27 @@ def test_engine_settings_reach_both_workers_through_the_config_map(tools):
         env = env_of(main_container(find(objects, "Deployment", f"-{role.lower()}")))
         assert env[f"TANDEM_{role}_BLOCK_SIZE"]["valueFrom"]["configMapKeyRef"]["key"] == "block-size"
         assert env[f"TANDEM_{role}_DTYPE"]["valueFrom"]["configMapKeyRef"]["key"] == "dtype"
+
+
+def test_tensor_parallel_workers_get_one_gpu_per_rank(tools):
+    objects = helm_template(tools, "--set", "prefill.gpus=4", "--set", "prefill.tensorParallelSize=4",
+                            "--set", "prefill.resources.requests.cpu=8")
+    prefill = main_container(find(objects, "Deployment", "-prefill"))
+    env = env_of(prefill)
+    assert env["TANDEM_PREFILL_TENSOR_PARALLEL_SIZE"]["value"] == "4"
+    assert env["TANDEM_PREFILL_NUM_THREADS"]["value"] == "2"  # 8 CPUs split over 4 ranks
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 4
+    decode = env_of(main_container(find(objects, "Deployment", "-decode")))
+    assert decode["TANDEM_DECODE_TENSOR_PARALLEL_SIZE"]["value"] == "1"  # the degrees are independent
+
+
+def test_gpu_count_that_is_not_the_tensor_parallel_size_is_refused(tools):
+    proc = subprocess.run(
+        [str(tools / "helm"), "template", "tandem", str(CHART), "--set", "decode.gpus=2"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode != 0
+    assert "decode.gpus (2) must equal decode.tensorParallelSize (1)" in proc.stderr
 
 
 def test_cpu_workers_use_the_cpu_image_and_no_gpu(tools):

@@ -36,3 +36,12 @@ def test_cpu_smoke_prints_one_passing_table():
         assert check in proc.stdout
     assert "FAIL" not in proc.stdout
     assert "1/1 equal" in proc.stdout
+
+
+def test_tensor_parallel_check_says_it_was_skipped_below_two_gpus():
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks.gpu_check import tensor_parallel_rows
+
+    [row] = tensor_parallel_rows(torch.device("cpu"), "SmolLM2-135M-Instruct")
+    assert row.name == "end-to-end greedy vs HF, TP=2" and row.ok
+    assert row.note == "skipped: 0 GPU visible, TP=2 needs 2"

@@ -39,6 +39,13 @@ def test_spec_fingerprint_and_block_bytes():
     assert spec.fingerprint != other.fingerprint and len(spec.fingerprint) == 16
 
 
+def test_spec_kv_layout_is_all_heads_only():
+    spec = KVCacheSpec("m", "r", "float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+    assert spec.kv_layout == "all_heads"  # any TP degree writes and reads this one layout
+    with pytest.raises(ValueError, match="kv_layout must be one of \\('all_heads',\\), got 'per_rank'"):
+        KVCacheSpec("m", "r", "float32", 30, 3, 64, 16, kv_layout="per_rank")
+
+
 def test_block_key_identity():
     with pytest.raises(ValueError):
         BlockKey("fp")
@@ -55,3 +62,4 @@ def test_request_stops_on_length_and_stop_token():
     assert s.append_output_token(9) is FinishReason.STOP
     with pytest.raises(ValueError, match="prompt is empty"):
         Request("e", [], SamplingParams())
+

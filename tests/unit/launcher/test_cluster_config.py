@@ -36,3 +36,21 @@ def test_zero_workers_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         ClusterConfig(model="m", **{field: 0})
 
+
+
+def test_tensor_parallel_workers_split_their_threads_between_ranks():
+    from launcher.local_cluster import service_argv
+
+    config = ClusterConfig(model="m", prefill_tp=2, decode_tp=1)
+    assert (config.rank_threads("prefill", 1), config.rank_threads("decode", 2)) == (1, 2)
+    assert ClusterConfig(model="m", decode_tp=2).rank_threads("decode", 2) == 1  # 2 cores: a thread a rank
+    argv = service_argv(config, "prefill", "py", "127.0.0.1", 5000, "redis://x", num_threads=4)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--num-threads") + 1] == "2"
+    decode = service_argv(config, "decode", "py", "127.0.0.1", 5001, "redis://x", num_threads=2)
+    assert decode[decode.index("--tensor-parallel-size") + 1] == "1"
+
+
+@pytest.mark.parametrize("field", ["prefill_tp", "decode_tp"])
+def test_zero_tensor_parallel_size_is_refused(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+        ClusterConfig(model="m", **{field: 0})
