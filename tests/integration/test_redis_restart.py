@@ -107,7 +107,7 @@ def test_a_pool_rebuilds_its_index_in_a_restarted_redis(redis_server, tmp_path):
 async def test_a_heartbeat_re_registers_in_a_restarted_redis(redis_server):
     registry = WorkerRegistry(redis_server.url)
     info = WorkerInfo("d-restart", "decode", "127.0.0.1:1")
-    heartbeat = Heartbeat(registry, info, dict, interval_s=0.2, ttl_s=1.0)
+    heartbeat = Heartbeat(registry, info, None, interval_s=0.2, ttl_s=1.0)
     await heartbeat.start()
     rdb = redis_server.client()
     try:
