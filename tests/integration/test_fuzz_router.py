@@ -75,17 +75,20 @@ CHAT = {**COMMON, "logprobs": field(st.booleans()), "top_logprobs": field(st.int
             max_size=3))}
 
 
-def bodies(fields: dict) -> st.SearchStrategy[dict]:
-    optional = {name: strategy for name, strategy in fields.items() if name not in ("model",)}
-    extra = st.dictionaries(st.sampled_from(["foo", "best_of", "echo", "suffix", "user"]), json_values, max_size=2)
-    return st.builds(lambda base, more: {**base, **more}, st.fixed_dictionaries({}, optional=optional), extra).map(
-        lambda body: {"model": DEFAULT_MODEL, **body})
+def bodies(fields: dict, prompt_field: str) -> st.SearchStrategy[dict]:
+    """The prompt (``prompt_field``) always, any subset of the other fields, and sometimes
+    fields the API does not have."""
+    optional = {name: strategy for name, strategy in fields.items() if name not in ("model", prompt_field)}
+    extra = st.dictionaries(st.sampled_from(["foo", "best_of", "echo", "suffix", "user"]), json_values, max_size=1)
+    base = st.fixed_dictionaries({prompt_field: fields[prompt_field]}, optional=optional)
+    return st.builds(lambda body, more: {"model": DEFAULT_MODEL, **body, **more}, base,
+                     st.one_of(st.just({}), st.just({}), extra))
 
 
 # A request: path, raw body bytes (a JSON body, maybe cut short or not JSON at all).
 requests = st.one_of(
-    st.tuples(st.just("/v1/completions"), bodies(COMPLETION)),
-    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT)),
+    st.tuples(st.just("/v1/completions"), bodies(COMPLETION, "prompt")),
+    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT, "messages")),
 ).flatmap(lambda pair: st.tuples(st.just(pair[0]), st.sampled_from(["whole", "cut", "raw"]),
                                  st.just(json.dumps(pair[1]).encode()), st.integers(0, 200), st.binary(max_size=40)))
 
