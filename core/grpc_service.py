@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from core.fault_injection import interceptors_from_env
+
 log = logging.getLogger(__name__)
 
 # KV blocks are large (SmolLM2-135M, fp32, block_size 16: 720 KiB); allow them whole.
@@ -43,7 +45,9 @@ class GrpcService:
         self.grace_s = grace_s
         # No SO_REUSEPORT (grpc sets it by default): a second server on a taken port must fail to
         # bind, not silently share the port's connections with the first.
-        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        # interceptors: none in production; fault injection only under a chaos option (issue 16).
+        self.server = grpc.aio.server(interceptors=interceptors_from_env(),
+                                      options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.bound_port = 0

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:workers"
 ROLES = ("prefill", "decode", "pool")
+REDIS_TIMEOUT_S = 5.0  # connect and each command (generous: a loaded machine answers late)
 
 
 NO_LOAD = WorkerLoad()  # what a worker that publishes no load (a pool node) has
@@ -42,6 +43,7 @@ class WorkerInfo:
     address: str
     load: WorkerLoad = NO_LOAD
     heartbeat_time_s: float = 0.0
+    heartbeat_ttl_s: float = 0.0  # its registry key's TTL (0: an older worker that does not say)
     spec_fingerprint: str = ""
     block_size: int = 0
 
@@ -89,11 +91,15 @@ class WorkerRegistry:
     """Reads and writes worker entries; holds one Redis connection pool."""
 
     def __init__(self, redis_url: str):
-        self.redis = aioredis.from_url(redis_url, decode_responses=True)
+        # Timeouts: a hung Redis (SIGSTOP, a partition) fails a call instead of hanging it, so
+        # heartbeats, routers and the index mirror carry on and retry (issue 16).
+        self.redis = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S,
+                                       socket_connect_timeout=REDIS_TIMEOUT_S)
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Writes ``info`` with a fresh time stamp; the key expires after ``ttl_s``."""
-        info.heartbeat_time_s = time.time()
+        """Writes ``info`` with a fresh time stamp and ``ttl_s``; the key expires after ``ttl_s``.
+        Mutates: ``info.heartbeat_time_s``, ``info.heartbeat_ttl_s``."""
+        info.heartbeat_time_s, info.heartbeat_ttl_s = time.time(), ttl_s
         await self.redis.set(worker_key(info.role, info.worker_id), info.to_json(), px=int(ttl_s * 1000))
 
     async def deregister(self, role: str, worker_id: str) -> None:
@@ -151,8 +157,8 @@ class Heartbeat:
             await asyncio.sleep(self.interval_s)
             try:
                 await self._beat()
-            except Exception:  # Redis down: keep trying, the TTL tells the router
-                log.warning("heartbeat failed", exc_info=True)
+            except Exception as err:  # Redis down: keep trying, the TTL tells the router
+                log.warning("heartbeat failed: %s: %s", type(err).__name__, err)
 
     async def stop(self) -> None:
         if self._task is not None:

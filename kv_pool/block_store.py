@@ -327,6 +327,10 @@ class BlockStore:
             self.release_request(request_id)
         return lapsed
 
+    def index_events(self) -> list[BlockEvent]:
+        """One "stored" / "demoted" event per block this node can serve (kv_pool.tiers)."""
+        return self._tiers.index_events()
+
     def stats(self) -> PoolStats:
         """Current counts; reads counters only. Mutates nothing."""
         t, c, nvme = self._tiers, self._tiers.counters, self.nvme

@@ -13,12 +13,19 @@ background task writes the queued events in batches, each batch one Lua script c
 command per event cost ~45 ms of the pool's event loop per 1024 events, which delayed the RPCs
 right behind a large put). The index is a routing hint; the
 pool's own ``Lookup`` is the truth, so a Redis outage only delays the mirror (batches are retried).
+
+Redis restarted with its data lost (issue 16): the node is the truth, so the index is rebuilt
+from it. The key ``tandem:kv_index_node:{node_id}`` says the node's index is in this Redis;
+:meth:`IndexMirror.watch` checks it every second and, when it is gone, queues one event per block
+the node holds (``BlockStore.index_events``) behind the events already queued, then marks it
+complete. Replaying queued events over the snapshot is safe: each key's last event is its state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -63,6 +70,10 @@ return (#ARGV - 2) / 5
 """
 
 
+NODE_KEY_PREFIX = "tandem:kv_index_node:"
+_MARK = object()  # queued after a full snapshot: the index of this node is complete again
+
+
 class IndexMirror:
     """Queues block events and writes them to Redis; ``redis`` must decode responses to str."""
 
@@ -71,10 +82,38 @@ class IndexMirror:
         self.node_id = node_id
         self.stream_maxlen = stream_maxlen
         self.batch_max = batch_max
-        self._queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue()  # None asks the task to stop
+        self._queue: asyncio.Queue = asyncio.Queue()  # BlockEvent, _MARK, or None (stop)
         self._hdel_if_owner = redis.register_script(_HDEL_IF_OWNER)
         self._apply_events = redis.register_script(_APPLY_EVENTS)
         self._task: asyncio.Task | None = None
+        self.num_resyncs = 0  # full re-publications after the index was lost
+
+    @property
+    def node_key(self) -> str:
+        return f"{NODE_KEY_PREFIX}{self.node_id}"
+
+    async def watch(self, snapshot: Callable[[], list[BlockEvent]], interval_s: float = 1.0) -> None:
+        """Forever: every ``interval_s``, when this node's key is missing (Redis lost its data),
+        sets it to "pending", queues ``snapshot()`` and a mark that turns it "complete" once
+        written, only if it still exists: should Redis restart again before then, the key is
+        gone again and the next round re-publishes. Redis errors are logged and retried next
+        round. Mutates: the queue, ``num_resyncs``, Redis (the node key)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                if await self._redis.exists(self.node_key):
+                    continue
+                await self._redis.set(self.node_key, "pending")
+            except (RedisError, OSError):
+                log.debug("index watch: Redis unreadable", exc_info=True)
+                continue
+            events = snapshot()
+            for event in events:
+                self._queue.put_nowait(event)
+            self._queue.put_nowait(_MARK)
+            self.num_resyncs += 1
+            log.warning("the block index of node %s is gone from Redis (restarted?); re-publishing %d blocks",
+                        self.node_id, len(events))
 
     def report(self, event: BlockEvent) -> None:
         """Queues one event; never blocks (the block store's ``on_event``). Mutates: the queue."""
@@ -89,6 +128,8 @@ class IndexMirror:
         num_cleared = await self.clear_node()
         if num_cleared:
             log.info("cleared %d stale index entries of node %s", num_cleared, self.node_id)
+        await self._redis.set(self.node_key, "pending")
+        self._queue.put_nowait(_MARK)  # the (empty) index of this node is complete
         self._task = asyncio.create_task(self._run(), name="kv-index-mirror")
 
     async def stop(self, timeout_s: float = 2.0) -> None:
@@ -100,6 +141,7 @@ class IndexMirror:
             except asyncio.TimeoutError:
                 log.warning("index mirror did not drain within %.1f s", timeout_s)
         try:
+            await self._redis.delete(self.node_key)
             await self.clear_node()
         except (RedisError, OSError):
             log.warning("could not clear index entries of node %s", self.node_id, exc_info=True)
@@ -157,10 +199,16 @@ class IndexMirror:
             while len(batch) < self.batch_max and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             stopping = None in batch
-            events = [e for e in batch if e is not None]
-            while events:
+            events = [e for e in batch if isinstance(e, BlockEvent)]
+            marked = _MARK in batch
+            while events or marked:
                 try:
-                    await self._write(events)
+                    if events:
+                        await self._write(events)
+                        events = []
+                    if marked:
+                        await self._redis.set(self.node_key, "complete", xx=True)
+                        marked = False
                     break
                 except (RedisError, OSError):
                     log.warning("index mirror write failed; retrying in %.1f s", backoff_s, exc_info=True)

@@ -68,6 +68,10 @@ class NvmeTier:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
 
+    def keys(self) -> list[BlockKey]:
+        """Every block on this tier, least recently used first. Mutates nothing."""
+        return list(self._blocks)
+
     def __len__(self) -> int:
         return len(self._blocks)
 

@@ -44,6 +44,7 @@ class PoolServer:
         self._heartbeat: Heartbeat | None = None
         self._expiry_task: asyncio.Task | None = None
         self._sweep_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None  # re-publishes the index after Redis lost it
         self.address = ""
 
     async def start(self) -> None:
@@ -66,6 +67,8 @@ class PoolServer:
         await self._heartbeat.start()
         self._expiry_task = asyncio.create_task(self._expire_forever(), name="kv-pool-lease-expiry")
         self._sweep_task = asyncio.create_task(self._sweep_forever(), name="kv-pool-index-sweep")
+        self._watch_task = asyncio.create_task(
+            self._mirror.watch(self.store.index_events, self.config.heartbeat_interval_s), name="kv-pool-index-watch")
         if self.config.metrics_port:
             self._metrics.serve(self.config.metrics_port, self.config.host)
         log.info(
@@ -85,7 +88,7 @@ class PoolServer:
             except Exception:  # Redis gone: the registry key expires by itself
                 log.warning("could not deregister", exc_info=True)
         await self._grpc.stop()
-        for task in (self._expiry_task, self._sweep_task):
+        for task in (self._expiry_task, self._sweep_task, self._watch_task):
             if task is not None:
                 task.cancel()
         await self._mirror.stop()

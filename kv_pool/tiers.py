@@ -193,6 +193,16 @@ class Tiers:
             if emit:
                 self._emit("evicted", key)
 
+    def index_events(self) -> list[BlockEvent]:
+        """What the index must say about this node now: "stored" for every committed
+        content-addressed DRAM block, "demoted" for every NVMe block (to rebuild a lost index;
+        issue 16). Mutates nothing."""
+        events = [BlockEvent("stored", key) for key, block in self.blocks.items()
+                  if block.reservation is None and not key.is_scoped]
+        if self.nvme is not None:
+            events += [BlockEvent("demoted", key) for key in self.nvme.keys()]
+        return events
+
     def discard_nvme(self, key: BlockKey) -> bool:
         """Drops ``key`` from the NVMe tier if it is there; reports "evicted"."""
         if self.nvme is None or not self.nvme.discard(key):

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cli import bench as bench_command
+from chaos.cli import chaos as chaos_command
 from sim.cli import plan as plan_command
 from sim.cli import sim as sim_command
 from core.model_source import DEFAULT_MODEL, resolve_model
@@ -99,7 +100,8 @@ def main() -> None:
 @click.option("--restart/--no-restart", default=True, show_default=True,
               help="Supervise: a prefill/decode worker or KV pool process that exits is restarted with the same "
                    "flags and port (log appended; backoff 0.5 s doubling; at most 5 restarts per service in 60 s, "
-                   "then the cluster stops); the router or Redis exiting always stops it. With --ray the actor "
+                   "then the cluster stops); a private Redis is restarted the same way (empty: workers "
+                   "re-register, pools re-publish their block index); the router exiting always stops it. With --ray the actor "
                    "restarts its service the same way; a dead actor stops the cluster. --no-restart: any exit "
                    "stops the cluster (CI).")
 @click.option("--autoscale", is_flag=True,
@@ -324,6 +326,7 @@ def _print_demo(results) -> None:
 main.add_command(bench_command)
 main.add_command(sim_command)
 main.add_command(plan_command)
+main.add_command(chaos_command)
 
 if __name__ == "__main__":
     main()

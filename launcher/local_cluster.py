@@ -258,16 +258,17 @@ class LocalCluster:
         self.services.append(service)
         return service
 
-    def supervise(self) -> list[str]:
-        """One supervision pass over the started services (call it every second or so, from
-        the thread that started the cluster): restarts exited workers and pool processes with
-        their argv and port (launcher.supervisor). Returns what happened, one line each.
+    def supervise(self, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """One supervision pass over the started services but ``exclude`` (names; a chaos run
+        holds a service down that way), called every second or so from the thread that started
+        the cluster: restarts exited services with their argv and port (launcher.supervisor).
+        Returns what happened, one line each.
 
         Raises:
-            launcher.supervisor.ServiceExited: the cluster must stop (router or Redis exited,
+            launcher.supervisor.ServiceExited: the cluster must stop (the router exited,
                 restarts off, or a service restarted too often).
         """
-        return self._supervisor.poll(self.services)
+        return self._supervisor.poll([s for s in self.services if s.name not in exclude])
 
     def start(self, on_progress: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
         """Starts every service and waits until each is healthy.

@@ -1,12 +1,14 @@
 """Supervision of ``tandem up``'s processes, the way Kubernetes restarts a pod's container.
 
-A prefill/decode worker or KV pool process that exits while the cluster runs is restarted with the
-same arguments and port (its log appended to) after a backoff: ``initial_backoff_s`` doubled for
-each restart of that service still inside the window, capped at ``max_backoff_s``. At most
-``max_restarts`` restarts per service in any ``window_s`` seconds; the next exit stops the cluster
-with an error naming the service and its log. The router and Redis are never restarted: without
-them no request can be served (nor a worker registered), so their exit stops the cluster; so does
-any exit when ``max_restarts`` is 0 (``tandem up --no-restart``: fail fast, for CI).
+A prefill/decode worker, KV pool or private Redis process that exits while the cluster runs is
+restarted with the same arguments and port (its log appended to) after a backoff:
+``initial_backoff_s`` doubled for each restart of that service still inside the window, capped at
+``max_backoff_s``. At most ``max_restarts`` restarts per service in any ``window_s`` seconds; the
+next exit stops the cluster with an error naming the service and its log. A restarted Redis is
+empty (it never persists): the workers re-register with their next heartbeat and each pool node
+re-publishes its block index (kv_pool.index_mirror), while the routers keep their view (issue 16).
+The router is never restarted: without it no request can be served, so its exit stops the
+cluster; so does any exit when ``max_restarts`` is 0 (``tandem up --no-restart``: fail fast, for CI).
 
 The router rides out the gap (docs/failover.md): it marks the dead worker down, retries prefill
 elsewhere or colocated, migrates decode streams, and takes the restarted worker back once it
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-CRITICAL_SERVICES = frozenset({"router", "redis"})
+CRITICAL_SERVICES = frozenset({"router"})
 
 
 class ServiceExited(RuntimeError):
@@ -111,7 +113,7 @@ class Supervisor:
         restarted services that became healthy. Returns one line per thing that happened.
 
         Raises:
-            ServiceExited: the router or Redis exited, restarts are off, or a service spent its
+            ServiceExited: the router exited, restarts are off, or a service spent its
                 restart budget; the message names it, its exit code and its log.
         """
         now_s, events = self.clock(), []

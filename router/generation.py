@@ -11,7 +11,8 @@ decode worker, colocated). A decode stream that breaks mid-answer is resumed on 
 worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``), at most
 ``MAX_MIGRATIONS`` times: the client sees one stream, no token repeated or missing. Every attempt
 gets its own worker-facing request id (:func:`attempt_id`), so neither attempts nor clients
-reusing an id share worker or pool state; the client's id stays in logs and responses.
+reusing an id share worker or pool state; the client's id stays in logs and responses. A worker
+that hangs (stops heartbeating) fails its waiting calls the same way (router.worker_loss).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from core.request import FinishReason
 from core.registry import WorkerInfo
 from router.errors import ErrorKind, RouterError
+from router.fallback import ColocatedFallbacks
 from router.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
 from router.output import OutputProcessor, OutputStep
@@ -35,6 +37,7 @@ from router.placer import Placer
 from router.tokenizer import ModelTokenizer
 from router.validation import ValidatedRequest
 from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
+from router.worker_loss import stream_unless_lost, unless_lost
 from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class Generation:
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
         self.metrics, self.placer, self.timeout_s = metrics, placer, timeout_s
         self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
+        self.fallbacks = ColocatedFallbacks(metrics)  # colocated for want of a prefill worker
 
     async def generate(
         self, request_id: str, request: ValidatedRequest, arrival_time_s: float
@@ -151,6 +155,7 @@ class Generation:
                 run.request_id, request.prompt_token_ids, params.max_tokens,
                 self.view.workers("prefill"), self.view.workers("decode"),
             )
+            self.fallbacks.placed(len(self.view.workers("prefill")), run.placement.prefill is None)
             prefill = None
             if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
@@ -207,6 +212,7 @@ class Generation:
         for _ in range(MAX_PREFILL_ATTEMPTS):
             if failure is not None and not self.view.workers("prefill"):
                 log.warning("no prefill worker left; prefilling on the decode worker", extra={"request_id": run.request_id})
+                self.fallbacks.count("prefill_failed")
                 return None
             if failure is not None:
                 self.metrics.prefill_retried()
@@ -214,7 +220,8 @@ class Generation:
             rid = self._new_attempt(run)
             try:
                 with self.placer.attempt(worker.address):
-                    result = await self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
+                    call = self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
+                    result = await unless_lost(call, self.view.loss.lost_event(worker.address), worker.address)
             except WorkerFailedError as err:
                 failure = err
                 self._worker_failed("prefill", err, run)
@@ -276,7 +283,7 @@ class Generation:
             resume = () if prefill is not None else tuple(run.output.token_ids)
             stream = self.clients.decode(worker.address, rid, run.request, prefill, self._remaining_s(run), resume)
             try:
-                async for event in stream:
+                async for event in stream_unless_lost(stream, self.view.loss.lost_event(worker.address), worker.address):
                     if isinstance(event, DecodeTokens):
                         first = not run.sent_first_token
                         if first:

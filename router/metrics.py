@@ -57,6 +57,10 @@ class RouterMetrics:
         self.migrations = Counter(
             "tandem:migrations", "Decode streams resumed on another worker after theirs failed.", registry=r
         )
+        self.colocated_fallbacks = Counter(
+            "tandem:colocated_fallbacks", "Requests prefilled on their decode worker for want of a prefill worker "
+            "(router.fallback), by reason.", ["reason"], registry=r
+        )
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()

@@ -122,7 +122,8 @@ class OpenAIApi:
 
     async def _health(self) -> JSONResponse:
         """200 when a decode worker is live (with no prefill worker the cluster runs colocated:
-        decode workers prefill locally), else 503 saying what is missing."""
+        decode workers prefill locally; ``colocated_fallback`` when it had prefill workers and
+        lost them, router.fallback), else 503 saying what is missing."""
         counts = {role: len(self.view.workers(role)) for role in ("prefill", "decode", "pool")}
         if self.generation.shutdown.stopping:
             return JSONResponse({"status": "shutting_down", "reason": "the router is stopping", "workers": counts},
@@ -132,8 +133,9 @@ class OpenAIApi:
                 {"status": "unavailable", "reason": "no decode worker is registered", "workers": counts},
                 status_code=503,
             )
-        mode = "disaggregated" if counts["prefill"] else "colocated"
-        return JSONResponse({"status": "ok", "mode": mode, "workers": counts})
+        fallbacks = self.generation.fallbacks
+        return JSONResponse({"status": "ok", "mode": fallbacks.mode(counts["prefill"]), "workers": counts,
+                             "colocated_fallbacks": dict(fallbacks.counts)})
 
     async def _metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

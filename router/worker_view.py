@@ -6,7 +6,16 @@ address (checked every ``health_interval_s``; a check that times out proves noth
 itself when it stops heartbeating (its registry key expires after the heartbeat TTL). A
 marked-down worker comes back only when it proves healthy again: a
 heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING; one that
-disappears from the registry is forgotten (a restarted worker registers afresh).
+disappears from the registry is forgotten (a restarted worker registers afresh) once its
+heartbeat is older than the loss bound.
+
+Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
+and that does not answer a health check with SERVING is **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. When
+every entry vanished at once (Redis restarted, its data lost) the workers known before stay in
+the view for ``WIPE_GRACE_S`` while they re-register, so a Redis restart does not empty it; a
+single worker gone from the registry (deregistered, expired) leaves the view at once, though its
+calls still fail over only once it is lost. While Redis cannot be read at all, the view is kept as
+long as the health sweeps keep confirming it.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from core.registry import ROLES, WorkerInfo, WorkerRegistry
+from router.worker_loss import LossWatch
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,9 @@ class Health(enum.Enum):
 
 HealthProbe = Callable[[str], Awaitable[Health]]  # address -> its health
 PROBED_ROLES = ("prefill", "decode")
+# After a registry read finds every entry gone (Redis restarted, its data lost), the workers known
+# before stay in the view this long, or until lost, while they re-register.
+WIPE_GRACE_S = 10.0
 
 
 @dataclass
@@ -45,13 +58,16 @@ class _Down:
 class WorkerView:
     """Live workers by role, refreshed every ``interval_s``.
 
-    When Redis cannot be read the last view is kept for ``stale_after_s``, then dropped: better
-    to answer 503 than to route to workers that may have died meanwhile.
+    When Redis cannot be read the last view is kept for ``stale_after_s`` (15 s: three Redis call
+    timeouts, so a hung Redis does not outlast it) past the last read or health sweep that
+    confirmed it, then dropped: better to answer 503 than to route to workers
+    that may have died meanwhile.
     """
 
-    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 5.0,
-                 probe: HealthProbe | None = None, health_interval_s: float = 2.0):
+    def __init__(self, registry: WorkerRegistry, interval_s: float = 0.5, stale_after_s: float = 15.0,
+                 probe: HealthProbe | None = None, health_interval_s: float = 2.0, loss: LossWatch | None = None):
         self.registry = registry
+        self.loss = loss or LossWatch()
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
         self.probe = probe
@@ -59,6 +75,7 @@ class WorkerView:
         self._checked_at_s = 0.0  # time.monotonic() of the last health sweep
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refreshed_at_s = 0.0  # time.monotonic() of the last successful refresh
+        self._wiped_at_s = float("-inf")  # time.monotonic() when the registry last read empty
         self._down: dict[str, _Down] = {}  # by address
         self._task: asyncio.Task | None = None
 
@@ -79,31 +96,69 @@ class WorkerView:
         log.warning("worker %s marked down: %s", address, reason)
 
     async def refresh(self) -> None:
-        """Re-reads every role from Redis; every ``health_interval_s`` marks down the workers
-        whose health check fails; brings back marked-down workers that heartbeat again and
-        answer SERVING (mutates the down set). Raises redis errors (the loop logs them)."""
-        fresh = {role: await self.registry.list_workers(role) for role in ROLES}
-        listed = {w.address: w for ws in fresh.values() for w in ws}
-        for address in [a for a in self._down if a not in listed]:
+        """Re-reads every role from Redis; loses workers whose heartbeat stopped (router.worker_loss);
+        every ``health_interval_s`` marks down the workers whose health check fails; brings back
+        marked-down workers that heartbeat again and answer SERVING (mutates the down set).
+        Raises redis errors (the loop logs them) after a health sweep of the last view."""
+        try:
+            fresh = {role: await self.registry.list_workers(role) for role in ROLES}
+        except Exception:
+            self.loss.unreadable()
+            if await self._sweep_due():  # probes confirmed the last view
+                self._refreshed_at_s = time.monotonic()
+            raise
+        self.loss.readable()
+        for info in self.loss.observe([w for ws in fresh.values() for w in ws]):
+            await self._lose_unless_serving(info)
+        known = {role: self.loss.known(role) for role in ROLES}
+        by_address = {w.address: w for ws in known.values() for w in ws}
+        if not any(fresh.values()) and any(self._workers.values()):
+            self._wiped_at_s = time.monotonic()  # every entry gone at once: Redis lost its data
+        wiped = time.monotonic() - self._wiped_at_s < WIPE_GRACE_S
+        present = by_address.keys() if wiped else {w.address for ws in fresh.values() for w in ws}
+        for address in [a for a in self._down if a not in present]:
             log.info("worker %s left the registry; forgotten", address)
             del self._down[address]
         for address, down in list(self._down.items()):
-            if listed[address].heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
+            info = by_address.get(address)  # None: lost, its stale entry still listed
+            if info is not None and info.heartbeat_time_s > down.heartbeat_time_s and await self._probe(address) is Health.SERVING:
                 del self._down[address]
                 log.info("worker %s is healthy again (was down: %s)", address, down.reason)
-        if self.probe is not None and time.monotonic() - self._checked_at_s >= self.health_interval_s:
-            self._checked_at_s = time.monotonic()
-            self._workers = fresh  # mark_down reads the fresh heartbeats
-            await self._check_health([a for a, w in listed.items() if w.role in PROBED_ROLES and a not in self._down])
-        self._workers = fresh
+        if wiped:
+            self._workers = known  # the workers re-register with their next heartbeats
+        else:  # a worker gone from the registry (deregistered, expired) leaves the view at once
+            self._workers = {role: [w for w in fresh[role] if w.address in by_address] for role in ROLES}
+        await self._sweep_due()
         self._refreshed_at_s = time.monotonic()
 
-    async def _check_health(self, addresses: list[str]) -> None:
-        """Probes ``addresses`` concurrently; marks down those that are NOT_SERVING."""
+    async def _lose_unless_serving(self, info: WorkerInfo) -> None:
+        """A worker whose heartbeat stood still past its bound: lost, unless it answers a health
+        check with SERVING (then its heartbeats only ran late). Without a probe: lost."""
+        if self.probe is not None and await self._probe(info.address) is Health.SERVING:
+            self.loss.spare(info.address)
+            log.info("worker %s heartbeat %g s late but it answers SERVING; kept", info.address,
+                     self.loss.bound_s(info))
+            return
+        self.loss.lose(info.address)
+        log.warning("worker %s lost: no heartbeat for %g s", info.address, self.loss.bound_s(info))
+
+    async def _sweep_due(self) -> int:
+        """Health-checks the view's prefill and decode workers if ``health_interval_s`` passed.
+        Returns how many answered SERVING (0 when no sweep was due)."""
+        if self.probe is None or time.monotonic() - self._checked_at_s < self.health_interval_s:
+            return 0
+        self._checked_at_s = time.monotonic()
+        addresses = [w.address for role in PROBED_ROLES for w in self._workers[role] if w.address not in self._down]
+        return await self._check_health(addresses) > 0
+
+    async def _check_health(self, addresses: list[str]) -> int:
+        """Probes ``addresses`` concurrently; marks down those that are NOT_SERVING. Returns how
+        many answered SERVING."""
         results = await asyncio.gather(*(self._probe(a) for a in addresses))
         for address, health in zip(addresses, results):
             if health is Health.NOT_SERVING:
                 self.mark_down(address, "health check: not serving")
+        return sum(health is Health.SERVING for health in results)
 
     async def _probe(self, address: str) -> Health:
         if self.probe is None:

@@ -706,12 +706,16 @@ async def test_without_prefill_workers_the_decode_worker_runs_colocated(cluster:
     await cluster.deregister(("prefill",))
     try:
         health = await cluster.http.get("/health")
-        assert (health.status_code, health.json()["mode"]) == (200, "colocated")
+        # It had prefill workers: running colocated now is a fall-back, and says so (router.fallback).
+        assert (health.status_code, health.json()["mode"]) == (200, "colocated_fallback")
+        before = health.json()["colocated_fallbacks"].get("no_prefill_worker", 0)
         response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
         assert response.status_code == 200
         decode = cluster.fakes.decode_requests[-1]
         assert not decode.HasField("first_token_id") and not decode.HasField("manifest")
         assert len(cluster.fakes.prefill_requests) == num_prefills
+        after = (await cluster.http.get("/health")).json()["colocated_fallbacks"]["no_prefill_worker"]
+        assert after == before + 1
     finally:
         await cluster.register()
 

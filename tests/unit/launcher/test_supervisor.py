@@ -102,10 +102,15 @@ def test_the_sixth_exit_within_the_window_stops_the_cluster():
         supervisor.poll([decode])
 
 
-@pytest.mark.parametrize("name", ["router", "redis"])
-def test_router_or_redis_exiting_stops_the_cluster(name):
-    with pytest.raises(ServiceExited, match=rf"^{name} exited \(0\); the cluster cannot run without it"):
-        Supervisor(RestartPolicy()).poll([FakeService("decode"), FakeService(name, code=0)])
+def test_the_router_exiting_stops_the_cluster():
+    with pytest.raises(ServiceExited, match=r"^router exited \(0\); the cluster cannot run without it"):
+        Supervisor(RestartPolicy()).poll([FakeService("decode"), FakeService("router", code=0)])
+
+
+def test_redis_exiting_is_restarted_like_a_worker():
+    redis = FakeService("redis", code=-9)
+    events = Supervisor(RestartPolicy()).poll([FakeService("decode"), redis])
+    assert events == [f"redis exited (-9); restarting it in 0.5 s (restart 1 of at most 5 in 60 s); see {redis.log_location}"]
 
 
 def test_no_restart_fails_fast():

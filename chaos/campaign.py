@@ -1,0 +1,169 @@
+"""Runs a campaign's scenarios one after another on one local cluster and measures each.
+
+Per scenario: the workload is replayed while its faults fire; ``tandem up``'s supervision runs
+all along (killed services come back). Then every stopped process is resumed, the cluster must be
+whole again (every service up and registered with the router), and workers and pool must be idle
+within ``idle_bound_s``: what is still held then is **leaked**. Greedy answers are compared with
+the Hugging Face reference (**wrong**). Throughput recovery: the first moment after the last
+fault ended when the token rate over a ``RECOVERY_WINDOW_S`` window is back to half the rate
+before the first fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.client import ClientConfig
+from bench.workloads import BenchRequest
+from chaos.driver import Driver, Outcome, Progress
+from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
+from chaos.probe import ClusterProbe
+from chaos.reference import reference_key
+from chaos.schedule import Campaign, Scenario
+from launcher.local_cluster import LocalCluster
+
+RECOVERY_WINDOW_S = 2.0
+RECOVERED_FRACTION = 0.5
+SUPERVISE_INTERVAL_S = 0.5
+WHOLE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    faults: list[FaultLog]
+    counts: dict[str, int]  # sent, completed, error, lost, wrong, cancelled
+    leaked: dict[str, int]  # service.field -> count still held after idle_bound_s (empty: none)
+    idle_after_s: float | None  # how long until idle once the run ended (None: never within the bound)
+    rss_growth_bytes: int
+    recovery_s: float | None  # None: no fault, no baseline, or not recovered within the run
+    duration_s: float
+    examples: dict[str, list[str]] = field(default_factory=dict)  # a few errors / lost, by status
+    supervision: list[str] = field(default_factory=list)  # what tandem up's supervision did
+
+
+def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
+    """Seconds from the last fault's end until the token rate is back to RECOVERED_FRACTION of
+    its rate before the first fault (None when there is no such baseline or no recovery)."""
+    if not faults or not progress.token_times_s:
+        return None
+    times = progress.token_times_s
+    first_fault_s = min(f.start_s for f in faults)
+    before = [t for t in times if t < first_fault_s]
+    if len(before) < 2 or first_fault_s - before[0] < RECOVERY_WINDOW_S:
+        return None
+    baseline = len(before) / (first_fault_s - before[0])
+    end_s = max(f.end_s for f in faults)
+    window: list[float] = []
+    for t in (t for t in times if t >= end_s):
+        window.append(t)
+        while window[0] < t - RECOVERY_WINDOW_S:
+            window.pop(0)
+        if t - end_s >= RECOVERY_WINDOW_S and len(window) / RECOVERY_WINDOW_S >= RECOVERED_FRACTION * baseline:
+            return t - end_s
+    return None
+
+
+def count(outcomes: list[Outcome], requests: list[BenchRequest], refs: dict[str, str] | None) -> dict[str, int]:
+    counts = {"sent": len(outcomes), "completed": 0, "error": 0, "lost": 0, "wrong": 0, "cancelled": 0}
+    for o in outcomes:
+        counts[o.status] += 1
+        if o.status == "completed" and refs is not None and o.text != refs[reference_key(requests[o.workload_index])]:
+            counts["wrong"] += 1
+    return counts
+
+
+def _examples(outcomes: list[Outcome]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for o in outcomes:
+        if o.status in ("error", "lost") and len(out.setdefault(o.status, [])) < 3:
+            out[o.status].append(f"#{o.index} at {o.start_s:.1f} s: {o.error}")
+    return out
+
+
+class CampaignRunner:
+    """Runs scenarios on ``cluster`` (started, healthy); methods run in one event loop on the
+    thread that started the cluster (supervision forks from it)."""
+
+    def __init__(self, cluster: LocalCluster, campaign: Campaign, requests: list[BenchRequest],
+                 client: ClientConfig, refs: dict[str, str] | None, fault_file: str, expected_workers: dict[str, int]):
+        self.cluster, self.campaign, self.requests, self.client = cluster, campaign, requests, client
+        self.refs, self.fault_file, self.expected_workers = refs, fault_file, expected_workers
+
+    async def run(self, scenario: Scenario, seed: int) -> ScenarioResult:
+        probe = ClusterProbe(self.cluster)
+        rss_before = probe.rss_bytes()
+        c = self.campaign
+        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, c.duration_s)
+        ctx = FaultContext(self.cluster, driver, self.fault_file)
+        events: list[str] = []
+        supervisor = asyncio.create_task(self._supervise(ctx, events))
+        try:
+            logs = [FaultLog(f) for f in scenario.faults]
+            fault_tasks = [asyncio.create_task(run_fault(f, ctx, log)) for f, log in zip(scenario.faults, logs)]
+            outcomes = await driver.run()
+            for task, log in zip(fault_tasks, logs):
+                if log.note == "not triggered":  # its time or token count never came
+                    task.cancel()
+            await asyncio.gather(*fault_tasks, return_exceptions=True)
+            resume_stopped(ctx)
+            duration_s = driver.progress.now_s()
+            await self._wait_whole()
+            idle_after_s, leaked = await self._wait_idle(probe)
+        finally:
+            resume_stopped(ctx)
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
+        rss_growth = probe.rss_bytes() - rss_before
+        probe.close()
+        return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
+                              rss_growth, recovery_s(driver.progress, [f for f in logs if f.note != "not triggered"]), duration_s, _examples(outcomes), events)
+
+    async def _supervise(self, ctx: FaultContext, events: list[str]) -> None:
+        while True:
+            events += supervise(ctx)
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    async def _wait_whole(self) -> None:
+        """Until every service runs and the router sees every worker (or WHOLE_TIMEOUT_S).
+
+        Raises:
+            RuntimeError: the cluster is not whole in time.
+        """
+        deadline = time.monotonic() + WHOLE_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                try:
+                    reply = await http.get(f"{self.cluster.http_url}/health")
+                    counts = reply.json().get("workers", {})
+                except (httpx.HTTPError, ValueError):
+                    counts = {}
+                running = all(s.exit_code() is None for s in self.cluster.services)
+                if running and all(counts.get(role) == n for role, n in self.expected_workers.items()):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster is not whole {WHOLE_TIMEOUT_S:g} s after the run: router "
+                                       f"sees {counts}, expected {self.expected_workers}")
+                await asyncio.sleep(0.5)  # polling the router, not synchronising
+
+    async def _wait_idle(self, probe: ClusterProbe) -> tuple[float | None, dict[str, int]]:
+        start = time.monotonic()
+        while True:
+            busy = await asyncio.to_thread(probe.busy)
+            if not busy:
+                return time.monotonic() - start, {}
+            if time.monotonic() - start > self.campaign.idle_bound_s:
+                return None, busy
+            await asyncio.sleep(0.5)  # polling stats, not synchronising
+
+
+def result_json(result: ScenarioResult) -> dict:
+    data = dataclasses.asdict(result)
+    data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),
+                       "note": f.note} for f in result.faults]
+    return data

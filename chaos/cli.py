@@ -1,0 +1,134 @@
+"""``tandem chaos CAMPAIGN.yaml``: a fault campaign on a local cluster (docs/failover.md).
+
+Starts ``tandem up``'s local cluster as the campaign's ``cluster`` says (its services started
+with the fault-injection file of core.fault_injection), computes the Hugging Face references
+once (cached next to the results), runs each scenario and writes ``results.json`` and
+``results.md`` to ``--out``. Exits 1 when a scenario lost, got wrong or leaked anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from bench.client import ClientConfig
+from bench.synthesis import SynthesisConfig
+from bench.workloads import WorkloadConfig, load_workload
+from chaos import report
+from chaos.campaign import CampaignRunner, ScenarioResult, result_json
+from chaos.reference import references
+from chaos.schedule import Campaign, load_campaign
+from core.fault_injection import ENV_VAR
+from core.model_source import DEFAULT_MODEL, resolve_model
+from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+
+console = Console()
+
+
+def cluster_config(campaign: Campaign, model: str, log_dir: Path) -> ClusterConfig:
+    """The campaign's ``cluster`` mapping as a ClusterConfig (ports picked free). Raises
+    ValueError naming an unknown field."""
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    values = dict(campaign.cluster)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"cluster: unknown field(s) {unknown}")
+    for name in ("extra_worker_args", "extra_router_args"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return ClusterConfig(model=model, http_port=free_port(), grpc_port=free_port(), log_dir=log_dir, **values)
+
+
+def workload(campaign: Campaign) -> WorkloadConfig:
+    values = dict(campaign.workload)
+    values.setdefault("kind", "prompts")
+    values["path"] = Path(values["path"]) if values.get("path") else None
+    if "synthesis" in values:
+        values["synthesis"] = SynthesisConfig(**values["synthesis"])
+    return WorkloadConfig(**values)
+
+
+def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, with_reference: bool = True,
+                 only: tuple[str, ...] = ()) -> list[ScenarioResult]:
+    """Runs ``campaign`` (the scenarios named in ``only``, or all) and writes its results.
+
+    Raises:
+        ValueError: a bad campaign or scenario name.
+        RuntimeError: the cluster did not start or did not become whole after a scenario.
+    """
+    scenarios = [s for s in campaign.scenarios if not only or s.name in only]
+    if only and len(scenarios) != len(only):
+        raise ValueError(f"unknown scenario(s) {sorted(set(only) - {s.name for s in scenarios})}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests = load_workload(workload(campaign))
+    refs = references(requests, model, out_dir / "references.json") if with_reference else None
+    fault_file = str((out_dir / "faults.json").resolve())
+    (out_dir / "faults.json").write_text('{"rules": []}')
+    config = cluster_config(campaign, model, out_dir / "logs")
+    expected = {"decode": config.num_decode_workers, "pool": 1,
+                **({} if config.colocated else {"prefill": config.num_prefill_workers})}
+    results: list[ScenarioResult] = []
+    with _fault_injection(fault_file), LocalCluster(config) as cluster:
+        cluster.start(on_progress=console.print)
+        client = ClientConfig(cluster.http_url, resolve_model(model).name, timeout_s=campaign.deadline_s)
+        runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected)
+        rng = random.Random(campaign.seed)
+        for scenario in scenarios:
+            console.print(f"scenario: {scenario.name}")
+            results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31))))
+            _write(out_dir, campaign, results, with_reference)
+    return results
+
+
+@contextlib.contextmanager
+def _fault_injection(fault_file: str) -> Iterator[None]:
+    """Names ``fault_file`` in the environment every service started meanwhile inherits (the
+    chaos option of core.fault_injection); restores the environment after."""
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = fault_file
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
+
+
+def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], with_reference: bool) -> None:
+    data = {"seed": campaign.seed, "cluster": campaign.cluster, "workload": campaign.workload,
+            "concurrency": campaign.concurrency, "scenarios": [result_json(r) for r in results]}
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=str))
+    (out_dir / "results.md").write_text(report.markdown(results, with_reference))
+
+
+@click.command()
+@click.argument("campaign_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", "out_dir", default=".cache/chaos", show_default=True, type=click.Path(path_type=Path),
+              help="Results (results.md, results.json), reference cache and service logs.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--scenario", "only", multiple=True, help="Run only this scenario (repeatable).")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="Compare greedy answers with Hugging Face transformers (computed once, cached).")
+def chaos(campaign_path: Path, out_dir: Path, model: str, only: tuple[str, ...], reference: bool) -> None:
+    """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster."""
+    try:
+        campaign = load_campaign(campaign_path)
+        results = run_campaign(campaign, out_dir, model, reference, only)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    console.print(report.markdown(results, reference))
+    misses = report.failed(results)
+    for line in misses:
+        console.print(f"[red]target missed[/]: {line}")
+    if misses:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,67 @@
+"""What the cluster holds, read through its stats RPCs and /proc: idle or not, leaked, RSS."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from launcher.local_cluster import LocalCluster
+from tandem.v1 import decode_worker_pb2_grpc, kv_pool_pb2, kv_pool_pb2_grpc, prefill_worker_pb2, prefill_worker_pb2_grpc
+
+POOL_BUSY_FIELDS = ("num_writing_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases")
+WORKER_BUSY_FIELDS = ("num_used_blocks", "num_requests_running", "num_requests_waiting")
+STATS_TIMEOUT_S = 5.0
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _stub(name: str, channel: grpc.Channel):
+    if name == "kv_pool":
+        return kv_pool_pb2_grpc.KVPoolStub(channel)
+    if name.startswith("prefill"):
+        return prefill_worker_pb2_grpc.PrefillWorkerStub(channel)
+    return decode_worker_pb2_grpc.DecodeWorkerStub(channel)
+
+
+class ClusterProbe:
+    """Stats of the pool and every worker process of ``cluster`` (blocking gRPC calls)."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self._channels = {name: grpc.insecure_channel(address) for name, address in cluster.addresses.items()}
+
+    def busy(self) -> dict[str, int]:
+        """Non-idle counts by ``service.field`` (empty when idle): pool blocks writing, leased or
+        scoped and leases; worker blocks used and requests running or waiting. A service that
+        does not answer counts as ``service.unreachable`` 1."""
+        found: dict[str, int] = {}
+        for name, channel in self._channels.items():
+            fields = POOL_BUSY_FIELDS if name == "kv_pool" else WORKER_BUSY_FIELDS
+            request = kv_pool_pb2.GetPoolStatsRequest() if name == "kv_pool" else prefill_worker_pb2.GetWorkerStatsRequest()
+            try:
+                stats = _stub(name, channel).GetStats(request, timeout=STATS_TIMEOUT_S)
+            except grpc.RpcError:
+                found[f"{name}.unreachable"] = 1
+                continue
+            found.update({f"{name}.{f}": getattr(stats, f) for f in fields if getattr(stats, f)})
+        return found
+
+    def pool_capacity_bytes(self) -> int:
+        stats = _stub("kv_pool", self._channels["kv_pool"]).GetStats(kv_pool_pb2.GetPoolStatsRequest(),
+                                                                      timeout=STATS_TIMEOUT_S)
+        return stats.capacity_bytes - stats.used_bytes
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every service process, summed (Linux /proc; 0 for one that is gone)."""
+        total = 0
+        for service in self.cluster.services:
+            try:
+                with open(f"/proc/{service.process.pid}/statm") as f:
+                    total += int(f.read().split()[1]) * PAGE_BYTES
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()

@@ -1,0 +1,42 @@
+"""A campaign's results as a markdown table (one row per scenario) and JSON."""
+
+from __future__ import annotations
+
+from chaos.campaign import ScenarioResult
+
+MIB = 1024 * 1024
+COLUMNS = ("scenario", "faults", "sent", "completed", "explicit errors", "lost", "wrong", "client cancels",
+           "leaked", "idle after (s)", "RSS growth (MiB)", "recovery (s)")
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def row(result: ScenarioResult, with_reference: bool) -> list[str]:
+    c = result.counts
+    faults = "; ".join(f"{f.fault.label}" + ("" if f.note != "not triggered" else " (not triggered)")
+                       for f in result.faults) or "none"
+    leaked = sum(result.leaked.values())
+    return [result.name, faults, str(c["sent"]), str(c["completed"]), str(c["error"]), str(c["lost"]),
+            str(c["wrong"]) if with_reference else "n/a", str(c["cancelled"]),
+            str(leaked) if not leaked else f"{leaked} ({', '.join(f'{k}={v}' for k, v in result.leaked.items())})",
+            _num(result.idle_after_s), _num(result.rss_growth_bytes / MIB), _num(result.recovery_s)]
+
+
+def markdown(results: list[ScenarioResult], with_reference: bool = True) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row(r, with_reference)) + " |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def failed(results: list[ScenarioResult]) -> list[str]:
+    """One line per scenario that missed a target (lost, wrong or leaked not 0)."""
+    out = []
+    for r in results:
+        bad = {k: r.counts[k] for k in ("lost", "wrong") if r.counts[k]}
+        if r.leaked:
+            bad["leaked"] = sum(r.leaked.values())
+        if bad:
+            out.append(f"{r.name}: {bad}")
+    return out

@@ -1,0 +1,39 @@
+"""The small fault campaign CI runs (issue 16): chaos/campaigns/ci.yaml through ``tandem chaos``'s
+own code on a real local cluster (1 prefill + 2 decode workers, the real model).
+
+Every scenario must end with nothing lost, nothing wrong (greedy text equal to Hugging Face's) and
+nothing leaked (workers and pool idle within the campaign's idle bound), and the faults must have
+done what they say: the hung decode worker's streams migrated, Redis came back empty and the pool
+re-published its index, the disconnects and the storm cancelled requests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos.cli import run_campaign
+from chaos.schedule import load_campaign
+
+pytestmark = pytest.mark.e2e
+CAMPAIGN = Path(__file__).resolve().parents[2] / "chaos" / "campaigns" / "ci.yaml"
+
+
+def test_the_ci_campaign_loses_nothing(tmp_path):
+    results = {r.name: r for r in run_campaign(load_campaign(CAMPAIGN), tmp_path)}
+    assert list(results) == ["decode worker hangs", "redis restart", "client disconnects", "abort storm"]
+    for name, result in results.items():
+        c = result.counts
+        assert (c["lost"], c["wrong"], result.leaked) == (0, 0, {}), (name, c, result.leaked, result.examples)
+        assert c["completed"] + c["error"] + c["cancelled"] == c["sent"] >= 12, (name, c)
+        assert all(f.note != "not triggered" for f in result.faults), (name, result.faults)
+    for name in ("decode worker hangs", "redis restart"):
+        assert results[name].counts["completed"] == results[name].counts["sent"], results[name].examples
+    router_log = (tmp_path / "logs" / "router.log").read_text()
+    assert "lost: no heartbeat for 5 s" in router_log and "resuming on another decode worker" in router_log
+    assert "redis restarted" in results["redis restart"].supervision
+    assert "re-publishing" in (tmp_path / "logs" / "kv_pool.log").read_text()
+    assert results["client disconnects"].counts["cancelled"] >= 1
+    assert results["abort storm"].counts["cancelled"] >= 1
+    assert (tmp_path / "results.md").read_text().count("\n") == 2 + len(results)

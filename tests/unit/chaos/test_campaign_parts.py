@@ -1,0 +1,91 @@
+"""chaos from plain values: schedule parsing (errors name the field), outcome counting against
+references, throughput recovery from token times, the markdown row."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.workloads import BenchRequest
+from chaos.campaign import ScenarioResult, count, recovery_s
+from chaos.driver import Outcome, Progress
+from chaos.faults import FaultLog
+from chaos.reference import reference_key
+from chaos.report import failed, markdown
+from chaos.schedule import Fault, parse_campaign
+
+CAMPAIGN = {
+    "seed": 3, "deadline_s": 60,
+    "cluster": {"num_decode_workers": 2},
+    "workload": {"kind": "prompts", "num_requests": 4, "max_tokens": 8, "concurrency": 2},
+    "scenarios": [
+        {"name": "hang", "faults": [{"at_tokens": 10, "do": "sigstop", "service": "decode-1", "duration_s": 5}]},
+        {"name": "redis", "faults": [{"at_s": 1, "do": "redis_restart"}]},
+    ],
+}
+
+
+def test_a_campaign_parses_into_checked_values():
+    campaign = parse_campaign(CAMPAIGN)
+    assert (campaign.seed, campaign.deadline_s, campaign.concurrency) == (3, 60.0, 2)
+    assert campaign.workload == {"kind": "prompts", "num_requests": 4, "max_tokens": 8}
+    hang, redis = campaign.scenarios
+    assert hang.faults == (Fault("sigstop", at_tokens=10, service="decode-1", duration_s=5),)
+    assert hang.faults[0].label == "sigstop decode-1 @ 10 tokens for 5 s"
+    assert redis.faults[0].label == "redis_restart @ 1 s"
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"at_s": 1, "do": "explode"}, "scenarios\\[0\\].faults\\[0\\]: do must be one of"),
+    ({"do": "sigkill", "service": "decode"}, "exactly one of at_s and at_tokens"),
+    ({"at_s": 1, "at_tokens": 3, "do": "sigkill", "service": "decode"}, "exactly one of at_s and at_tokens"),
+    ({"at_s": 1, "do": "sigkill"}, "sigkill needs service"),
+    ({"at_s": 1, "do": "disconnect", "stage": "later"}, "stage must be one of"),
+    ({"at_s": 1, "do": "abort_storm", "fraction": 2}, "fraction and probability must be in \\[0, 1\\]"),
+    ({"at_s": 1, "do": "burst", "when": 3}, "unknown fault field\\(s\\) \\['when'\\]"),
+])
+def test_bad_faults_are_refused_naming_the_field(fault, message):
+    with pytest.raises(ValueError, match=message):
+        parse_campaign({"scenarios": [{"name": "x", "faults": [fault]}]})
+
+
+def test_a_campaign_without_scenarios_or_with_unknown_keys_is_refused():
+    with pytest.raises(ValueError, match="scenarios must not be empty"):
+        parse_campaign({"seed": 1})
+    with pytest.raises(ValueError, match="unknown campaign field\\(s\\) \\['sed'\\]"):
+        parse_campaign({"sed": 1, "scenarios": [{"name": "x"}]})
+
+
+def test_outcomes_are_counted_and_wrong_answers_found():
+    requests = [BenchRequest("a", 4), BenchRequest("b", 4)]
+    refs = {reference_key(requests[0]): "alpha", reference_key(requests[1]): "beta"}
+    outcomes = [Outcome(0, 0, 0.0, status="completed", text="alpha"), Outcome(1, 1, 0.0, status="completed", text="bet"),
+                Outcome(2, 0, 0.0, status="error"), Outcome(3, 1, 0.0, status="lost"),
+                Outcome(4, 0, 0.0, status="cancelled", text="al")]
+    assert count(outcomes, requests, refs) == {"sent": 5, "completed": 2, "error": 1, "lost": 1, "wrong": 1,
+                                               "cancelled": 1}
+    assert count(outcomes, requests, None)["wrong"] == 0
+
+
+def test_recovery_is_the_time_until_half_the_rate_before_the_fault():
+    progress = Progress()
+    # 10 tokens/s for 4 s, nothing during the fault (4-6 s), then 2 tokens/s, then 10 tokens/s from 9 s.
+    progress.token_times_s = ([i / 10 for i in range(40)] + [6 + i / 2 for i in range(6)]
+                              + [9 + i / 10 for i in range(30)])
+    fault = FaultLog(Fault("sigstop", at_s=4, service="decode", duration_s=2), start_s=4.0, end_s=6.0, note="")
+    recovered = recovery_s(progress, [fault])
+    # Baseline 40 tokens / 4 s; recovered at the first t with >= 10 tokens in [t - 2, t]: at 9.7 s
+    # (8.0 and 8.5, then 9.0 ... 9.7).
+    assert recovered == pytest.approx(9.7 - 6.0)
+    assert recovery_s(progress, []) is None
+    early = FaultLog(fault.fault, start_s=1.0, end_s=2.0, note="")
+    assert recovery_s(progress, [early]) is None  # under 2 s of baseline
+
+
+def test_the_markdown_row_and_missed_targets():
+    result = ScenarioResult("hang", [FaultLog(Fault("sigstop", at_s=1, service="decode"), 1.0, 1.0, "")],
+                            {"sent": 4, "completed": 3, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
+                            {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024, 1.25, 10.0)
+    table = markdown([result])
+    assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
+                                     "| n/a | 3.0 | 1.2 |")
+    assert failed([result]) == ["hang: {'leaked': 2}"]
