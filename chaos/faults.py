@@ -29,7 +29,7 @@ from chaos.driver import DisconnectPlan, Driver
 from chaos.schedule import Fault
 from core.block_key import BlockKey
 from core.fault_injection import FaultRule, write_rules
-from core.pool_client import AsyncPoolClient
+from core.pool_client import PoolClient
 from launcher.local_cluster import LocalCluster
 
 FILL_BLOCK_BYTES = 4 * 1024 * 1024
@@ -115,17 +115,18 @@ async def _pool_dram_full(fault: Fault, ctx: FaultContext) -> str:
     from chaos.probe import ClusterProbe  # blocking stats call, once
 
     free_bytes = await asyncio.to_thread(lambda: ClusterProbe(ctx.cluster).pool_capacity_bytes())
-    async with AsyncPoolClient(ctx.cluster.addresses["kv_pool"], timeout_s=30) as pool:
+    with PoolClient(ctx.cluster.addresses["kv_pool"], timeout_s=30) as pool:  # blocking calls, in a thread
         num_blocks = 0
         for i in range(max(1, free_bytes // FILL_BLOCK_BYTES + 1)):
             key = BlockKey.scoped("chaos-fill", FILL_REQUEST_ID, i)
             try:
-                await pool.put_blocks([(key, bytes(FILL_BLOCK_BYTES))], FILL_REQUEST_ID, fault.duration_s + 60)
+                await asyncio.to_thread(pool.put_blocks, [(key, bytes(FILL_BLOCK_BYTES))], FILL_REQUEST_ID,
+                                        fault.duration_s + 60)
             except Exception:  # full: RESOURCE_EXHAUSTED
                 break
             num_blocks += 1
         await asyncio.sleep(fault.duration_s)
-        await pool.release_request(FILL_REQUEST_ID)
+        await asyncio.to_thread(pool.release_request, FILL_REQUEST_ID)
     return f"held {num_blocks} blocks of {FILL_BLOCK_BYTES} bytes for {fault.duration_s:g} s"
 
 

@@ -3,6 +3,7 @@ and each mode (delay, error, truncate, corrupt) does what it says to a real GetB
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from core.block_key import BlockKey
 from core.fault_injection import ENV_VAR, FaultRule, write_rules
-from core.pool_client import AsyncPoolClient
+from core.pool_client import PoolClient
 from core.grpc_service import aio_channel
 from kv_pool.config import PoolConfig
 from kv_pool.server import PoolServer
@@ -47,8 +48,8 @@ async def test_each_fault_mode_on_a_real_pool(redis_url, free_port, tmp_path, mo
 async def check_modes(server: PoolServer, fault_file: str) -> None:
     key = BlockKey.content("fp-chaos", 7)
     data = bytes(range(256)) * 1024  # 256 KiB: one chunk
-    client = AsyncPoolClient(server.address, timeout_s=10)
-    await client.put_blocks([(key, data)])
+    client = PoolClient(server.address, timeout_s=10)  # blocking: each call in a thread
+    await asyncio.to_thread(client.put_blocks, [(key, data)])
     assert b"".join(m.data for m in await get_all(server.address, key)) == data  # no file: no faults
 
     write_rules(fault_file, [FaultRule("corrupt", ("GetBlocks",))])
@@ -56,18 +57,18 @@ async def check_modes(server: PoolServer, fault_file: str) -> None:
     assert message.data[0] == data[0] ^ 0xFF and message.data[1:] == data[1:]
 
     write_rules(fault_file, [FaultRule("error", ("Lookup",), code="DATA_LOSS")])
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await client.lookup("fp-chaos", [7])
+    with pytest.raises(grpc.RpcError) as info:
+        await asyncio.to_thread(client.lookup, "fp-chaos", [7])
     assert info.value.code() is grpc.StatusCode.DATA_LOSS and info.value.details() == "chaos: injected DATA_LOSS"
 
     write_rules(fault_file, [FaultRule("delay", ("Lookup",), delay_s=0.3)])
     start = time.monotonic()
-    assert await client.lookup("fp-chaos", [7]) == 1
+    assert await asyncio.to_thread(client.lookup, "fp-chaos", [7]) == 1
     assert time.monotonic() - start >= 0.3
 
     write_rules(fault_file, [])
-    assert await client.lookup("fp-chaos", [7]) == 1
-    await client.close()
+    assert await asyncio.to_thread(client.lookup, "fp-chaos", [7]) == 1
+    client.close()
 
 
 def test_bad_rules_are_refused_naming_the_field():

@@ -172,7 +172,8 @@ async def test_a_hung_prefill_is_retried_once_its_worker_is_lost(tokenizer):
     assert tokens == clients.answer
     assert [a for a, _ in clients.prefill_calls] == ["prefill:0", "prefill:1"]
     assert counter(generation, "tandem:prefill_retries_total") == 1
-    assert {rid for _, rid in clients.released} == {rid for _, rid in clients.prefill_calls}
+    # Pool state is released by the workers' KV connectors (or the lease deadline), never the router.
+    assert not hasattr(clients, "release")
 
 
 async def test_unless_lost_cancels_a_hung_call_and_names_the_worker():
