@@ -26,6 +26,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.grpc_service import cluster_channel
 from launcher.supervisor import RestartPolicy, StartInterrupted, Supervisor
 
 _PR_SET_PDEATHSIG = 1
@@ -131,7 +132,7 @@ class Service:
 
 def _grpc_ready(address: str) -> Callable[[], bool]:
     def check() -> bool:
-        with grpc.insecure_channel(address) as channel:
+        with cluster_channel(address) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             except grpc.RpcError:
