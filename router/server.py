@@ -9,9 +9,11 @@ import logging
 import uvicorn
 from grpc_health.v1 import health_pb2
 
+from core.grpc_auth import api_key_gate
 from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
+from router.auth import ApiKeyMiddleware
 from router.config import RouterConfig
 from router.admission import Admission
 from router.generation import Generation
@@ -87,13 +89,17 @@ class RouterServer:
                       PoolPrefixIndex(self.registry.redis))
 
     async def _start_grpc(self) -> None:
-        self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s)
+        gates = [api_key_gate(self.config.api_keys)] if self.config.api_keys else []
+        self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s,
+                                internal=False, gates=gates)
         servicer = RouterServicer(self.validator, self.generation, self.metrics)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
         self.grpc_port = await self.grpc.start()
 
     async def _start_http(self) -> None:
         app = OpenAIApi(self.validator, self.generation, self.view, self.metrics).app
+        if self.config.api_keys:
+            app.add_middleware(ApiKeyMiddleware, api_keys=self.config.api_keys, open_paths=self.config.open_paths)
         uv_config = uvicorn.Config(
             app, host=self.config.host, port=self.config.http_port, log_config=None, access_log=False,
             lifespan="off", timeout_graceful_shutdown=max(1, int(self.config.shutdown_grace_s)),
