@@ -79,6 +79,12 @@ def main() -> None:
 @click.option("--tbt-slo-s", default=0.0, show_default=True, type=float, help="Router TBT SLO (0: none).")
 @click.option("--max-queue-s", default=0.5, show_default=True, type=float,
               help="The router refuses (429) a request missing the SLOs only past this much queued work.")
+@click.option("--api-key", "api_keys", multiple=True, envvar="TANDEM_API_KEY",
+              help="A key clients must send as 'Authorization: Bearer <key>' to the router (repeat for several; "
+                   "env TANDEM_API_KEY, space-separated). Unset: the API is open.")
+@click.option("--api-key-file", default="", help="A file of API keys, one a line, added to --api-key.")
+@click.option("--cluster-token", default="", envvar="TANDEM_CLUSTER_TOKEN",
+              help="Shared secret the pool and worker RPCs demand (gRPC metadata); unset: none.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
@@ -194,15 +200,17 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
     Raises:
         click.ClickException: one line naming the flag to change.
     """
+    from router.auth import load_api_keys
     from router.config import RouterConfig  # torch-free
 
     try:
+        kwargs["api_keys"] = load_api_keys(kwargs.pop("api_keys"), kwargs.pop("api_key_file"))
         if check_ports:
             check_ports_free(kwargs["host"], {"--http-port": kwargs["http_port"], "--grpc-port": kwargs["grpc_port"]})
         check_engine_sizes(*(kwargs[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len")))
         RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
-                     max_model_len=kwargs["max_model_len"])
+                     max_model_len=kwargs["max_model_len"], api_keys=kwargs["api_keys"])
         prompts = _demo_prompts(prompts_path, num_prompts) if demo else []
         restart = RestartPolicy() if kwargs.pop("restart") else RestartPolicy(max_restarts=0)
         config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),

@@ -72,6 +72,11 @@ class ClusterConfig:
     num_decode_workers: int = 1
     # Restarts of exited worker and pool processes (max_restarts 0: any exit stops the cluster).
     restart: RestartPolicy = RestartPolicy()
+    # Keys clients must send to the router (router.auth); empty: open. Passed in the environment,
+    # never in argv (which `ps` shows).
+    api_keys: tuple[str, ...] = ()
+    # Shared secret of the cluster's internal RPCs (core.grpc_auth); empty: none.
+    cluster_token: str = ""
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -216,6 +221,14 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
     ]
 
 
+def service_env(c: ClusterConfig, role: str) -> dict[str, str]:
+    """Environment variables of one service beyond the launcher's own: its secrets."""
+    env = {"TANDEM_CLUSTER_TOKEN": c.cluster_token} if c.cluster_token else {}
+    if role == "router" and c.api_keys:
+        env["TANDEM_ROUTER_API_KEY"] = " ".join(c.api_keys)
+    return env
+
+
 def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
@@ -238,7 +251,8 @@ class LocalCluster:
         self._stop_if_interrupted(name)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        env = env or {}
+        role = "router" if name == "router" else "kv_pool" if name == "kv_pool" else "worker"
+        env = {**service_env(self.config, role), **(env or {})} if name != "redis" else (env or {})
         service = Service(name, _popen(argv, env, log_path), ready, log_path, argv, env)
         self.services.append(service)
         return service
