@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "k8s" / "helm" / "tandem"
 MULTINODE = DEPLOY / "k8s" / "helm" / "values-multinode-gpu.yaml"
+SECURE = DEPLOY / "k8s" / "helm" / "values-secure.yaml"
 TOOLS = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
 
 # Settings the chart and manifests already pass as env but the services do not read yet (unknown
@@ -146,6 +147,7 @@ def renderings(tools: Path) -> dict[str, list[dict]]:
     return {
         "helm-default": helm_template(tools),
         "helm-multinode": helm_template(tools, "-f", str(MULTINODE)),
+        "helm-secure": helm_template(tools, "-f", str(SECURE)),
         "kustomize-dev": kustomize(tools, "dev"),
         "kustomize-gpu-rdma": kustomize(tools, "gpu-rdma"),
     }
