@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import click
-from prometheus_client import Gauge, start_http_server
+from prometheus_client import REGISTRY, start_http_server
 
 from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
@@ -24,6 +24,7 @@ from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.pool_locator import PoolLocator  # noqa: F401  (re-exported: servicers import it from here)
+from engine.worker_metrics import WorkerCollector
 from tandem.v1 import prefill_worker_pb2
 
 log = logging.getLogger(__name__)
@@ -131,27 +132,6 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         calibration_steps=kwargs.get("calibration_steps", 16),
     )
     return worker, engine_config, kwargs["log_level"]
-
-
-def _export_gauges(engine: AsyncEngine, role: str) -> None:
-    labels = {"role": role}
-    Gauge("tandem:num_requests_running", "Requests in the running batch", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_requests_running
-    )
-    Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_requests_waiting
-    )
-    Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_used_blocks / max(1, engine.stats().num_total_blocks)
-    )
-    coefficient = Gauge("tandem:cost_model_coefficient_seconds",
-                        "Fitted step-time coefficient (seconds per step, token, sequence or 1k attention pairs)",
-                        ["role", "coefficient"])
-    for name in ("base_s", "per_token_s", "per_seq_s", "per_attn_s"):
-        coefficient.labels(role=role, coefficient=name).set_function(
-            lambda name=name: getattr(engine.stats().cost_model, name))
-    Gauge("tandem:kv_load_bandwidth_bytes_per_second", "Measured pool -> worker KV bandwidth (EWMA)",
-          ["role"]).labels(**labels).set_function(lambda: engine.kv_load.bytes_per_s)
 
 
 def load_dict(engine: AsyncEngine) -> dict[str, float]:
@@ -263,9 +243,9 @@ def serve_worker(
             heartbeat = Heartbeat(registry, info, lambda: load_dict(async_engine),
                                   worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
             await heartbeat.start()
-            if worker.metrics_port:
-                _export_gauges(async_engine, worker.role)
-                start_http_server(worker.metrics_port)
+            if worker.metrics_port:  # vLLM-named gauges (engine.worker_metrics) + KV transfer counters
+                REGISTRY.register(WorkerCollector(lambda: load_dict(async_engine), worker.role, engine_config.model))
+                start_http_server(worker.metrics_port, addr=worker.host)
             log.info("serving %s on %s", service_name, address)
 
         async def stop() -> None:

@@ -14,6 +14,7 @@ from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
 from router.auth import ApiKeyMiddleware
+from router.cluster_metrics import ClusterCollector
 from router.config import RouterConfig
 from router.admission import Admission
 from router.generation import Generation
@@ -73,6 +74,7 @@ class RouterServer:
         self.generation = Generation(
             self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
         )
+        self.metrics.registry.register(ClusterCollector(self.view))  # the cluster view on /metrics
         await self.view.start()
         await self._start_grpc()
         await self._start_http()

@@ -106,7 +106,7 @@ async def test_http_with_any_configured_key_is_served_and_health_metrics_are_ope
             assert response.json()["choices"][0]["text"] == TEXT
         assert (await http.get("/health")).status_code == 200
         metrics = await http.get("/metrics")
-        assert metrics.status_code == 200 and "tandem:request_success_total" in metrics.text
+        assert metrics.status_code == 200 and "vllm:request_success_total" in metrics.text
     cluster.script()
     client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="key-two")
     reply = await client.completions.create(model=DEFAULT_MODEL, prompt="Say hello", max_tokens=40)
