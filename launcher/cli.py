@@ -140,6 +140,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
         console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
+        _print_metrics(getattr(cluster, "metrics_urls", None) or {"router": f"{cluster.http_url}/metrics"})
         if demo:
             _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
         else:
@@ -153,6 +154,13 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
+
+
+def _print_metrics(urls: dict[str, str]) -> None:
+    """Where each process serves Prometheus metrics (the router's also shows the whole cluster)."""
+    if urls:
+        console.print("metrics: " + "  ".join(f"{name} {url}" for name, url in urls.items())
+                      + "  (router: the whole cluster; `tandem status` shows it live)")
 
 
 def _catch_stop_signals() -> tuple[threading.Event, list[int]]:

@@ -199,13 +199,16 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
 
 
 def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,
-                 pool_address: str = "", num_threads: int = 1) -> list[str]:
+                 pool_address: str = "", num_threads: int = 1, metrics_port: int = 0) -> list[str]:
     """``python -m <package> <flags>`` of one service (role: kv_pool, prefill, decode, router).
 
-    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``). Shared by the local and
-    the Ray launcher, so both start the services with the same flags.
+    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``); ``metrics_port``: where
+    a pool or worker serves ``/metrics`` (0: off; the router serves it on its HTTP port). Shared
+    by the local and the Ray launcher, so both start the services with the same flags.
     """
     common = [python, "-m", SERVICE_PACKAGES[role], "--host", host, "--redis-url", redis_url]
+    if metrics_port and role != "router":
+        common += ["--metrics-port", str(metrics_port)]
     if role == "kv_pool":
         return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes)]
     if role == "router":
@@ -245,6 +248,8 @@ class LocalCluster:
         self.grpc_address = f"{config.host}:{config.grpc_port}"
         # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
+        # Where each service serves Prometheus metrics, by name; the router's has the cluster view.
+        self.metrics_urls: dict[str, str] = {"router": f"{self.http_url}/metrics"}
         self._supervisor = Supervisor(config.restart)
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
@@ -283,15 +288,19 @@ class LocalCluster:
             self.start_redis(on_progress, timeout_s)
         self.addresses = {"kv_pool": f"{c.host}:{free_port()}"}
         self.addresses.update({name: f"{c.host}:{free_port()}" for name, _ in c.worker_names})
+        metrics_ports = {name: free_port() for name in self.addresses}
+        self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
         pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, _port(self.addresses["kv_pool"]),
-                                                   self.redis_url), _grpc_ready(self.addresses["kv_pool"]))
+                                                   self.redis_url, metrics_port=metrics_ports["kv_pool"]),
+                           _grpc_ready(self.addresses["kv_pool"]))
         self._wait(pool, on_progress, timeout_s)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
         threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
                                  c.num_prefill_workers, c.num_decode_workers)
         workers = [
             self._spawn(name, service_argv(c, role, py, c.host, _port(self.addresses[name]), self.redis_url,
-                                           pool_address=self.addresses["kv_pool"], num_threads=threads[role]),
+                                           pool_address=self.addresses["kv_pool"], num_threads=threads[role],
+                                           metrics_port=metrics_ports[name]),
                         _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads[role])})
             for name, role in c.worker_names
         ]

@@ -1,5 +1,5 @@
-"""`tandem up --api-key/--api-key-file/--cluster-token`: the keys reach the router and the token
-every service, through the environment (argv, which `ps` shows, never holds them)."""
+"""`tandem up`: API keys reach the router and the cluster token every service through the
+environment (argv, which `ps` shows, never holds them); pool and workers get a metrics port."""
 
 from __future__ import annotations
 
@@ -44,3 +44,14 @@ def test_without_keys_nothing_is_added(monkeypatch) -> None:
 def test_tandem_api_key_env_holds_several(monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_API_KEY", "a b")
     assert _config([]).api_keys == ("a", "b")
+
+
+def test_pool_and_workers_get_a_metrics_port_the_router_does_not(monkeypatch) -> None:
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    config = _config([])
+    for role in ("kv_pool", "prefill", "decode"):
+        argv = service_argv(config, role, "python", "127.0.0.1", 1, "redis://x:1/0", metrics_port=9123)
+        assert argv[argv.index("--metrics-port") + 1] == "9123", role
+        assert "--metrics-port" not in service_argv(config, role, "python", "127.0.0.1", 1, "redis://x:1/0")
+    assert "--metrics-port" not in service_argv(config, "router", "python", "127.0.0.1", 1, "redis://x:1/0",
+                                                metrics_port=9123)
