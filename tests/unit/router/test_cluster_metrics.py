@@ -9,7 +9,8 @@ from core.registry import WorkerInfo
 from router.cluster_metrics import ClusterCollector
 
 DECODE_LOAD = {"num_requests_running": 4, "num_requests_waiting": 1, "num_used_blocks": 64, "num_total_blocks": 256,
-               "num_free_blocks": 192, "recent_step_time_s": 0.05, "num_preemptions": 3, "cost_per_token_s": 2e-5}
+               "num_free_blocks": 192, "recent_step_time_s": 0.05, "num_preemptions": 3, "cost_per_token_s": 2e-5,
+               "num_waiting_tokens": 30, "cost_kv_load_bytes_per_s": 2e9}
 POOL_LOAD = {"capacity_bytes": 1000, "used_bytes": 250, "num_dram_blocks": 5, "num_dram_hits": 40,
              "num_dram_misses": 10, "nvme_capacity_bytes": 4000, "nvme_used_bytes": 100, "num_nvme_blocks": 2,
              "num_nvme_hits": 6, "num_nvme_misses": 4, "num_leases": 1}
