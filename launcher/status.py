@@ -90,7 +90,7 @@ def _fixed(value: float, digits: int = 1) -> str:
 
 def workers_table(snap: Snapshot) -> Table:
     table = Table("role", "worker", "running", "waiting", "KV used", "free blocks", "step ms",
-                  "cost model: base ms / us per token / us per seq", title="Workers")
+                  "cost: base ms", "us/token", "us/seq", title="Workers (cost: the fitted step-time model)")
     running = snap.by("tandem:worker_num_requests_running", "role", "worker_id")
     coeff = snap.by("tandem:worker_cost_model_coefficient_seconds", "role", "worker_id", "coefficient")
     for role, worker in sorted(running, key=lambda k: (k[0] != "prefill", k[1])):
@@ -104,8 +104,7 @@ def workers_table(snap: Snapshot) -> Table:
                       _fmt(snap.value("tandem:worker_kv_cache_usage_perc", **ids), "%"),
                       _fmt(snap.value("tandem:worker_kv_free_blocks", **ids)),
                       _fmt(snap.value("tandem:worker_step_time_seconds", **ids), "ms"),
-                      " / ".join(_fixed(c(k) * scale) for k, scale in
-                                 (("base_s", 1e3), ("per_token_s", 1e6), ("per_seq_s", 1e6))))
+                      *(_fixed(c(k) * scale) for k, scale in (("base_s", 1e3), ("per_token_s", 1e6), ("per_seq_s", 1e6))))
     return table
 
 

@@ -56,9 +56,8 @@ def test_render_shows_workers_pool_and_rates() -> None:
     assert "live processes: prefill 1  decode 1  pool 1" in text
     rows = {cells[1] + " " + cells[2]: cells[1:-1] for cells in
             ([c.strip() for c in line.split("│")] for line in text.splitlines() if line.count("│") > 2)}
-    # role, worker, running, waiting, KV used, free blocks, step ms, cost model
-    assert rows["decode decode-0"][:7] == ["decode", "decode-0", "4", "1", "25.0%", "192", "50.0"]
-    assert rows["decode decode-0"][7] == "- / 20.0 / -"  # only per_token_s was published
+    # role, worker, running, waiting, KV used, free blocks, step ms, cost base ms, us/token, us/seq
+    assert rows["decode decode-0"] == ["decode", "decode-0", "4", "1", "25.0%", "192", "50.0", "-", "20.0", "-"]
     # node, tier, used, capacity, used %, blocks, hit rate, leases
     assert rows["pool-0 dram"] == ["pool-0", "dram", "250 B", "1000 B", "25.0%", "5", "80.0%", "1"]
     assert rows["pool-0 nvme"] == ["pool-0", "nvme", "100 B", "3.9 KiB", "2.5%", "2", "60.0%", ""]
