@@ -26,12 +26,7 @@ TOOLS = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
 
 # Settings the chart and manifests already pass as env but the services do not read yet (unknown
 # env vars are ignored by click). A flag that appears in the service drops out of this list by itself.
-PENDING_FLAGS = {
-    "router": {"ROUTING_POLICY", "TTFT_SLO_MS", "TBT_SLO_MS"},
-    "prefill_worker": {"TRANSFER_BACKEND"},
-    "decode_worker": {"TRANSFER_BACKEND", "NUM_SCHEDULER_STEPS"},
-    "kv_pool": {"NVME_PATH", "NVME_CAPACITY_BYTES"},
-}
+PENDING_FLAGS: dict[str, set[str]] = {"router": set(), "prefill_worker": set(), "decode_worker": set(), "kv_pool": set()}
 # module -> (env prefix, source files declaring its click options, file defining SERVICE_NAME)
 SERVICES = {
     "router": ("TANDEM_ROUTER_", ["router/__main__.py"], "router/grpc_api.py"),
