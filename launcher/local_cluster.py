@@ -77,13 +77,24 @@ class ClusterConfig:
     api_keys: tuple[str, ...] = ()
     # Shared secret of the cluster's internal RPCs (core.grpc_auth); empty: none.
     cluster_token: str = ""
+    # KV blocks of each prefill worker's cache; 0: num_kv_blocks (the decode workers').
+    prefill_num_kv_blocks: int = 0
+    # KV pool processes; the workers spread blocks over all of them (core.pool_ring).
+    num_pool_nodes: int = 1
+    # KV pool flags beyond capacity (lease TTL, NVMe tier: python -m kv_pool --help).
+    extra_pool_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        for name in ("num_prefill_workers", "num_decode_workers"):
+        for name in ("num_prefill_workers", "num_decode_workers", "num_pool_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Service names of the pool nodes: ``kv_pool``, then ``kv_pool-1``, ..."""
+        return tuple("kv_pool" if i == 0 else f"kv_pool-{i}" for i in range(self.num_pool_nodes))
 
     @property
     def worker_roles(self) -> tuple[str, ...]:
@@ -210,14 +221,15 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
     if metrics_port and role != "router":
         common += ["--metrics-port", str(metrics_port)]
     if role == "kv_pool":
-        return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes)]
+        return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes), *c.extra_pool_args]
     if role == "router":
         return [*common, "--http-port", str(c.http_port), "--grpc-port", str(port),
                 "--model", c.model, "--max-model-len", str(c.max_model_len), *c.extra_router_args]
     if role not in ("prefill", "decode"):
         raise ValueError(f"unknown service role {role!r}")
+    num_kv_blocks = c.prefill_num_kv_blocks if role == "prefill" and c.prefill_num_kv_blocks else c.num_kv_blocks
     return [
-        *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
+        *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(num_kv_blocks),
         "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
         "--max-model-len", str(c.max_model_len), "--pool-address", pool_address,
         *c.extra_worker_args, "--port", str(port), "--num-threads", str(num_threads),
@@ -230,6 +242,19 @@ def service_env(c: ClusterConfig, role: str) -> dict[str, str]:
     if role == "router" and c.api_keys:
         env["TANDEM_ROUTER_API_KEY"] = " ".join(c.api_keys)
     return env
+
+
+def pool_node_args(name: str, c: ClusterConfig) -> list[str]:
+    """What sets pool node ``name`` apart when several share this host: its id and, with an NVMe
+    tier, a folder of its own under ``--nvme-path`` (a repeated flag: the last one counts)."""
+    if c.num_pool_nodes == 1:
+        return []
+    index = name.removeprefix("kv_pool").lstrip("-") or "0"
+    args = ["--node-id", f"pool-{index}"]
+    if "--nvme-path" in c.extra_pool_args:
+        base = c.extra_pool_args[c.extra_pool_args.index("--nvme-path") + 1]
+        args += ["--nvme-path", str(Path(base) / f"pool-{index}")]
+    return args
 
 
 def _port(address: str) -> int:
@@ -256,7 +281,7 @@ class LocalCluster:
         self._stop_if_interrupted(name)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        role = "router" if name == "router" else "kv_pool" if name == "kv_pool" else "worker"
+        role = "router" if name == "router" else "kv_pool" if name.startswith("kv_pool") else "worker"
         env = {**service_env(self.config, role), **(env or {})} if name != "redis" else (env or {})
         service = Service(name, _popen(argv, env, log_path), ready, log_path, argv, env)
         self.services.append(service)
@@ -286,20 +311,22 @@ class LocalCluster:
         py = sys.executable
         if not self.redis_url:
             self.start_redis(on_progress, timeout_s)
-        self.addresses = {"kv_pool": f"{c.host}:{free_port()}"}
+        self.addresses = {name: f"{c.host}:{free_port()}" for name in c.pool_names}
         self.addresses.update({name: f"{c.host}:{free_port()}" for name, _ in c.worker_names})
         metrics_ports = {name: free_port() for name in self.addresses}
         self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
-        pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, _port(self.addresses["kv_pool"]),
-                                                   self.redis_url, metrics_port=metrics_ports["kv_pool"]),
-                           _grpc_ready(self.addresses["kv_pool"]))
-        self._wait(pool, on_progress, timeout_s)
+        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]), self.redis_url,
+                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c),
+                             _grpc_ready(self.addresses[name])) for name in c.pool_names]
+        for pool in pools:
+            self._wait(pool, on_progress, timeout_s)
+        pool_address = ",".join(self.addresses[name] for name in c.pool_names)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
         threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
                                  c.num_prefill_workers, c.num_decode_workers)
         workers = [
             self._spawn(name, service_argv(c, role, py, c.host, _port(self.addresses[name]), self.redis_url,
-                                           pool_address=self.addresses["kv_pool"], num_threads=threads[role],
+                                           pool_address=pool_address, num_threads=threads[role],
                                            metrics_port=metrics_ports[name]),
                         _grpc_ready(self.addresses[name]), env={"OMP_NUM_THREADS": str(threads[role])})
             for name, role in c.worker_names

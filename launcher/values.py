@@ -21,7 +21,6 @@ from typing import Any
 import jsonschema
 import yaml
 
-from launcher.preflight import ByteSize
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "helm" / "tandem"
 DEFAULT_NVME_DIR = Path(".cache") / "tandem-nvme"
@@ -75,16 +74,32 @@ def _model(values: Mapping) -> str | None:
     return None  # huggingface / pvc: a Kubernetes download or volume; --model says where it is here
 
 
+_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes byte quantity (``16Gi``, ``500M``, ``1024``) in bytes, as the chart's
+    ``tandem.bytes`` helper reads it. Raises ValueError on anything else."""
+    text = str(quantity)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
+            return int(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"{quantity!r} is not a byte quantity (e.g. 16Gi, 500M, 1024)")
+
+
 def _pool_capacity_bytes(values: Mapping) -> int:
-    pool = values["kvPool"]
-    return ByteSize().convert(pool["dram"], None, None) // 100 * int(pool["arenaPercent"])  # as the chart's pod does
+    pool = values["kvPool"]  # as the chart's pod computes it: memory request / 100 * arena percent
+    return quantity_bytes(pool["dram"]) // 100 * int(pool["arenaPercent"])
 
 
 def _nvme_capacity_bytes(values: Mapping) -> int:
     nvme = values["kvPool"]["nvme"]
     if nvme["type"] == "none":
         return 0
-    return ByteSize().convert(nvme["size"], None, None) * int(nvme["usePercent"]) // 100
+    return quantity_bytes(nvme["size"]) * int(nvme["usePercent"]) // 100
 
 
 def _nvme_path(values: Mapping) -> str:
@@ -113,8 +128,8 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "request_timeout_s": lambda v: float(v["routing"]["requestTimeoutS"]),
     "http_port": lambda v: v["router"]["httpPort"],
     "grpc_port": lambda v: v["router"]["grpcPort"],
-    "colocated": lambda v: v["prefill"]["replicas"] == 0,
-    "num_prefill_workers": lambda v: max(1, v["prefill"]["replicas"]),
+    "colocated": lambda v: v["prefill"]["replicas"] == 0 or None,
+    "num_prefill_workers": lambda v: v["prefill"]["replicas"] or None,
     "num_decode_workers": lambda v: v["decode"]["replicas"],
     "prefill_num_kv_blocks": lambda v: v["prefill"]["numKvBlocks"],
     "num_kv_blocks": lambda v: v["decode"]["numKvBlocks"],

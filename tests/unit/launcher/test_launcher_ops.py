@@ -12,7 +12,7 @@ from launcher.local_cluster import service_argv, service_env
 def _config(args: list[str], env: dict[str, str] | None = None):
     ctx = up.make_context("up", args, default_map=None)
     params = dict(ctx.params)
-    for name in ("demo", "prompts_path", "num_prompts", "max_tokens", "log_dir", "use_ray", "address"):
+    for name in ("demo", "prompts_path", "num_prompts", "max_tokens", "log_dir", "use_ray", "address", "print_config"):
         params.pop(name)
     config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
     return config
