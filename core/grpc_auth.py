@@ -31,6 +31,8 @@ from pathlib import Path
 
 import grpc
 
+from core import tracing
+
 CLUSTER_TOKEN_METADATA = "x-tandem-cluster-token"
 AUTHORIZATION_METADATA = "authorization"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -180,14 +182,21 @@ def api_key_gate(api_keys: Sequence[str]) -> MetadataGate:
 
 # ---- client side -------------------------------------------------------------------------------
 
+MetadataFn = Callable[[], Sequence[tuple[str, str]]]  # what to add to one call, computed per call
+
+
 def _with_metadata(details, extra: Sequence[tuple[str, str]]):
     metadata = [*(details.metadata or ()), *extra]
     return details._replace(metadata=metadata)
 
 
 class _AioMetadata:
-    def __init__(self, extra: Sequence[tuple[str, str]]):
-        self.extra = tuple(extra)
+    def __init__(self, extra_fn: MetadataFn):
+        self.extra_fn = extra_fn
+
+    @property
+    def extra(self) -> Sequence[tuple[str, str]]:
+        return self.extra_fn()
 
 
 # grpc.aio files an interceptor under the first of the four kinds it is an instance of, so each
@@ -212,9 +221,9 @@ class _AioStreamStream(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_with_metadata(details, self.extra), request_iterator)
 
 
-def _aio_interceptors(extra: Sequence[tuple[str, str]]) -> list:
-    """Interceptors adding ``extra`` metadata to every call of an asyncio channel."""
-    return [kind(extra) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
+def _aio_interceptors(extra_fn: MetadataFn) -> list:
+    """Interceptors adding ``extra_fn()`` metadata to every call of an asyncio channel."""
+    return [kind(extra_fn) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
 class _SyncDetails(grpc.ClientCallDetails):
@@ -227,13 +236,13 @@ class _SyncDetails(grpc.ClientCallDetails):
 
 class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds fixed metadata to every call of a blocking channel."""
+    """Adds ``extra_fn()`` metadata to every call of a blocking channel."""
 
-    def __init__(self, extra: Sequence[tuple[str, str]]):
-        self.extra = tuple(extra)
+    def __init__(self, extra_fn: MetadataFn):
+        self.extra_fn = extra_fn
 
     def _details(self, details):
-        return _SyncDetails(details, [*(details.metadata or ()), *self.extra])
+        return _SyncDetails(details, [*(details.metadata or ()), *self.extra_fn()])
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
@@ -248,8 +257,13 @@ class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCl
         return continuation(self._details(details), request_iterator)
 
 
-def _token_metadata(security: ClusterSecurity) -> list[tuple[str, str]]:
-    return [(CLUSTER_TOKEN_METADATA, security.token)] if security.token else []
+def _metadata_fn(security: ClusterSecurity) -> MetadataFn | None:
+    """What every call of a new channel carries: the cluster token, and the current span's
+    ``traceparent`` while tracing is on (core.tracing); None: nothing."""
+    token = [(CLUSTER_TOKEN_METADATA, security.token)] if security.token else []
+    if tracing.enabled():
+        return lambda: [*token, *tracing.inject_metadata()]
+    return (lambda: token) if token else None
 
 
 def channel(address: str, options: Sequence[tuple], security: ClusterSecurity) -> grpc.Channel:
@@ -259,15 +273,15 @@ def channel(address: str, options: Sequence[tuple], security: ClusterSecurity) -
         raw = grpc.secure_channel(address, security.channel_credentials(), options=options)
     else:
         raw = grpc.insecure_channel(address, options=options)
-    extra = _token_metadata(security)
-    return grpc.intercept_channel(raw, _SyncTokenInterceptor(extra)) if extra else raw
+    extra_fn = _metadata_fn(security)
+    return grpc.intercept_channel(raw, _SyncTokenInterceptor(extra_fn)) if extra_fn else raw
 
 
 def aio_channel(address: str, options: Sequence[tuple], security: ClusterSecurity) -> grpc.aio.Channel:
     """An asyncio channel to a cluster-internal server: TLS when configured, the token attached."""
     options = [*options, *security.channel_options()]
-    extra = _token_metadata(security)
-    interceptors = _aio_interceptors(extra) if extra else None
+    extra_fn = _metadata_fn(security)
+    interceptors = _aio_interceptors(extra_fn) if extra_fn else None
     if security.tls:
         return grpc.aio.secure_channel(address, security.channel_credentials(), options=options,
                                        interceptors=interceptors)

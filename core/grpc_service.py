@@ -11,7 +11,7 @@ from functools import cache
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from core import grpc_auth
+from core import grpc_auth, tracing
 from core.grpc_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class GrpcService:
     An internal service (pool, workers) refuses RPCs without the cluster token (UNAUTHENTICATED)
     and serves TLS when ``security`` (default: :func:`process_security`) says so; a public one
     (the router) takes its ``gates`` instead (API keys, core.grpc_auth) and serves plaintext.
-    ``grpc.health.v1`` stays open either way.
+    ``grpc.health.v1`` stays open either way. With tracing on (core.tracing) every RPC gets a span.
     """
 
     def __init__(self, host: str, port: int, service_names: Iterable[str], grace_s: float = 5.0,
@@ -71,12 +71,16 @@ class GrpcService:
         self.service_names = list(service_names)
         self.grace_s = grace_s
         security = (security or process_security()) if internal else ClusterSecurity()
-        interceptors = list(gates)
+        server_name = self.service_names[0] if self.service_names else "tandem"
+        tracing.configure_from_env(server_name)  # OTEL_EXPORTER_OTLP_ENDPOINT set: traces on (once per process)
+        interceptors = [tracing.TracingInterceptor(server_name)] if tracing.enabled() else []
+        interceptors += list(gates)
         if security.token:
             interceptors.append(grpc_auth.cluster_gate(security.token))
         self._credentials = security.server_credentials()
         # No SO_REUSEPORT (grpc sets it by default): a second server on a taken port must fail to
         # bind, not silently share the port's connections with the first.
+        self.interceptors = tuple(interceptors)
         self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
                                       interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()

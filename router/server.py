@@ -9,6 +9,7 @@ import logging
 import uvicorn
 from grpc_health.v1 import health_pb2
 
+from core import tracing
 from core.grpc_auth import api_key_gate
 from core.grpc_service import GrpcService
 from core.model_source import resolve_model
@@ -19,6 +20,7 @@ from router.config import RouterConfig
 from router.admission import Admission
 from router.generation import Generation
 from router.grpc_api import SERVICE_NAME, RouterServicer
+from router.http_tracing import TracingMiddleware
 from router.metrics import RouterMetrics
 from router.openai_api import OpenAIApi
 from router.placement import SLO
@@ -102,6 +104,8 @@ class RouterServer:
         app = OpenAIApi(self.validator, self.generation, self.view, self.metrics).app
         if self.config.api_keys:
             app.add_middleware(ApiKeyMiddleware, api_keys=self.config.api_keys, open_paths=self.config.open_paths)
+        if tracing.enabled():  # outermost: a refused request is traced too
+            app.add_middleware(TracingMiddleware)
         uv_config = uvicorn.Config(
             app, host=self.config.host, port=self.config.http_port, log_config=None, access_log=False,
             lifespan="off", timeout_graceful_shutdown=max(1, int(self.config.shutdown_grace_s)),
