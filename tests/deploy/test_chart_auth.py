@@ -82,3 +82,13 @@ def test_network_policies_are_the_same_with_access_control_on(secure, default) -
         return sorted((o["metadata"]["name"], repr(o["spec"])) for o in objects if o["kind"] == "NetworkPolicy")
 
     assert policies(secure) == policies(default) and policies(default)
+
+
+def test_an_otlp_endpoint_reaches_every_service(tools) -> None:  # noqa: F811
+    objects = helm_template(tools, "--set", "tracing.otlpEndpoint=http://otel-collector.monitoring:4317")
+    modules = set()
+    for module, container in tandem_containers(objects):
+        assert env_of(container)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector.monitoring:4317"
+        modules.add(module)
+    assert modules == {"router", *HEALTH}
+    assert all("OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(c) for _, c in tandem_containers(helm_template(tools)))

@@ -313,8 +313,12 @@ affinity:
 {{- .Values.auth.clusterToken.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "cluster-token")) -}}
 {{- end }}
 
-{{/* Env of every Tandem service: the cluster token internal RPCs carry, and the gRPC TLS files. */}}
+{{/* Env of every Tandem service: the OTLP endpoint, the cluster token internal RPCs carry, the gRPC TLS files. */}}
 {{- define "tandem.authEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT  # core.tracing: spans of every RPC go here
+  value: {{ . | quote }}
+{{- end }}
 {{- if .Values.auth.clusterToken.enabled }}
 - name: TANDEM_CLUSTER_TOKEN
   valueFrom:
