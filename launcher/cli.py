@@ -72,7 +72,7 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
               help="Longest prompt + output in tokens; at most the model's max_position_embeddings.")
 @click.option("--pool-capacity-bytes", default="2GiB", show_default=True, type=ByteSize(),
               help="KV pool DRAM capacity: bytes or a size such as 512MiB, 2GiB.")
-@click.option("--num-pool-nodes", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--num-pool-nodes", default=1, show_default=True, type=int,
               help="KV pool processes; the workers spread blocks over them.")
 @click.option("--pool-lease-ttl-s", default=60.0, show_default=True, type=float,
               help="Lifetime of a pool lease or request-scoped block without an explicit one.")
