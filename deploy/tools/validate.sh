@@ -80,6 +80,7 @@ components:
   - $k8s_rel/components/monitoring
   - $k8s_rel/components/external-redis
   - $k8s_rel/components/nvme-hostpath
+  - $k8s_rel/components/auth
 EOF
 kubectl kustomize "$compose" >"$out/kustomize-components.yaml" \
   && check_rendered kustomize-components "$out/kustomize-components.yaml" \

@@ -3,10 +3,13 @@ and gRPC TLS on every service, probes that speak TLS, and NetworkPolicies unchan
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from core.grpc_auth import CLUSTER_ENV_VARS
-from tests.deploy.test_manifests import SECURE, check_manifests, env_of, helm_template, tandem_containers
+from tests.deploy.test_manifests import DEPLOY, SECURE, check_manifests, env_of, helm_template, tandem_containers
 from tests.deploy.test_manifests import tools  # noqa: F401  (the fixture)
 
 HEALTH = {"kv_pool": "tandem.v1.KVPool", "prefill_worker": "tandem.v1.PrefillWorker",
@@ -92,3 +95,26 @@ def test_an_otlp_endpoint_reaches_every_service(tools) -> None:  # noqa: F811
         modules.add(module)
     assert modules == {"router", *HEALTH}
     assert all("OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(c) for _, c in tandem_containers(helm_template(tools)))
+
+
+def test_the_kustomize_auth_component_wires_the_same_secrets(tools, tmp_path) -> None:  # noqa: F811
+    k8s = DEPLOY / "k8s"
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: tandem\n"
+        f"resources:\n  - {os.path.relpath(k8s / 'base', tmp_path)}\n"
+        f"components:\n  - {os.path.relpath(k8s / 'components' / 'auth', tmp_path)}\n")
+    result = subprocess.run([str(tools / "kubectl"), "kustomize", str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    objects = [o.raw for o in check_manifests.load_objects(result.stdout)]
+    assert check_manifests.check([check_manifests.Obj(o) for o in objects]) == []
+    modules = set()
+    for module, container in tandem_containers(objects):
+        ref = env_of(container)["TANDEM_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("tandem-cluster-token", "token")
+        modules.add(module)
+    assert modules == {"router", *HEALTH}
+    pod, router = _pod(objects, "router")
+    assert env_of(router)["TANDEM_ROUTER_API_KEY_FILE"]["value"] == "/etc/tandem/api-keys/api-keys"
+    assert {"name": "api-keys", "mountPath": "/etc/tandem/api-keys", "readOnly": True} in router["volumeMounts"]
+    assert next(v for v in pod["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == "tandem-api-keys"
