@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 
 import click
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -25,6 +23,7 @@ from launcher.preflight import (
     check_ports_free,
 )
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
+from launcher.status import status_command
 from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 console = Console()
@@ -364,53 +363,7 @@ def _print_demo(results) -> None:
         raise click.ClickException("some demo requests failed")
 
 
-@main.command()
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
-              help="A router: its /metrics carries the whole cluster's load.")
-@click.option("--api-key", default="", envvar="TANDEM_API_KEY",
-              help="Sent as Bearer token, for a router whose /metrics needs a key (the first of TANDEM_API_KEY).")
-@click.option("--interval-s", default=2.0, show_default=True, type=click.FloatRange(min=0.1), help="Refresh period.")
-@click.option("--once", is_flag=True, help="Print one table (totals only) and exit.")
-@click.option("--svg", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write one table (rates over --interval-s) as an SVG image and exit.")
-def status(url: str, api_key: str, interval_s: float, once: bool, svg: Path | None) -> None:
-    """A live table of a running cluster: workers by role with load, KV usage, step time and cost
-    model; pool nodes with tiers and hit rate; the router's rates and latency percentiles."""
-    from rich.live import Live
-
-    from launcher.status import metrics_url, render, scrape
-
-    target, key = metrics_url(url), (api_key.split() or [""])[0]
-
-    def take():
-        try:
-            return scrape(target, key)
-        except httpx.HTTPError as err:
-            raise click.ClickException(f"cannot read {target}: {err}") from None
-
-    first = take()
-    if once:
-        console.print(render(first))
-        return
-    if svg is not None:
-        time.sleep(interval_s)  # the refresh period: rates need a second scrape
-        recorder = Console(record=True, width=130, file=open(os.devnull, "w"))  # noqa: SIM115
-        recorder.print(render(take(), first))
-        recorder.save_svg(str(svg), title="tandem status")
-        console.print(f"wrote {svg}")
-        return
-    previous = first
-    with Live(render(first), console=console, refresh_per_second=4) as live:
-        try:
-            while True:
-                time.sleep(interval_s)  # the refresh period, not a synchronisation
-                current = take()
-                live.update(render(current, previous))
-                previous = current
-        except KeyboardInterrupt:
-            pass
-
-
+main.add_command(status_command)
 main.add_command(bench_command)
 
 if __name__ == "__main__":

@@ -9,14 +9,20 @@ their tiers and hit rate; the router's rates (between two scrapes) and latency p
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import click
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Group
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+
+_console = Console()
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -183,3 +189,45 @@ def metrics_url(base: str) -> str:
         base = base.removesuffix(suffix)
     return base + "/metrics"
 
+
+@click.command("status")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="A router: its /metrics carries the whole cluster's load.")
+@click.option("--api-key", default="", envvar="TANDEM_API_KEY",
+              help="Sent as Bearer token, for a router whose /metrics needs a key (the first of TANDEM_API_KEY).")
+@click.option("--interval-s", default=2.0, show_default=True, type=click.FloatRange(min=0.1), help="Refresh period.")
+@click.option("--once", is_flag=True, help="Print one table (totals only) and exit.")
+@click.option("--svg", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write one table (rates over --interval-s) as an SVG image and exit.")
+def status_command(url: str, api_key: str, interval_s: float, once: bool, svg: Path | None) -> None:
+    """A live table of a running cluster: workers by role with load, KV usage, step time and cost
+    model; pool nodes with tiers and hit rate; the router's rates and latency percentiles."""
+    target, key = metrics_url(url), (api_key.split() or [""])[0]
+
+    def take():
+        try:
+            return scrape(target, key)
+        except httpx.HTTPError as err:
+            raise click.ClickException(f"cannot read {target}: {err}") from None
+
+    first = take()
+    if once:
+        _console.print(render(first))
+        return
+    if svg is not None:
+        time.sleep(interval_s)  # the refresh period: rates need a second scrape
+        recorder = Console(record=True, width=130, file=open(os.devnull, "w"))  # noqa: SIM115
+        recorder.print(render(take(), first))
+        recorder.save_svg(str(svg), title="tandem status")
+        _console.print(f"wrote {svg}")
+        return
+    previous = first
+    with Live(render(first), console=_console, refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval_s)  # the refresh period, not a synchronisation
+                current = take()
+                live.update(render(current, previous))
+                previous = current
+        except KeyboardInterrupt:
+            pass
