@@ -48,8 +48,12 @@ def load_values(path: Path, chart_dir: Path = CHART_DIR) -> dict:
         raise ValueError(f"cannot read values file {path}: {err}") from err
     if not isinstance(user, dict):
         raise ValueError(f"values file {path} must hold a mapping, got {type(user).__name__}")
-    defaults = yaml.safe_load((chart_dir / "values.yaml").read_text())
-    schema = yaml.safe_load((chart_dir / "values.schema.json").read_text())
+    try:
+        defaults = yaml.safe_load((chart_dir / "values.yaml").read_text())
+        schema = yaml.safe_load((chart_dir / "values.schema.json").read_text())
+    except OSError as err:  # an install without the repository's deploy/ folder
+        raise ValueError(f"-f needs the Helm chart's values.yaml and values.schema.json in {chart_dir}: "
+                         f"{err.strerror}") from err
     values = merge(defaults, user)
     errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(values), key=lambda e: list(e.path))
     if errors:
