@@ -10,7 +10,7 @@ from core.grpc_auth import ClusterSecurity
 from core.grpc_service import GrpcService
 
 
-def test_off_by_default_adds_nothing() -> None:
+async def test_off_by_default_adds_nothing() -> None:
     assert not tracing.enabled()
     assert tracing.configure_from_env("x", env={}) is False and not tracing.enabled()
     assert grpc_auth._metadata_fn(ClusterSecurity()) is None
@@ -19,7 +19,7 @@ def test_off_by_default_adds_nothing() -> None:
     assert tracing.inject_metadata() == []
 
 
-def test_an_endpoint_turns_it_on_and_reset_turns_it_off() -> None:
+async def test_an_endpoint_turns_it_on_and_reset_turns_it_off() -> None:
     try:
         assert tracing.configure_from_env("tandem.v1.KVPool", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
         assert tracing.enabled()
