@@ -26,12 +26,22 @@ async def test_an_endpoint_turns_it_on_and_reset_turns_it_off() -> None:
         assert tracing.configure("again", exporter=InMemorySpanExporter()) is False  # once per process
         service = GrpcService("127.0.0.1", 0, ["tandem.v1.Test"], security=ClusterSecurity(token="t"))
         assert [type(i).__name__ for i in service.interceptors] == ["TracingInterceptor", "MetadataGate"]
+    finally:
+        tracing.reset()  # no span was recorded: nothing to send to the (absent) collector
+    assert not tracing.enabled()
+
+
+async def test_channels_carry_the_current_span_as_traceparent() -> None:
+    exporter = InMemorySpanExporter()
+    try:
+        assert tracing.configure("tandem-test", exporter=exporter)
         extra = grpc_auth._metadata_fn(ClusterSecurity(token="t"))
+        assert dict(extra()) == {"x-tandem-cluster-token": "t"}  # no span: no traceparent
         with tracing.tracer().start_as_current_span("outer") as span:
             metadata = dict(extra())
-        assert metadata["x-tandem-cluster-token"] == "t"
         context = span.context
+        assert metadata["x-tandem-cluster-token"] == "t"
         assert metadata["traceparent"] == f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+        assert [s.name for s in exporter.get_finished_spans()] == ["outer"]
     finally:
         tracing.reset()
-    assert not tracing.enabled()
