@@ -12,8 +12,9 @@ and decode times follow from the same coefficients, so a worker that mostly deco
 predicts its prefill, and the router compares prefill workers and decode workers in one unit.
 
 Workers fit it online (:class:`StepTimeFit`, least squares over a sliding window of recent
-steps) and publish the coefficients in their heartbeat (:meth:`CostModel.to_load`); the router
-reads them back (:meth:`CostModel.from_load`) to predict TTFT and TBT per candidate.
+steps) and publish the coefficients in their heartbeat as part of their
+:class:`core.worker_load.WorkerLoad` (``cost_*`` keys); the router parses them once per registry
+read to predict TTFT and TBT per candidate.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 
 ATTN_PAIRS_UNIT = 1000.0  # attn_pairs are counted in thousands of (query, key) pairs
-_LOAD_PREFIX = "cost_"
 
 
 def prefill_attn_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
@@ -47,8 +47,8 @@ class StepSample:
 class CostModel:
     """Fitted step-time coefficients of one worker, in seconds, plus its KV-load bandwidth.
 
-    A zero ``num_samples`` means nothing was measured yet: :meth:`from_load` returns None for it
-    and the router falls back to load counts.
+    A zero ``num_samples`` means nothing was measured yet (``WorkerLoad.fitted_cost_model`` is
+    then None) and the router falls back to load counts.
     """
 
     base_s: float = 0.0
@@ -89,33 +89,6 @@ class CostModel:
     def decode_step_s(self, batch_size: int, num_kv_tokens: int) -> float:
         """Seconds of one decode step for ``batch_size`` sequences holding ``num_kv_tokens`` in all."""
         return self.step_s(batch_size, batch_size, num_kv_tokens / ATTN_PAIRS_UNIT)
-
-    def to_load(self) -> dict[str, float]:
-        """The heartbeat fields (``cost_*``) that carry this model."""
-        return {
-            f"{_LOAD_PREFIX}base_s": self.base_s,
-            f"{_LOAD_PREFIX}per_token_s": self.per_token_s,
-            f"{_LOAD_PREFIX}per_seq_s": self.per_seq_s,
-            f"{_LOAD_PREFIX}per_attn_s": self.per_attn_s,
-            f"{_LOAD_PREFIX}num_samples": float(self.num_samples),
-            f"{_LOAD_PREFIX}max_num_batched_tokens": float(self.max_num_batched_tokens),
-            f"{_LOAD_PREFIX}kv_load_bytes_per_s": self.kv_load_bytes_per_s,
-            f"{_LOAD_PREFIX}kv_bytes_per_token": self.kv_bytes_per_token,
-        }
-
-    @classmethod
-    def from_load(cls, load: dict[str, float]) -> CostModel | None:
-        """The model a heartbeat carries; None when it carries none or nothing was measured."""
-        samples = load.get(f"{_LOAD_PREFIX}num_samples", 0)
-        if not samples:
-            return None
-        get = lambda name: float(load.get(f"{_LOAD_PREFIX}{name}", 0.0))  # noqa: E731
-        return cls(
-            base_s=get("base_s"), per_token_s=get("per_token_s"), per_seq_s=get("per_seq_s"),
-            per_attn_s=get("per_attn_s"), num_samples=int(samples),
-            max_num_batched_tokens=int(get("max_num_batched_tokens") or 2048),
-            kv_load_bytes_per_s=get("kv_load_bytes_per_s"), kv_bytes_per_token=get("kv_bytes_per_token"),
-        )
 
 
 class StepTimeFit:

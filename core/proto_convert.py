@@ -5,8 +5,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from core.block_key import BlockKey
+from core.request import FinishReason
 from core.sampling_params import SamplingParams
-from tandem.v1 import common_pb2
+from core.worker_load import WorkerLoad
+from tandem.v1 import common_pb2, prefill_worker_pb2
+
+_FINISH_REASON_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_REASON_FROM_PROTO = {v: k for k, v in _FINISH_REASON_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason) -> common_pb2.FinishReason:
+    return _FINISH_REASON_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason:
+    """The wire value's reason; UNSPECIFIED or a value this build does not know reads as ABORT
+    (the request ended, for no reason this router can name)."""
+    return _FINISH_REASON_FROM_PROTO.get(value, FinishReason.ABORT)
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams, default_temperature: float = 1.0) -> SamplingParams:
@@ -84,3 +103,33 @@ def block_key_from_proto(msg: common_pb2.BlockKey) -> BlockKey:
     if which == "scoped":
         return BlockKey.scoped(msg.spec_fingerprint, msg.scoped.request_id, msg.scoped.block_index)
     raise ValueError("BlockKey has neither block_hash nor scoped id")
+
+
+def worker_stats_to_proto(load: WorkerLoad, num_prefill_tokens: int, num_cached_tokens: int,
+                          num_generated_tokens: int) -> prefill_worker_pb2.GetWorkerStatsResponse:
+    """A worker's GetStats reply: its load plus its lifetime token counters. Fields the load
+    does not report (None) are sent as 0."""
+    cost = load.cost_model
+    return prefill_worker_pb2.GetWorkerStatsResponse(
+        num_requests_running=load.num_requests_running,
+        num_requests_waiting=load.num_requests_waiting,
+        num_total_blocks=load.num_total_blocks,
+        num_used_blocks=load.num_used_blocks,
+        num_free_blocks=load.num_free_blocks or 0,
+        num_prefill_tokens=num_prefill_tokens,
+        num_cached_tokens=num_cached_tokens,
+        num_generated_tokens=num_generated_tokens,
+        num_batched_tokens=load.num_batched_tokens,
+        num_waiting_tokens=load.num_waiting_tokens,
+        num_kv_tokens=load.num_kv_tokens,
+        recent_step_time_s=load.recent_step_time_s,
+        max_num_seqs=load.max_num_seqs or 0,
+        cost_base_s=cost.base_s,
+        cost_per_token_s=cost.per_token_s,
+        cost_per_seq_s=cost.per_seq_s,
+        cost_per_attn_s=cost.per_attn_s,
+        cost_num_samples=cost.num_samples,
+        cost_max_num_batched_tokens=cost.max_num_batched_tokens,
+        cost_kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
+        cost_kv_bytes_per_token=cost.kv_bytes_per_token,
+    )

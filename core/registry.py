@@ -1,7 +1,8 @@
 """Worker registry in Redis: one key per worker, refreshed by heartbeat, expiring by TTL (DESIGN.md §6).
 
 Key ``tandem:workers:{role}:{worker_id}`` holds a JSON :class:`WorkerInfo`; a worker that stops
-heartbeating disappears by itself after ``ttl_s``.
+heartbeating disappears by itself after ``ttl_s``. Its ``load`` is a
+:class:`core.worker_load.WorkerLoad` in that module's versioned wire format.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import redis.asyncio as aioredis
+
+from core.worker_load import LOAD_VERSION, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +24,13 @@ KEY_PREFIX = "tandem:workers"
 ROLES = ("prefill", "decode", "pool")
 
 
+NO_LOAD = WorkerLoad()  # what a worker that publishes no load (a pool node) has
+
+
 @dataclass
 class WorkerInfo:
-    """What the router knows of one worker; ``load`` holds the latest stats snapshot
-    (engine.worker_runtime.load_dict lists its keys).
+    """What the router knows of one worker; ``load`` is its latest stats snapshot, parsed once
+    when the entry is read (NO_LOAD for a pool node).
 
     ``spec_fingerprint`` and ``block_size`` are the worker's KVCacheSpec's (empty / 0 for a pool
     node or an older worker): with them the router computes a prompt's block hashes
@@ -34,7 +40,7 @@ class WorkerInfo:
     worker_id: str
     role: str
     address: str
-    load: dict[str, float] = field(default_factory=dict)
+    load: WorkerLoad = NO_LOAD
     heartbeat_time_s: float = 0.0
     spec_fingerprint: str = ""
     block_size: int = 0
@@ -43,20 +49,34 @@ class WorkerInfo:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
+    def to_json(self) -> str:
+        """The registry entry: these fields, ``load`` in its wire format (``{}`` for NO_LOAD)
+        and ``load_version``."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["load"] = {} if self.load == NO_LOAD else self.load.to_wire()
+        data["load_version"] = LOAD_VERSION
+        return json.dumps(data)
+
     @classmethod
     def from_json(cls, text: str) -> WorkerInfo:
         """Parses a registry entry; keys this version does not know are ignored (a newer worker),
-        missing optional ones take their defaults (an older worker).
+        missing optional ones take their defaults (an older worker; no ``load_version``: 1).
 
         Raises:
-            ValueError: not JSON, or a required key (worker_id, role, address) is missing.
+            ValueError: not JSON, a required key (worker_id, role, address) is missing, or the
+                load is of another version or malformed (core.worker_load).
         """
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"bad worker entry {text[:200]!r}: not a JSON object")
         known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            values["load"] = WorkerLoad.from_wire(values.get("load") or {}, data.get("load_version", 1))
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"bad worker entry of {data.get('worker_id')!r}: {err}") from None
+        try:
+            return cls(**values)
         except TypeError as err:
             raise ValueError(f"bad worker entry {text[:200]!r}: {err}") from None
 
@@ -74,7 +94,7 @@ class WorkerRegistry:
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Writes ``info`` with a fresh time stamp; the key expires after ``ttl_s``."""
         info.heartbeat_time_s = time.time()
-        await self.redis.set(worker_key(info.role, info.worker_id), json.dumps(asdict(info)), px=int(ttl_s * 1000))
+        await self.redis.set(worker_key(info.role, info.worker_id), info.to_json(), px=int(ttl_s * 1000))
 
     async def deregister(self, role: str, worker_id: str) -> None:
         await self.redis.delete(worker_key(role, worker_id))
@@ -91,8 +111,8 @@ class WorkerRegistry:
                 continue
             try:
                 workers.append(WorkerInfo.from_json(value))
-            except ValueError:
-                log.warning("skipping a malformed worker entry", exc_info=True)
+            except ValueError as err:  # e.g. a worker of another release: not routed to, said why
+                log.error("skipping a worker entry: %s", err)
         return sorted(workers, key=lambda w: w.worker_id)
 
     async def close(self) -> None:
@@ -100,13 +120,14 @@ class WorkerRegistry:
 
 
 class Heartbeat:
-    """Background task that re-registers a worker every ``interval_s`` with its live load."""
+    """Background task that re-registers a worker every ``interval_s`` with its live load
+    (``load_fn`` None: the entry carries none, as for a pool node)."""
 
     def __init__(
         self,
         registry: WorkerRegistry,
         info: WorkerInfo,
-        load_fn: Callable[[], dict[str, float]],
+        load_fn: Callable[[], WorkerLoad] | None,
         interval_s: float = 1.0,
         ttl_s: float = 3.0,
     ):
@@ -121,7 +142,8 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run())
 
     async def _beat(self) -> None:
-        self.info.load = self.load_fn()
+        if self.load_fn is not None:
+            self.info.load = self.load_fn()
         await self.registry.heartbeat(self.info, self.ttl_s)
 
     async def _run(self) -> None:

@@ -7,27 +7,22 @@ import time
 
 import grpc
 
-from core.proto_convert import block_key_from_proto, sampling_params_from_proto, token_logprob_to_proto
-from core.request import FinishReason, Request
+from core.proto_convert import (
+    block_key_from_proto, finish_reason_to_proto, sampling_params_from_proto, token_logprob_to_proto,
+)
+from core.request import Request
 from engine.async_engine import AsyncEngine
 from engine.outputs import ExternalKV
 from engine.pool_io import PoolIO
 from engine.worker_runtime import PoolLocator, stats_response
-from tandem.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
+from tandem.v1 import decode_worker_pb2, decode_worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_FINISH = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
-
 
 def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
     return decode_worker_pb2.DecodeResponse(
         finished=decode_worker_pb2.Finished(
-            finish_reason=_FINISH[request.finish_reason], num_output_tokens=request.num_output_tokens
+            finish_reason=finish_reason_to_proto(request.finish_reason), num_output_tokens=request.num_output_tokens
         )
     )
 
@@ -167,9 +162,6 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         if len(keys) != -(-manifest.num_tokens // spec.block_size):
             raise ValueError(f"manifest lists {len(keys)} blocks for {manifest.num_tokens} tokens")
         return engine_request, keys
-
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def GetStats(self, request, context):
         return stats_response(self.engine, num_cached_tokens=0)

@@ -20,7 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from core.cost_model import BandwidthMeter
 from core.request import FinishReason, Request
-from engine.engine import EngineStats, LLMEngine
+from core.worker_load import WorkerLoad
+from engine.engine import LLMEngine
 from engine.outputs import ExternalKV, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class AsyncEngine:
                 log.warning("engine step loop did not stop within 10 s")
         self._executor.shutdown(wait=False)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> WorkerLoad:
         """Snapshot taken after the latest step."""
         return self._stats
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-from core.cost_model import CostModel
 from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
+from core.worker_load import WorkerLoad
 from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
@@ -28,29 +27,6 @@ from engine.step_stats import StepStats
 from engine.swap_space import HostSwapSpace, SwapSpace
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_requests_running: int
-    num_requests_waiting: int
-    num_total_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    # Preemptions whose KV was swapped out (the rest were recomputed).
-    num_swapped_out: int = 0
-    # Tokens the last pass computed (0 when idle).
-    num_batched_tokens: int = 0
-    # Prompt tokens still to compute: waiting requests (less external KV) and running ones
-    # still prefilling.
-    num_waiting_tokens: int = 0
-    # Tokens whose KV the running requests hold.
-    num_kv_tokens: int = 0
-    # Mean wall time of the last few passes (seconds; 0 before any).
-    recent_step_time_s: float = 0.0
-    # The step-time model fitted from this engine's passes (budget and KV bytes filled in).
-    cost_model: CostModel = CostModel()
 
 
 def make_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -234,23 +210,24 @@ class LLMEngine:
             output.saved_kv = pack_blocks(self.runner.kv_cache, block_ids)
         self.scheduler.free(output.request_id)
 
-    def stats(self) -> EngineStats:
-        """A snapshot of the load; refits the cost model when due (engine thread only)."""
+    def stats(self) -> WorkerLoad:
+        """A snapshot of the load; refits the cost model when due (engine thread only). The
+        KV-load bandwidth is the worker's to fill in (engine.worker_runtime.worker_load)."""
         kv = self.scheduler.kv
         sched = self.scheduler
         last = self.step_stats.last
-        return EngineStats(
+        return WorkerLoad(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
             num_total_blocks=self.config.num_kv_blocks,
             num_used_blocks=kv.num_used_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            num_swapped_out=self.num_swapped_out,
             num_batched_tokens=last.num_new_tokens if last is not None and sched.num_unfinished else 0,
             num_waiting_tokens=self._num_waiting_tokens(),
             num_kv_tokens=sum(r.num_computed_tokens for r in sched.running),
             recent_step_time_s=self.step_stats.recent_step_time_s,
+            max_num_seqs=self.config.max_num_seqs,
             cost_model=self.step_stats.model(
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,

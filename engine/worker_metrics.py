@@ -29,16 +29,20 @@ from prometheus_client.registry import Collector
 from core import metric_names as names
 
 COEFFICIENTS = ("base_s", "per_token_s", "per_seq_s", "per_attn_s")
+_KEYS = ("num_requests_running", "num_requests_waiting", "num_used_blocks", "num_total_blocks", "num_free_blocks",
+         "num_preemptions", "recent_step_time_s", "num_waiting_tokens", "cost_kv_load_bytes_per_s",
+         *(f"cost_{name}" for name in COEFFICIENTS))
 
 
 class WorkerCollector(Collector):
-    """Yields the metrics above from ``load_fn()`` (engine.worker_runtime.load_dict's keys)."""
+    """Yields the metrics above from ``load_fn()``: a load's wire form (core.worker_load.WorkerLoad.to_wire)."""
 
     def __init__(self, load_fn: Callable[[], Mapping[str, float]], role: str, model_name: str):
         self.load_fn, self.role, self.model_name = load_fn, role, model_name
 
     def collect(self) -> Iterator[Metric]:
-        load = self.load_fn()
+        wire = self.load_fn()
+        load = {key: wire.get(key, 0) for key in _KEYS}  # a key left out (None: not reported) reads 0
         vllm_labels, values = ["role", "model_name"], [self.role, self.model_name]
 
         def vllm_gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

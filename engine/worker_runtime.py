@@ -18,7 +18,9 @@ from prometheus_client import REGISTRY, start_http_server
 
 from core.grpc_service import GrpcService, run_until_signalled
 from core.logging_setup import setup_logging
+from core.proto_convert import worker_stats_to_proto
 from core.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from core.worker_load import WorkerLoad
 from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
@@ -134,69 +136,20 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
     return worker, engine_config, kwargs["log_level"]
 
 
-def load_dict(engine: AsyncEngine) -> dict[str, float]:
-    """The live load a worker publishes in its heartbeat (``WorkerInfo.load``) and GetStats.
 
-    Keys (all numbers):
 
-    - ``num_requests_running``, ``num_requests_waiting``: requests in the batch / queued.
-    - ``num_total_blocks``, ``num_used_blocks``, ``num_free_blocks``: this worker's KV blocks.
-    - ``num_preemptions``: since start.
-    - ``num_batched_tokens``: tokens the last pass computed (0 when idle).
-    - ``num_waiting_tokens``: prompt tokens still to compute (waiting requests, less the KV
-      they bring, and running requests still prefilling): the queue's prefill work.
-    - ``num_kv_tokens``: tokens whose KV the running requests hold (decode attention work).
-    - ``recent_step_time_s``: mean wall time of the last ~16 passes (0 before any).
-    - ``max_num_seqs``: the batch-size limit.
-    - ``cost_*``: :meth:`core.cost_model.CostModel.to_load` (``cost_base_s``,
-      ``cost_per_token_s``, ``cost_per_seq_s``, ``cost_per_attn_s``, ``cost_num_samples``,
-      ``cost_max_num_batched_tokens``, ``cost_kv_load_bytes_per_s``, ``cost_kv_bytes_per_token``);
-      read them back with ``CostModel.from_load(load)``.
-    """
-    s = engine.stats()
-    cost = dataclasses.replace(s.cost_model, kv_load_bytes_per_s=engine.kv_load.bytes_per_s)
-    return {
-        "num_requests_running": s.num_requests_running,
-        "num_requests_waiting": s.num_requests_waiting,
-        "num_total_blocks": s.num_total_blocks,
-        "num_used_blocks": s.num_used_blocks,
-        "num_free_blocks": s.num_free_blocks,
-        "num_preemptions": s.num_preemptions,
-        "num_batched_tokens": s.num_batched_tokens,
-        "num_waiting_tokens": s.num_waiting_tokens,
-        "num_kv_tokens": s.num_kv_tokens,
-        "recent_step_time_s": s.recent_step_time_s,
-        "max_num_seqs": engine.engine.config.max_num_seqs,
-        **cost.to_load(),
-    }
+def worker_load(engine: AsyncEngine) -> WorkerLoad:
+    """The live load a worker publishes in its heartbeat and GetStats: the engine's last
+    snapshot with the measured pool -> worker KV bandwidth filled into its cost model."""
+    load = engine.stats()
+    cost = dataclasses.replace(load.cost_model, kv_load_bytes_per_s=engine.kv_load.bytes_per_s)
+    return dataclasses.replace(load, cost_model=cost)
 
 
 def stats_response(engine: AsyncEngine, num_cached_tokens: int = 0) -> prefill_worker_pb2.GetWorkerStatsResponse:
     """The GetStats reply both workers give."""
-    load = load_dict(engine)
-    return prefill_worker_pb2.GetWorkerStatsResponse(
-        num_requests_running=load["num_requests_running"],
-        num_requests_waiting=load["num_requests_waiting"],
-        num_total_blocks=load["num_total_blocks"],
-        num_used_blocks=load["num_used_blocks"],
-        num_free_blocks=load["num_free_blocks"],
-        num_prefill_tokens=engine.num_prompt_tokens,
-        num_cached_tokens=num_cached_tokens,
-        num_generated_tokens=engine.num_generated_tokens,
-        **{key: _STATS_FIELD_TYPES[key](load[key]) for key in _STATS_LOAD_KEYS},
-    )
-
-
-# load_dict keys that GetWorkerStatsResponse carries under the same name (after the first five).
-_STATS_LOAD_KEYS = (
-    "num_batched_tokens", "num_waiting_tokens", "num_kv_tokens", "recent_step_time_s", "max_num_seqs",
-    "cost_base_s", "cost_per_token_s", "cost_per_seq_s", "cost_per_attn_s", "cost_num_samples",
-    "cost_max_num_batched_tokens", "cost_kv_load_bytes_per_s", "cost_kv_bytes_per_token",
-)
-_STATS_FIELDS = prefill_worker_pb2.GetWorkerStatsResponse.DESCRIPTOR.fields_by_name
-_STATS_FIELD_TYPES = {  # the heartbeat's numbers may be floats; the proto's counts are integers
-    key: float if _STATS_FIELDS[key].cpp_type == _STATS_FIELDS[key].CPPTYPE_DOUBLE else int for key in _STATS_LOAD_KEYS
-}
+    return worker_stats_to_proto(worker_load(engine), engine.num_prompt_tokens, num_cached_tokens,
+                                 engine.num_generated_tokens)
 
 
 def _build_engine(worker: WorkerConfig, engine_config: EngineConfig, save_kv_on_finish: bool) -> LLMEngine:
@@ -240,11 +193,12 @@ def serve_worker(
             spec = engine.spec
             info = WorkerInfo(worker.worker_id, worker.role, address,
                               spec_fingerprint=spec.fingerprint, block_size=spec.block_size)
-            heartbeat = Heartbeat(registry, info, lambda: load_dict(async_engine),
+            heartbeat = Heartbeat(registry, info, lambda: worker_load(async_engine),
                                   worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
             await heartbeat.start()
             if worker.metrics_port:  # vLLM-named gauges (engine.worker_metrics) + KV transfer counters
-                REGISTRY.register(WorkerCollector(lambda: load_dict(async_engine), worker.role, engine_config.model))
+                REGISTRY.register(WorkerCollector(lambda: worker_load(async_engine).to_wire(), worker.role,
+                                                  engine_config.model))
                 start_http_server(worker.metrics_port, addr=worker.host)
             log.info("serving %s on %s", service_name, address)
 

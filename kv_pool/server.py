@@ -59,8 +59,9 @@ class PoolServer:
         port = await self._grpc.start()
         self.address = self.config.advertise_address or f"{self._advertise_host()}:{port}"
         info = WorkerInfo(worker_id=self.config.node_id, role="pool", address=self.address)
+        # No load in the entry: nothing places by it (the pool's stats are on GetStats and /metrics).
         self._heartbeat = Heartbeat(
-            self._registry, info, self._load, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_s
+            self._registry, info, None, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_s
         )
         await self._heartbeat.start()
         self._expiry_task = asyncio.create_task(self._expire_forever(), name="kv-pool-lease-expiry")
@@ -127,9 +128,6 @@ class PoolServer:
         if self.store is None:  # not started yet: an empty pool
             return PoolStats(self.config.capacity_bytes, *[0] * 9)
         return self.store.stats()
-
-    def _load(self) -> dict[str, float]:
-        return dataclasses.asdict(self._stats())
 
     def _advertise_host(self) -> str:
         return socket.gethostname() if self.config.host in WILDCARD_HOSTS else self.config.host

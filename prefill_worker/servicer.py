@@ -85,8 +85,5 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             response.first_token_logprob.CopyFrom(token_logprob_to_proto(first.token_id, first.logprob, first.top_logprobs))
         return response
 
-    async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.engine.abort(request.request_id))
-
     async def GetStats(self, request, context):
         return stats_response(self.engine, num_cached_tokens=self.num_cached_tokens)

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from core import metric_names as names
 from core.registry import WorkerInfo
+from core.worker_load import WorkerLoad
 from router.worker_view import WorkerView
 
 WORKER_ROLES = ("prefill", "decode")
@@ -46,8 +47,9 @@ WORKER_GAUGES = {
 
 
 def worker_load(info: WorkerInfo) -> Mapping[str, float]:
-    """The numbers a worker or pool node last published (the one place that reads them)."""
-    return info.load
+    """The numbers a worker or pool node last published, by wire key (the one place that reads
+    them): a WorkerLoad's wire form (core.worker_load), or a plain mapping."""
+    return info.load.to_wire() if isinstance(info.load, WorkerLoad) else info.load
 
 
 class ClusterCollector(Collector):

@@ -106,11 +106,11 @@ class Generation:
         clients: WorkerClients,
         tokenizer: ModelTokenizer,
         metrics: RouterMetrics,
-        policies: Placer,
+        placer: Placer,
         timeout_s: float,
     ):
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
-        self.metrics, self.policies, self.timeout_s = metrics, policies, timeout_s
+        self.metrics, self.placer, self.timeout_s = metrics, placer, timeout_s
         self._background: set[asyncio.Task] = set()  # pool releases in flight
         self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
 
@@ -150,7 +150,7 @@ class Generation:
         error: BaseException | None = None
         try:
             # Where it runs (decode worker, prefill worker unless colocated), or 429 (SLO admission).
-            run.placement = await self.policies.place(
+            run.placement = await self.placer.place(
                 run.request_id, request.prompt_token_ids, params.max_tokens,
                 self.view.workers("prefill"), self.view.workers("decode"),
             )
@@ -170,22 +170,16 @@ class Generation:
             raise
         finally:
             self.metrics.num_requests_running.dec()
-            self.policies.finished(run.placement)
+            self.placer.finished(run.placement)
             self._record_end(run, error)
             self._release(run)
-
-    def _require_workers(self, role: str) -> list[WorkerInfo]:
-        workers = self.view.workers(role)
-        if not workers:
-            raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
-        return workers
 
     def _choose(self, role: str, run: _Run) -> WorkerInfo:
         """The placement's worker of ``role`` while it is live; else (a retry, a migration) the
         policy's choice among the live ones. Raises RouterError(NO_WORKER) when none is live."""
         placement = run.placement
         planned = None if placement is None else placement.prefill if role == "prefill" else placement.decode
-        return self.policies.choose(role, self.view.workers(role), run.request_id, run.request.prompt_token_ids, planned)
+        return self.placer.choose(role, self.view.workers(role), run.request_id, run.request.prompt_token_ids, planned)
 
     def _remaining_s(self, run: _Run) -> float:
         remaining_s = self.timeout_s - (time.monotonic() - run.arrival_time_s)
@@ -221,7 +215,7 @@ class Generation:
             worker = self._choose("prefill", run)
             rid = self._new_attempt(run)
             try:
-                with self.policies.in_flight.track(worker.address):
+                with self.placer.attempt(worker.address):
                     result = await self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
             except WorkerFailedError as err:
                 failure = err
@@ -241,7 +235,7 @@ class Generation:
         now_s = time.monotonic()
         run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
         self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), num_cached_tokens)
-        self.policies.first_token(run.placement, run.ttft_s)
+        self.placer.first_token(run.placement, run.ttft_s)
 
     async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[TextDelta]:
         """Yields one TextDelta per decode message. When the decode worker breaks before the end,
@@ -281,7 +275,7 @@ class Generation:
     ) -> AsyncIterator[TextDelta]:
         """One Decode stream on ``worker``; cancels it however it ends. Without ``prefill`` the
         worker resumes from the tokens accepted so far (none: colocated from the prompt)."""
-        with self.policies.in_flight.track(worker.address):
+        with self.placer.attempt(worker.address):
             resume = () if prefill is not None else tuple(run.output.token_ids)
             stream = self.clients.decode(worker.address, rid, run.request, prefill, self._remaining_s(run), resume)
             try:

@@ -15,22 +15,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from core.request import FinishReason
+from core.proto_convert import finish_reason_to_proto, token_logprob_to_proto
 from router.errors import RouterError
-from core.proto_convert import token_logprob_to_proto
 from router.choices import ChoiceEvent, generate_choices
 from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
 from router.request_ids import client_request_id
 from router.validation import InvalidRequestError, RequestInput, Validator
-from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Router"
-_FINISH_REASONS = {
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
 
 
 def request_input_from_proto(msg: router_pb2.GenerateRequest) -> RequestInput:
@@ -68,7 +62,7 @@ def response_to_proto(choice: ChoiceEvent, request_id: str) -> router_pb2.Genera
             cached_tokens=event.usage.cached_tokens,
         )
         finished = router_pb2.GenerateFinished(
-            finish_reason=_FINISH_REASONS[event.finish_reason], usage=usage, request_id=request_id, ttft_s=event.ttft_s,
+            finish_reason=finish_reason_to_proto(event.finish_reason), usage=usage, request_id=request_id, ttft_s=event.ttft_s,
             index=choice.index,
         )
         return router_pb2.GenerateResponse(finished=finished)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from core.sampling_params import MAX_TOP_LOGPROBS
 from router.errors import as_json
@@ -77,13 +77,28 @@ def _short(value: Any) -> str:
 
 
 class _OpenAIModel(BaseModel):
+    """A body that refuses unknown fields. The OpenAI fields it does not implement are listed
+    once, in ``unsupported_fields``: they are taken out of the body before pydantic sees it
+    (so they need no field declaration) and checked by :meth:`_refuse_unsupported`."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     unsupported_fields: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    _unsupported_values: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _set_aside_unsupported(cls, data: Any, handler):
+        if not isinstance(data, dict) or not cls.unsupported_fields.keys() & data.keys():
+            return handler(data)
+        unsupported = {k: v for k, v in data.items() if k in cls.unsupported_fields}
+        model = handler({k: v for k, v in data.items() if k not in cls.unsupported_fields})
+        model._unsupported_values = unsupported
+        return model
 
     def _refuse_unsupported(self, prefix: str = "") -> None:
         """Raises InvalidRequestError for the first unsupported field set to a non-default value."""
         for name, (harmless, accepted) in self.unsupported_fields.items():
-            value = getattr(self, name)
+            value = self._unsupported_values.get(name)
             if not harmless(value):
                 raise InvalidRequestError(
                     f"{prefix}{name} is not supported (only {accepted} is accepted), got {_short(value)}",
@@ -113,7 +128,6 @@ class _SamplingFields(_OpenAIModel):
     repetition_penalty: float | None = None  # absent or null: 1 (disabled)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Any = None
     # Accepted and ignored: end-user and caching metadata.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -152,9 +166,6 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # the k best tokens' logprobs per position (0: the sampled one's)
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for several prompts in one request or an unsupported field."""
@@ -183,11 +194,6 @@ class ChatMessage(_OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, ignored (the chat template has no place for it)
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
-    audio: Any = None
-    refusal: Any = None
 
     def text(self, index: int) -> str:
         """Raises InvalidRequestError for non-text content parts (images, audio), unknown fields
@@ -213,19 +219,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
     parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    store: Any = None
-    service_tier: Any = None
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], and

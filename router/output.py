@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from core.request import FinishReason
+from core.request import FinishReason, stop_reason, stop_token_ids
 from core.sampling_params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer
 from router.stop_strings import StopStringMatcher
@@ -23,9 +23,9 @@ class OutputStep:
 class OutputProcessor:
     """Accepts generated tokens in order and decides when the request ends.
 
-    A token ends the request when it is an EOS token (unless ``ignore_eos``) or one of
-    ``stop_token_ids`` at an output index >= ``min_tokens``, or the ``max_tokens``-th token; such a
-    token is still part of the output.
+    A token ends the request by the engine's own rule (core.request.stop_reason): an EOS token
+    (unless ``ignore_eos``) or one of ``stop_token_ids`` at an output index >= ``min_tokens``, or
+    the ``max_tokens``-th token; such a token is still part of the output.
     A stop string ends it too; its text and everything after is dropped. Like vLLM, stop strings
     are looked for only once ``min_tokens`` tokens were generated (checked per batch of tokens:
     text of a batch that ends at or below ``min_tokens`` is sent unfiltered). Tokens arriving
@@ -40,7 +40,7 @@ class OutputProcessor:
         decode: Callable[[list[int]], str],
     ):
         self.params = params
-        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = stop_token_ids(params, eos_token_ids)
         self.detokenizer = IncrementalDetokenizer(decode)
         self.stop_matcher = StopStringMatcher(stop)
         self.token_ids: list[int] = []
@@ -66,7 +66,7 @@ class OutputProcessor:
                 break
             accepted.append(token_id)
             self.token_ids.append(token_id)
-            self.finish_reason = self._check_token(token_id)
+            self.finish_reason = stop_reason(self.params, self.stop_token_ids, token_id, len(self.token_ids))
         text = self.detokenizer.add(accepted)
         if len(self.token_ids) > self.params.min_tokens:
             text = self.stop_matcher.feed(text)
@@ -81,14 +81,6 @@ class OutputProcessor:
         if self.finish_reason is None:
             self.finish_reason = reason
         return self._flush()
-
-    def _check_token(self, token_id: int) -> FinishReason | None:
-        past_min = len(self.token_ids) > self.params.min_tokens
-        if past_min and (token_id in self.eos_token_ids or token_id in self.params.stop_token_ids):
-            return FinishReason.STOP
-        if len(self.token_ids) >= self.params.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def _flush(self) -> str:
         if self._flushed:

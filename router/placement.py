@@ -4,7 +4,7 @@ A :class:`Placement` names the decode worker and, when disaggregated, the prefil
 request. :class:`Predictor` turns a candidate placement into predicted TTFT and TBT from the
 workers' heartbeats (live load plus the step-time :class:`~core.cost_model.CostModel` each fits of
 itself) and from this router's own placements still waiting for their first token
-(:class:`PendingPrefills`, fresher than a heartbeat up to a second old). Everything here is plain
+(router.placement_state, fresher than a heartbeat up to a second old). Everything here is plain
 data and arithmetic: policies and tests drive it from hand-built :class:`WorkerInfo` values.
 
 Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
@@ -24,14 +24,13 @@ Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import Counter
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from core.cost_model import CostModel
 from core.registry import WorkerInfo
+from router.placement_state import PlacementView
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 DEFAULT_BLOCK_SIZE = 16  # a worker that does not say its block size (older heartbeat)
@@ -104,72 +103,9 @@ class Placement:
         return COLOCATED if self.prefill is None else DISAGGREGATED
 
 
-class InFlightCounter:
-    """This router's own requests in flight per worker address.
-
-    A worker's heartbeat is up to a second old; counting our own placements since then keeps a
-    burst of requests from all landing on the worker that looked idle.
-    """
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-
-    def get(self, address: str) -> int:
-        return self._counts[address]
-
-    @contextlib.contextmanager
-    def track(self, address: str) -> Iterator[None]:
-        """Counts one request at ``address`` for the duration of the ``with`` block."""
-        self._counts[address] += 1
-        try:
-            yield
-        finally:
-            self._counts[address] -= 1
-            if self._counts[address] <= 0:
-                del self._counts[address]
-
-
-class PendingPrefills:
-    """Prompt tokens this router placed at each worker and still waiting for their first token.
-
-    ``add`` at placement, ``remove`` at the first token (or the request's end); ``key`` names one
-    placement (the router uses the Placement object itself). Mutated only from the router's event
-    loop.
-    """
-
-    def __init__(self) -> None:
-        self._by_key: dict[Hashable, tuple[str, int]] = {}  # key -> (address, tokens)
-        self._tokens: Counter[str] = Counter()
-
-    def add(self, key: Hashable, address: str, num_tokens: int) -> None:
-        """Counts ``num_tokens`` prompt tokens queued at ``address`` under ``key`` (replacing an
-        earlier entry of that key)."""
-        self.remove(key)
-        self._by_key[key] = (address, num_tokens)
-        self._tokens[address] += num_tokens
-
-    def remove(self, key: Hashable) -> None:
-        """Forgets ``key`` (no-op when unknown)."""
-        entry = self._by_key.pop(key, None)
-        if entry is not None:
-            address, num_tokens = entry
-            self._tokens[address] -= num_tokens
-            if self._tokens[address] <= 0:
-                del self._tokens[address]
-
-    def tokens(self, address: str) -> int:
-        """Prompt tokens this router has placed at ``address`` and not yet seen prefilled."""
-        return self._tokens[address]
-
-
-def _stat(worker: WorkerInfo, key: str) -> float:
-    return float(worker.load.get(key, 0))
-
-
-def num_requests(worker: WorkerInfo, in_flight: InFlightCounter) -> int:
+def num_requests(worker: WorkerInfo, view: PlacementView) -> int:
     """Running + waiting at its last heartbeat, or this router's in flight there if more."""
-    heartbeat = _stat(worker, "num_requests_running") + _stat(worker, "num_requests_waiting")
-    return int(max(heartbeat, in_flight.get(worker.address)))
+    return max(worker.load.num_requests, view.in_flight(worker.address))
 
 
 def drain_s(cost: CostModel, num_tokens: float) -> float:
@@ -182,36 +118,36 @@ def drain_s(cost: CostModel, num_tokens: float) -> float:
 
 
 class Predictor:
-    """Predicts candidate placements; holds references to the router's live bookkeeping."""
+    """Predicts candidate placements from the heartbeats and the router's bookkeeping (read only)."""
 
-    def __init__(self, in_flight: InFlightCounter, pending: PendingPrefills, slo: SLO = SLO()):
-        self.in_flight, self.pending, self.slo = in_flight, pending, slo
+    def __init__(self, view: PlacementView, slo: SLO = SLO()):
+        self.view, self.slo = view, slo
 
     def queued_tokens(self, worker: WorkerInfo) -> float:
         """Prompt tokens ahead of a new request at ``worker``: its heartbeat's waiting tokens (plus
         the pass in progress on a prefill worker) or this router's pending placements there,
         whichever is larger."""
-        heartbeat = _stat(worker, "num_waiting_tokens")
+        heartbeat = worker.load.num_waiting_tokens
         if worker.role == "prefill":  # the pass in progress finishes first
-            heartbeat += _stat(worker, "num_batched_tokens")
-        return max(heartbeat, self.pending.tokens(worker.address))
+            heartbeat += worker.load.num_batched_tokens
+        return max(heartbeat, self.view.pending_tokens(worker.address))
 
     def _decode_side(self, decode: WorkerInfo, cost: CostModel, request: RoutingRequest) -> tuple[float, int, bool]:
         """(step time with the request added, running batch, fits: blocks, slot and TBT)."""
-        batch = num_requests(decode, self.in_flight)
-        num_kv_tokens = _stat(decode, "num_kv_tokens") + request.num_prompt_tokens
-        tbt_s = cost.decode_step_s(batch + 1, int(num_kv_tokens))
+        load = decode.load
+        batch = num_requests(decode, self.view)
+        tbt_s = cost.decode_step_s(batch + 1, load.num_kv_tokens + request.num_prompt_tokens)
         block_size = decode.block_size or request.block_size
         blocks_needed = -(-(request.num_prompt_tokens + request.max_tokens) // block_size)
-        free_ok = "num_free_blocks" not in decode.load or _stat(decode, "num_free_blocks") >= blocks_needed
-        slot_ok = "max_num_seqs" not in decode.load or batch < _stat(decode, "max_num_seqs")
+        free_ok = load.num_free_blocks is None or load.num_free_blocks >= blocks_needed
+        slot_ok = load.max_num_seqs is None or batch < load.max_num_seqs
         tbt_ok = not self.slo.tbt_s or tbt_s <= self.slo.tbt_s
         return tbt_s, batch, free_ok and slot_ok and tbt_ok
 
     def decode_fit(self, decode: WorkerInfo, request: RoutingRequest) -> tuple[float, bool] | None:
         """(predicted decode step with the request added, fits: blocks, slot and TBT SLO) of
         ``decode``; None without a cost model."""
-        cost = CostModel.from_load(decode.load)
+        cost = decode.load.fitted_cost_model
         if cost is None:
             return None
         tbt_s, _, fits = self._decode_side(decode, cost, request)
@@ -221,7 +157,7 @@ class Predictor:
         """Prefill on ``prefill`` (cached prefix loaded from the pool), decode on ``decode``;
         None when either has no cost model."""
         first = self.prefill_ttft(prefill, request)
-        d_cost = CostModel.from_load(decode.load)
+        d_cost = decode.load.fitted_cost_model
         if first is None or d_cost is None:
             return None
         ttft_s, queue_s, cached = first
@@ -230,7 +166,7 @@ class Predictor:
 
     def prefill_ttft(self, prefill: WorkerInfo, request: RoutingRequest) -> tuple[float, float, int] | None:
         """(TTFT, its queue part, cached tokens) of prefilling on ``prefill``; None without a cost model."""
-        cost = CostModel.from_load(prefill.load)
+        cost = prefill.load.fitted_cost_model
         if cost is None:
             return None
         n = request.num_prompt_tokens
@@ -241,7 +177,7 @@ class Predictor:
     def colocated(self, decode: WorkerInfo, request: RoutingRequest, num_local_cached_tokens: int) -> Prediction | None:
         """Prefill on ``decode`` itself after the ``num_local_cached_tokens`` its prefix cache
         holds, chunked into its decode steps (Sarathi-Serve); None without a cost model."""
-        cost = CostModel.from_load(decode.load)
+        cost = decode.load.fitted_cost_model
         if cost is None:
             return None
         n = request.num_prompt_tokens
@@ -249,7 +185,7 @@ class Predictor:
         uncached = n - cached
         queue_s = drain_s(cost, self.queued_tokens(decode))
         tbt_s, batch, fits = self._decode_side(decode, cost, request)
-        running_kv_tokens = int(_stat(decode, "num_kv_tokens"))
+        running_kv_tokens = decode.load.num_kv_tokens
         # Each mixed step also carries the running batch: its share is a decode step less the base.
         share_s = max(0.0, cost.decode_step_s(batch, running_kv_tokens) - cost.base_s) if batch else 0.0
         chunk = min(uncached, max(1, cost.max_num_batched_tokens))

@@ -1,13 +1,17 @@
 """The router's placement step: prefix lookup, routing policy, SLO admission, bookkeeping.
 
 :class:`Placer` is what ``Generation`` calls once per request before any worker sees it
-(``place``), when a role's worker must be chosen again after a failure (``choose``), at the first
-token and at the end. It owns the async part (the pool index in Redis) and the metrics; the
-decisions themselves are the policy's (router.routing) and the admission's (router.admission).
+(``place``), when a role's worker must be chosen again after a failure (``choose``), around each
+worker attempt (``attempt``), at the first token and at the end (``first_token``, ``finished``).
+It owns the placement bookkeeping (router.placement_state.PlacementBook: the only writer), the
+async part (the pool index in Redis), the metrics and the one "no healthy worker" check; the
+decisions themselves are the policy's (router.routing, reading the bookkeeping through a
+read-only view) and the admission's (router.admission).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -15,7 +19,8 @@ from core.registry import WorkerInfo
 from router.admission import Admission
 from router.errors import ErrorKind, RouterError
 from router.metrics import RouterMetrics
-from router.placement import DEFAULT_BLOCK_SIZE, InFlightCounter, Placement, RoutingRequest
+from router.placement import DEFAULT_BLOCK_SIZE, Placement, RoutingRequest
+from router.placement_state import PlacementBook
 from router.prefix_index import PoolPrefixIndex, prompt_block_hashes
 from router.routing import RoutingPolicy
 
@@ -31,18 +36,26 @@ def kv_spec_of(workers: Sequence[WorkerInfo]) -> tuple[str, int]:
     return "", DEFAULT_BLOCK_SIZE
 
 
-class Placer:
-    """Places requests with one policy and one admission; see the module docstring."""
+def require_workers(role: str, workers: Sequence[WorkerInfo]) -> None:
+    """Raises RouterError(NO_WORKER) when ``workers`` (the live ones of ``role``) is empty."""
+    if not workers:
+        raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
 
-    def __init__(self, policy: RoutingPolicy, admission: Admission | None = None, metrics: RouterMetrics | None = None,
-                 pool_index: PoolPrefixIndex | None = None):
-        self.policy, self.pool_index = policy, pool_index
+
+class Placer:
+    """Places requests with one policy and one admission; see the module docstring.
+
+    Raises:
+        ValueError: ``policy`` does not read ``book`` (it was made with another book's view).
+    """
+
+    def __init__(self, book: PlacementBook, policy: RoutingPolicy, admission: Admission | None = None,
+                 metrics: RouterMetrics | None = None, pool_index: PoolPrefixIndex | None = None):
+        if not policy.view.reads(book):
+            raise ValueError(f"the {policy.name} policy reads another PlacementBook than this placer writes")
+        self.book, self.policy, self.pool_index = book, policy, pool_index
         self.admission = admission or Admission()  # default: no SLO, admits everything
         self.metrics = metrics or RouterMetrics()
-
-    @property
-    def in_flight(self) -> InFlightCounter:
-        return self.policy.context.in_flight
 
     async def routing_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                               workers: Sequence[WorkerInfo]) -> RoutingRequest:
@@ -67,18 +80,16 @@ class Placer:
             RouterError: NO_WORKER without a decode worker; SLO_UNATTAINABLE (429 with
                 ``retry_after_s``) when admission refuses.
         """
-        if not decode_workers:
-            raise RouterError("no healthy decode worker is registered", ErrorKind.NO_WORKER)
+        require_workers("decode", decode_workers)
         request = await self.routing_request(request_id, prompt_token_ids, max_tokens, [*prefill_workers, *decode_workers])
         placement = self.policy.place(prefill_workers, decode_workers, request)
         self.admission.check(placement, request_id)
-        context = self.policy.context
         prefilling = placement.prefill or placement.decode
         cached = placement.prediction.num_cached_tokens if placement.prediction else request.num_pool_cached_tokens
-        context.pending.add(placement, prefilling.address, max(0, request.num_prompt_tokens - cached))
+        self.book.add_pending(placement, prefilling.address, max(0, request.num_prompt_tokens - cached))
         for worker in (placement.prefill, placement.decode):
             if worker is not None:
-                context.local_cache.record(worker.address, request.block_hashes)
+                self.book.record_sent(worker.address, request.block_hashes)
         self.metrics.placed(placement.policy, placement.mode)
         prediction = placement.prediction
         log.info("placed %s: prefill %s, decode %s, %d of %d prompt tokens cached, predicted TTFT %s",
@@ -95,8 +106,7 @@ class Placer:
         Raises:
             RouterError: NO_WORKER when ``workers`` is empty.
         """
-        if not workers:
-            raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
+        require_workers(role, workers)
         if planned is not None and any(w.address == planned.address for w in workers):
             worker = planned
         else:
@@ -104,11 +114,17 @@ class Placer:
         self.metrics.routed(self.policy.name, role)
         return worker
 
+    def attempt(self, address: str) -> contextlib.AbstractContextManager[None]:
+        """Counts one request in flight at ``address`` (a Prefill RPC or a Decode stream) for the
+        ``with`` block. Mutates: the book's in-flight counts."""
+        return self.book.track(address)
+
     def first_token(self, placement: Placement | None, ttft_s: float) -> None:
-        """The placement's prefill is done: its tokens leave the queue; prediction vs actual."""
+        """The placement's prefill is done: its tokens leave the queue (mutates the book's pending
+        tokens); prediction vs actual goes to the metrics. A no-op for None."""
         if placement is None:
             return
-        self.policy.context.pending.remove(placement)
+        self.book.remove_pending(placement)
         if placement.prediction is not None:
             self.metrics.ttft_predicted(placement.mode, placement.prediction.ttft_s, ttft_s)
 
@@ -116,4 +132,4 @@ class Placer:
         """The request ended (with or without a first token): its pending prefill tokens, if still
         counted, leave the queue. A no-op for None (never placed)."""
         if placement is not None:
-            self.policy.context.pending.remove(placement)
+            self.book.remove_pending(placement)

@@ -85,7 +85,3 @@ class LocalPrefixCache:
             lru.move_to_end(h)
         while len(lru) > self.capacity_blocks:
             lru.popitem(last=False)
-
-    def forget(self, address: str) -> None:
-        """Drops what is known of ``address`` (a worker that died or restarted)."""
-        self._lru.pop(address, None)

@@ -31,71 +31,40 @@ from dataclasses import dataclass
 
 from core.registry import WorkerInfo
 from router.config import DISAGGREGATION_MODES
-from router.placement import (
-    SLO,
-    InFlightCounter,
-    PendingPrefills,
-    Placement,
-    Prediction,
-    Predictor,
-    RoutingRequest,
-    num_requests,
-)
-from router.prefix_index import LocalPrefixCache
+from router.placement import SLO, Placement, Prediction, Predictor, RoutingRequest, num_requests
+from router.placement_state import PlacementView
 
 __all__ = [
-    "DISAGGREGATION_MODES", "POLICIES", "CacheAwarePolicy", "InFlightCounter", "LeastLoadedPolicy",
-    "PredictedLatencyPolicy", "RoundRobinPolicy", "RoutingContext", "RoutingPolicy", "RoutingRequest", "make_policy",
+    "DISAGGREGATION_MODES", "POLICIES", "CacheAwarePolicy", "LeastLoadedPolicy", "PredictedLatencyPolicy",
+    "RoundRobinPolicy", "RoutingPolicy", "RoutingRequest", "make_policy",
 ]
 
 TIE_REL = 0.10  # predictions within 10 % (plus TIE_ABS_S) of the best are ties
 TIE_ABS_S = 0.005
 
 
-@dataclass(frozen=True)
-class RoutingContext:
-    """The router's live bookkeeping that policies read (shared, mutated by the router)."""
-
-    in_flight: InFlightCounter
-    pending: PendingPrefills
-    local_cache: LocalPrefixCache
-    predictor: Predictor
-    disaggregation: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.disaggregation not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-
-    @classmethod
-    def create(cls, disaggregation: str = "auto", slo: SLO = SLO(), cache_capacity_blocks: int = 8192,
-               in_flight: InFlightCounter | None = None) -> RoutingContext:
-        """Fresh bookkeeping. Raises ValueError on a bad ``disaggregation`` or capacity."""
-        in_flight, pending = in_flight or InFlightCounter(), PendingPrefills()
-        predictor = Predictor(in_flight, pending, slo)
-        return cls(in_flight, pending, LocalPrefixCache(cache_capacity_blocks), predictor, disaggregation)
-
-
-def _require(workers: Sequence[WorkerInfo], role: str, request: RoutingRequest) -> None:
-    if not workers:
-        raise ValueError(f"no {role} worker to route request {request.request_id!r} to")
-
-
 class RoutingPolicy(abc.ABC):
-    """Chooses workers for requests; subclasses set ``name`` and implement ``choose``."""
+    """Chooses workers for requests; subclasses set ``name`` and implement ``choose``.
+
+    A policy reads the router's bookkeeping through ``view`` and mutates nothing but its own
+    state (round robin's turn); the caller (router.placer.Placer) passes non-empty worker lists
+    and records what was placed.
+
+    Raises:
+        ValueError: ``disaggregation`` is not one of DISAGGREGATION_MODES.
+    """
 
     name: str = "abstract"
 
-    def __init__(self, context: RoutingContext | InFlightCounter):
-        # An InFlightCounter alone (the older API): fresh bookkeeping around it.
-        self.context = context if isinstance(context, RoutingContext) else RoutingContext.create(in_flight=context)
+    def __init__(self, view: PlacementView, disaggregation: str = "auto", slo: SLO = SLO()):
+        if disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {disaggregation!r}")
+        self.view, self.disaggregation = view, disaggregation
+        self.predictor = Predictor(view, slo)
 
     @abc.abstractmethod
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        """Returns one of ``workers`` (all of one role).
-
-        Raises:
-            ValueError: ``workers`` is empty (the caller reports "no healthy worker").
-        """
+        """Returns one of ``workers`` (all of one role, at least one)."""
 
     def place(
         self, prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo], request: RoutingRequest
@@ -103,32 +72,30 @@ class RoutingPolicy(abc.ABC):
         """A decode worker, and a prefill worker unless colocated; predicted when every worker
         involved has a cost model (for admission and metrics).
 
-        Raises:
-            ValueError: no decode worker.
+        ``decode_workers`` holds at least one worker; ``prefill_workers`` may be empty.
         """
-        _require(decode_workers, "decode", request)
         prefill = None
-        if prefill_workers and self.context.disaggregation != "never":
+        if prefill_workers and self.disaggregation != "never":
             prefill = self.choose(prefill_workers, request)
         decode = self.choose(decode_workers, request)
         return Placement(decode, prefill, self.name, self.predict(prefill, decode, request))
 
     def predict(self, prefill: WorkerInfo | None, decode: WorkerInfo, request: RoutingRequest) -> Prediction | None:
-        predictor = self.context.predictor
+        predictor = self.predictor
         if prefill is not None:
             return predictor.disaggregated(prefill, decode, request)
         return predictor.colocated(decode, request, self.local_cached_tokens(decode, request))
 
     def local_cached_tokens(self, worker: WorkerInfo, request: RoutingRequest) -> int:
         """Leading prompt tokens this router recently sent to ``worker`` (its prefix cache, roughly)."""
-        return self.context.local_cache.num_cached_blocks(worker.address, request.block_hashes) * request.block_size
+        return self.view.local_cached_blocks(worker.address, request.block_hashes) * request.block_size
 
     def load(self, worker: WorkerInfo) -> int:
-        return num_requests(worker, self.context.in_flight)
+        return num_requests(worker, self.view)
 
     def least_loaded(self, workers: Sequence[WorkerInfo]) -> WorkerInfo:
         """Fewest requests, then the most free KV blocks, then the smallest worker_id."""
-        return min(workers, key=lambda w: (self.load(w), -w.load.get("num_free_blocks", 0), w.worker_id))
+        return min(workers, key=lambda w: (self.load(w), -(w.load.num_free_blocks or 0), w.worker_id))
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -136,12 +103,11 @@ class RoundRobinPolicy(RoutingPolicy):
 
     name = "round_robin"
 
-    def __init__(self, context: RoutingContext):
-        super().__init__(context)
+    def __init__(self, view: PlacementView, disaggregation: str = "auto", slo: SLO = SLO()):
+        super().__init__(view, disaggregation, slo)
         self._turns: dict[str, itertools.count] = {}
 
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        _require(workers, "a", request)
         turn = next(self._turns.setdefault(workers[0].role, itertools.count()))
         return sorted(workers, key=lambda w: w.worker_id)[turn % len(workers)]
 
@@ -154,7 +120,6 @@ class LeastLoadedPolicy(RoutingPolicy):
     name = "least_loaded"
 
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        _require(workers, "a", request)
         return self.least_loaded(workers)
 
 
@@ -165,7 +130,6 @@ class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
-        _require(workers, "a", request)
         best = max(self.local_cached_tokens(w, request) for w in workers)
         return self.least_loaded([w for w in workers if self.local_cached_tokens(w, request) == best])
 
@@ -186,8 +150,7 @@ class PredictedLatencyPolicy(RoutingPolicy):
     def choose(self, workers: Sequence[WorkerInfo], request: RoutingRequest) -> WorkerInfo:
         """One role only (a retry): prefill workers by predicted prefill latency, decode workers
         by fitting then predicted step time; least loaded without cost models."""
-        _require(workers, "a", request)
-        predictor = self.context.predictor
+        predictor = self.predictor
         if workers[0].role == "prefill":
             predictions = [predictor.prefill_ttft(w, request) for w in workers]
             keys = [None if p is None else (p[0],) for p in predictions]
@@ -201,8 +164,7 @@ class PredictedLatencyPolicy(RoutingPolicy):
     def place(
         self, prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo], request: RoutingRequest
     ) -> Placement:
-        _require(decode_workers, "decode", request)
-        mode = self.context.disaggregation
+        mode = self.disaggregation
         pairs: list[tuple[WorkerInfo | None, WorkerInfo]] = []
         if prefill_workers and mode != "never":
             pairs += [(p, d) for p in prefill_workers for d in decode_workers]
@@ -223,7 +185,7 @@ class PredictedLatencyPolicy(RoutingPolicy):
         lowest predicted latency, predictions within TIE_REL of it tied; ties prefer the
         disaggregated path (colocation must be clearly faster: an idle cluster still fills the
         pool), then the least load."""
-        slo = self.context.predictor.slo
+        slo = self.predictor.slo
         pool = ([c for c in candidates if c.prediction.meets(slo)] or [c for c in candidates if c.prediction.fits]
                 or candidates)
         best_s = min(c.prediction.rank_s for c in pool)
@@ -233,7 +195,7 @@ class PredictedLatencyPolicy(RoutingPolicy):
 
     def _least_loaded_placement(self, prefill_workers, decode_workers, request) -> Placement:
         prefill = None
-        if prefill_workers and self.context.disaggregation != "never":
+        if prefill_workers and self.disaggregation != "never":
             prefill = self.least_loaded(prefill_workers)
         return Placement(self.least_loaded(decode_workers), prefill, self.name, None)
 
@@ -243,8 +205,12 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 }
 
 
-def make_policy(name: str, context: RoutingContext) -> RoutingPolicy:
-    """The policy called ``name``. Raises ValueError naming the known ones."""
+def make_policy(name: str, view: PlacementView, disaggregation: str = "auto", slo: SLO = SLO()) -> RoutingPolicy:
+    """The policy called ``name``, reading the bookkeeping through ``view``.
+
+    Raises:
+        ValueError: an unknown ``name`` (naming the known ones) or ``disaggregation``.
+    """
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
-    return POLICIES[name](context)
+    return POLICIES[name](view, disaggregation, slo)

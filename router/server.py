@@ -24,9 +24,10 @@ from router.http_tracing import TracingMiddleware
 from router.metrics import RouterMetrics
 from router.openai_api import OpenAIApi
 from router.placement import SLO
+from router.placement_state import PlacementBook
 from router.placer import Placer
 from router.prefix_index import PoolPrefixIndex
-from router.routing import RoutingContext, make_policy
+from router.routing import make_policy
 from router.tokenizer import ModelTokenizer, load_tokenizer
 from router.validation import Validator
 from router.worker_clients import WorkerClients
@@ -88,9 +89,10 @@ class RouterServer:
         the registry's Redis."""
         config = self.config
         slo = SLO(config.ttft_slo_s, config.tbt_slo_s)
-        context = RoutingContext.create(config.disaggregation, slo, config.prefix_cache_blocks)
-        return Placer(make_policy(config.routing_policy, context), Admission(slo, config.max_queue_s), self.metrics,
-                      PoolPrefixIndex(self.registry.redis))
+        book = PlacementBook(config.prefix_cache_blocks)
+        policy = make_policy(config.routing_policy, book.view, config.disaggregation, slo)
+        admission = Admission(slo, config.max_queue_s)
+        return Placer(book, policy, admission, self.metrics, PoolPrefixIndex(self.registry.redis))
 
     async def _start_grpc(self) -> None:
         gates = [api_key_gate(self.config.api_keys)] if self.config.api_keys else []

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.grpc_service import CHANNEL_OPTIONS, cluster_aio_channel
-from core.proto_convert import sampling_params_to_proto, token_logprob_from_proto
+from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
 from router.logprobs import TokenLogprob
@@ -46,11 +46,6 @@ WORKER_FAILURE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
 })
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 
 
 @dataclass(frozen=True)
@@ -115,7 +110,7 @@ class DecodeStream:
                     yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs))
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
-                    yield DecodeFinished(_FINISH_REASONS.get(done.finish_reason, FinishReason.ABORT), done.num_output_tokens)
+                    yield DecodeFinished(finish_reason_from_proto(done.finish_reason), done.num_output_tokens)
                     return
         except grpc.aio.AioRpcError as err:
             raise _router_error("decode", self._address, err, self._timeout_s) from err

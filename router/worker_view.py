@@ -69,9 +69,6 @@ class WorkerView:
             return []
         return [w for w in self._workers[role] if w.address not in self._down]
 
-    def is_down(self, address: str) -> bool:
-        return address in self._down
-
     def mark_down(self, address: str, reason: str) -> None:
         """Stops routing to ``address`` at once (mutates the down set; logs the first marking)."""
         if address in self._down:

@@ -218,7 +218,7 @@ async def cluster(redis_url: str):
     addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
     await server.start()
     fakes.pool_address = addresses["pool"]
-    workers = [WorkerInfo(f"fake-{role}", role, addresses[role], {"num_requests_running": 0}) for role in roles]
+    workers = [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
     tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
     config = RouterConfig(http_port=0, grpc_port=0, redis_url=url, max_model_len=MAX_MODEL_LEN, shutdown_grace_s=1.0)
     router = RouterServer(config, tokenizer=tokenizer)

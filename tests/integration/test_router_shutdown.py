@@ -101,7 +101,7 @@ async def workers(redis_url: str):
     addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
     await server.start()
     fakes.pool_address = addresses["pool"]
-    infos = [WorkerInfo(f"fake-{role}", role, addresses[role], {"num_requests_running": 0}) for role in roles]
+    infos = [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
     registry = WorkerRegistry(url)
     for info in infos:
         await registry.heartbeat(info, ttl_s=600)

@@ -15,8 +15,8 @@ import grpc
 import pytest
 import redis
 
-from core.cost_model import CostModel
 from core.registry import WorkerRegistry, worker_key
+from core.worker_load import LOAD_VERSION, WorkerLoad
 from tandem.v1 import decode_worker_pb2_grpc, prefill_worker_pb2
 
 TINY_CONFIG = dict(
@@ -24,10 +24,11 @@ TINY_CONFIG = dict(
     num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, rms_norm_eps=1e-5,
     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
 )
-LOAD_KEYS = {
+LOAD_KEYS = {  # version 1 of the heartbeat's load (core.worker_load)
     "num_requests_running", "num_requests_waiting", "num_total_blocks", "num_used_blocks", "num_free_blocks",
     "num_preemptions", "num_batched_tokens", "num_waiting_tokens", "num_kv_tokens", "recent_step_time_s",
-    "max_num_seqs", *CostModel().to_load(),
+    "max_num_seqs", "cost_base_s", "cost_per_token_s", "cost_per_seq_s", "cost_per_attn_s", "cost_num_samples",
+    "cost_max_num_batched_tokens", "cost_kv_load_bytes_per_s", "cost_kv_bytes_per_token",
 }
 
 
@@ -60,9 +61,9 @@ def test_heartbeat_carries_load_and_calibrated_cost_model(tiny_dir, redis_url, f
         wait_until(registered, timeout_s=120, message="decode worker registered")
         entry = json.loads(client.get(worker_key("decode", worker_id)))
         load = entry["load"]
-        assert set(load) == LOAD_KEYS
+        assert set(load) == LOAD_KEYS and entry["load_version"] == LOAD_VERSION
         assert entry["block_size"] == 8 and len(entry["spec_fingerprint"]) == 16
-        model = CostModel.from_load(load)
+        model = WorkerLoad.from_wire(load).fitted_cost_model
         assert model is not None and model.num_samples >= 12
         assert model.max_num_batched_tokens == 128
         assert model.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # layers, K and V, kv heads, head_dim, fp32
@@ -74,6 +75,7 @@ def test_heartbeat_carries_load_and_calibrated_cost_model(tiny_dir, redis_url, f
 
         (info,) = [w for w in asyncio.run(_list_decode(redis_url)) if w.worker_id == worker_id]
         assert (info.spec_fingerprint, info.block_size) == (entry["spec_fingerprint"], 8)
+        assert (info.load.num_free_blocks, info.load.max_num_seqs, info.load.cost_model) == (64, 16, model)
 
         with grpc.insecure_channel(f"127.0.0.1:{free_port}") as channel:
             stats = decode_worker_pb2_grpc.DecodeWorkerStub(channel).GetStats(

@@ -93,15 +93,3 @@ class KVManifest(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[BlockKey]
     num_tokens: int
     def __init__(self, spec_fingerprint: _Optional[str] = ..., pool_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockKey, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
-
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...

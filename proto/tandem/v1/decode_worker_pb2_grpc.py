@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import decode_worker_pb2 as tandem_dot_v1_dot_decode__worker__pb2
 from tandem.v1 import prefill_worker_pb2 as tandem_dot_v1_dot_prefill__worker__pb2
 
@@ -41,11 +40,6 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decode__worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/tandem.v1.DecodeWorker/Abort',
-                request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/GetStats',
                 request_serializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsRequest.SerializeToString,
@@ -63,12 +57,6 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -82,11 +70,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_decode__worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decode__worker__pb2.DecodeResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=tandem_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -121,33 +104,6 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             tandem_dot_v1_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_decode__worker__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.DecodeWorker/Abort',
-            tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import prefill_worker_pb2 as tandem_dot_v1_dot_prefill__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,11 +39,6 @@ class PrefillWorkerStub:
                 request_serializer=tandem_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_prefill__worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/tandem.v1.PrefillWorker/Abort',
-                request_serializer=tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/GetStats',
                 request_serializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsRequest.SerializeToString,
@@ -62,12 +56,6 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -81,11 +69,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_prefill__worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_prefill__worker__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=tandem_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -120,33 +103,6 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/Prefill',
             tandem_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
             tandem_dot_v1_dot_prefill__worker__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.PrefillWorker/Abort',
-            tandem_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            tandem_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

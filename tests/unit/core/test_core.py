@@ -55,3 +55,4 @@ def test_request_stops_on_length_and_stop_token():
     assert s.append_output_token(9) is FinishReason.STOP
     with pytest.raises(ValueError, match="prompt is empty"):
         Request("e", [], SamplingParams())
+

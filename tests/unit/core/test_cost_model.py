@@ -3,7 +3,6 @@ predictions are exact arithmetic on the coefficients."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -109,19 +108,6 @@ def test_empty_fit_and_bad_samples():
         StepTimeFit(window=3)
     with pytest.raises(ValueError, match="robust_iterations must be >= 0, got -1"):
         StepTimeFit(robust_iterations=-1)
-
-
-def test_to_load_from_load_round_trip():
-    model = CostModel(0.001, 2e-5, 3e-4, 4e-7, num_samples=37, max_num_batched_tokens=256,
-                      kv_load_bytes_per_s=1.5e9, kv_bytes_per_token=18432.0)
-    load = json.loads(json.dumps({"num_requests_running": 3, **model.to_load()}))  # through the heartbeat
-    assert set(model.to_load()) == {
-        "cost_base_s", "cost_per_token_s", "cost_per_seq_s", "cost_per_attn_s", "cost_num_samples",
-        "cost_max_num_batched_tokens", "cost_kv_load_bytes_per_s", "cost_kv_bytes_per_token",
-    }
-    assert CostModel.from_load(load) == model
-    assert CostModel.from_load({"num_requests_running": 3}) is None  # an older worker
-    assert CostModel.from_load(CostModel().to_load()) is None  # nothing measured yet
 
 
 def test_prefill_s_chunks_exactly():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from core.cost_model import CostModel
 from core.registry import WorkerInfo
+from core.worker_load import WorkerLoad
 from router.placement import SLO, RoutingRequest
 from router.prefix_index import prompt_block_hashes
-from router.routing import RoutingContext, make_policy
+from router.placement_state import PlacementBook
+from router.routing import RoutingPolicy, make_policy
 
 BLOCK_SIZE = 16
 FINGERPRINT = "fp-test"
@@ -19,11 +21,9 @@ def worker(worker_id: str, role: str = "prefill", *, cost: CostModel | None = CO
            waiting: int = 0, waiting_tokens: int = 0, batched_tokens: int = 0, kv_tokens: int = 0,
            free_blocks: int = 1000, max_num_seqs: int = 64) -> WorkerInfo:
     """A worker at ``127.0.0.1:<9000 + digits of worker_id>`` with this load."""
-    load = {"num_requests_running": running, "num_requests_waiting": waiting, "num_waiting_tokens": waiting_tokens,
-            "num_batched_tokens": batched_tokens, "num_kv_tokens": kv_tokens, "num_free_blocks": free_blocks,
-            "num_total_blocks": 1000, "max_num_seqs": max_num_seqs}
-    if cost is not None:
-        load.update(cost.to_load())
+    load = WorkerLoad(num_requests_running=running, num_requests_waiting=waiting, num_waiting_tokens=waiting_tokens,
+                      num_batched_tokens=batched_tokens, num_kv_tokens=kv_tokens, num_free_blocks=free_blocks,
+                      num_total_blocks=1000, max_num_seqs=max_num_seqs, cost_model=cost or CostModel())
     port = 9000 + int("".join(c for c in worker_id if c.isdigit()) or 0) + (500 if role == "decode" else 0)
     return WorkerInfo(worker_id, role, f"127.0.0.1:{port}", load, spec_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
 
@@ -36,5 +36,12 @@ def request(num_tokens: int = 100, *, pool_cached: int = 0, max_tokens: int = 16
     return RoutingRequest(request_id, prompt, max_tokens, BLOCK_SIZE, hashes, pool_cached)
 
 
-def policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()):
-    return make_policy(name, RoutingContext.create(disaggregation, slo))
+def policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()) -> RoutingPolicy:
+    """The policy ``name`` over a fresh, empty PlacementBook."""
+    return booked_policy(name, disaggregation=disaggregation, slo=slo)[1]
+
+
+def booked_policy(name: str, *, disaggregation: str = "auto", slo: SLO = SLO()) -> tuple[PlacementBook, RoutingPolicy]:
+    """A fresh PlacementBook (the tests write it as the Placer would) and the policy ``name`` reading it."""
+    book = PlacementBook()
+    return book, make_policy(name, book.view, disaggregation, slo)

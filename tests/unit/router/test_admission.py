@@ -12,7 +12,8 @@ from router.errors import ErrorKind, RouterError
 from router.metrics import RouterMetrics
 from router.placement import SLO, Placement, Prediction
 from router.placer import Placer
-from tests.unit.router.routing_factories import policy, worker
+from router.placement_state import PlacementBook
+from tests.unit.router.routing_factories import booked_policy, policy, worker
 
 DECODE = worker("d1", "decode")
 
@@ -72,9 +73,9 @@ class FakePoolIndex:
 
 def test_placer_tracks_pending_tokens_until_the_first_token_and_refuses_a_burst() -> None:
     metrics = RouterMetrics()
-    pl = policy("predicted_latency", disaggregation="always", slo=SLO(ttft_s=0.2))
+    book, pl = booked_policy("predicted_latency", disaggregation="always", slo=SLO(ttft_s=0.2))
     pool = FakePoolIndex(num_blocks=2)
-    placer = Placer(pl, Admission(SLO(ttft_s=0.2), max_queue_s=0.3), metrics, pool)
+    placer = Placer(book, pl, Admission(SLO(ttft_s=0.2), max_queue_s=0.3), metrics, pool)
     prefills, decodes = [worker("p1")], [worker("d1", "decode")]
 
     async def burst() -> list:
@@ -91,11 +92,28 @@ def test_placer_tracks_pending_tokens_until_the_first_token_and_refuses_a_burst(
     # Each admitted prompt queues 200 - 32 pool-cached = 168 tokens (~0.18 s) at p1: the third
     # sees 0.36 s queued (> 0.3 s bound) and a TTFT over the SLO, and so does the fourth.
     assert [type(r).__name__ for r in results] == ["Placement", "Placement", "RouterError", "RouterError"]
-    assert pl.context.pending.tokens("127.0.0.1:9001") == 2 * 168
+    assert pl.view.pending_tokens("127.0.0.1:9001") == 2 * 168
     placer.first_token(results[0], ttft_s=0.19)
     placer.finished(results[0])
     placer.finished(results[1])  # ended without a first token (an error): forgotten too
-    assert pl.context.pending.tokens("127.0.0.1:9001") == 0
+    assert pl.view.pending_tokens("127.0.0.1:9001") == 0
     assert metrics.placements.labels(policy="predicted_latency", mode="disaggregated")._value.get() == 2
     assert metrics.ttft_prediction_ratio.labels(mode="disaggregated")._sum.get() == pytest.approx(
         0.19 / results[0].prediction.ttft_s)
+
+
+def test_placer_is_the_one_no_worker_check_and_owns_in_flight() -> None:
+    book, ll = booked_policy("least_loaded")
+    placer = Placer(book, ll)
+    with pytest.raises(RouterError, match="no healthy decode worker is registered") as info:
+        asyncio.run(placer.place("r1", [1, 2, 3], 4, [worker("p1")], []))
+    assert info.value.kind is ErrorKind.NO_WORKER
+    with pytest.raises(RouterError, match="no healthy prefill worker is registered"):
+        placer.choose("prefill", [], "r1", [1, 2, 3])
+    busy, idle = worker("d1", "decode"), worker("d2", "decode")
+    with placer.attempt(busy.address):
+        assert ll.view.in_flight(busy.address) == 1
+        assert placer.choose("decode", [busy, idle], "r1", [1, 2, 3]).worker_id == "d2"
+    assert ll.view.in_flight(busy.address) == 0
+    with pytest.raises(ValueError, match="reads another PlacementBook"):
+        Placer(PlacementBook(), ll)

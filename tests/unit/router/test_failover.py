@@ -23,7 +23,8 @@ from router.generation import MAX_MIGRATIONS, Finished, Generation, TextDelta
 from router.metrics import RouterMetrics
 from router.request_ids import MAX_REQUEST_ID_CHARS, client_request_id
 from router.placer import Placer
-from router.routing import RoutingContext, make_policy
+from router.placement_state import PlacementBook
+from router.routing import make_policy
 from router.validation import InvalidRequestError, ValidatedRequest
 from router.worker_clients import (
     DecodeFinished, DecodeTokens, PrefillResult, WorkerFailedError, _router_error,
@@ -120,7 +121,8 @@ async def make_generation(tokenizer, num_prefill=2, num_decode=2, answer=None):
     await view.refresh()
     metrics = RouterMetrics()
     # least_loaded: ties go to the first worker_id, so the first choices are prefill:0, decode:0.
-    placer = Placer(make_policy("least_loaded", RoutingContext.create("always")), metrics=metrics)
+    book = PlacementBook()
+    placer = Placer(book, make_policy("least_loaded", book.view, "always"), metrics=metrics)
     generation = Generation(view, clients, tokenizer, metrics, placer, timeout_s=30.0)
     return generation, clients, view, registry
 
@@ -280,7 +282,10 @@ async def test_worker_gone_from_the_registry_is_forgotten(tokenizer):
     view.mark_down("decode:0", "test")
     registry.workers = [w for w in registry.workers if w.address != "decode:0"]
     await view.refresh()
-    assert not view.is_down("decode:0") and addresses(view, "decode") == ["decode:1"]
+    assert addresses(view, "decode") == ["decode:1"]
+    registry.workers.append(WorkerInfo("d0", "decode", "decode:0", heartbeat_time_s=1.0))  # a restart, same beat
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:0", "decode:1"]  # no longer down: back without a newer beat
 
 
 @pytest.mark.parametrize(("code", "worker_failed"), [

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from core.request import FinishReason
+import pytest
+
+from core.request import FinishReason, Request, stop_reason, stop_token_ids
 from core.sampling_params import SamplingParams
 from router.output import OutputProcessor
 
@@ -66,3 +68,22 @@ def test_stop_strings_wait_for_min_tokens() -> None:
     assert (out.add_tokens(list(b"ab")).text, out.finish_reason) == ("ab", None)
     step = out.add_tokens(list(b"cab"))
     assert (step.text, step.finish_reason) == ("c", FinishReason.STOP)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_engine_and_router_end_a_request_at_the_same_token(min_tokens, ignore_eos):
+    """core.request.stop_reason is the one stop rule: the engine's Request and the router's
+    OutputProcessor both apply it, so they end the same token stream at the same index."""
+    params = SamplingParams(max_tokens=6, min_tokens=min_tokens, stop_token_ids=(9,), ignore_eos=ignore_eos)
+    for stream in ([2, 5, 9, 7, 7, 7], [2, 2, 5, 5, 5, 5, 5], [5, 9, 2, 7, 7, 7]):
+        engine_side = Request("r", [1], params, eos_token_id=2)
+        reasons = [engine_side.append_output_token(t) for t in stream]
+        end = next(i for i, r in enumerate(reasons) if r is not None)
+        router_side = OutputProcessor(params, (), frozenset({2}), lambda ids: "")
+        step = router_side.add_tokens(stream)
+        assert (len(step.token_ids), router_side.finish_reason) == (end + 1, reasons[end])
+    assert stop_reason(params, frozenset({9}), 9, min_tokens + 1) is FinishReason.STOP
+    assert stop_reason(params, frozenset({9}), 9, max(1, min_tokens)) is (None if min_tokens else FinishReason.STOP)
+    assert stop_reason(params, frozenset(), 5, 6) is FinishReason.LENGTH
+    assert stop_token_ids(params, [2]) == (frozenset({9}) if ignore_eos else frozenset({2, 9}))

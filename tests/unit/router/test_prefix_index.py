@@ -64,7 +64,5 @@ def test_local_cache_lru_per_worker() -> None:
     assert (cache.num_cached_blocks("w1", a), cache.num_cached_blocks("w2", a)) == (3, 0)
     cache.record("w1", b)  # 6 > 4: a[0] and a[1] (least recently used) go
     assert (cache.num_cached_blocks("w1", a), cache.num_cached_blocks("w1", b)) == (0, 3)
-    cache.forget("w1")
-    assert cache.num_cached_blocks("w1", b) == 0
     with pytest.raises(ValueError, match="capacity_blocks must be >= 1, got 0"):
         LocalPrefixCache(0)

@@ -7,8 +7,9 @@ import pytest
 from core.registry import WorkerInfo
 from router.config import ROUTING_POLICIES
 from router.placement import COLOCATED, DISAGGREGATED, SLO
-from router.routing import POLICIES, InFlightCounter, LeastLoadedPolicy, RoutingContext, make_policy
-from tests.unit.router.routing_factories import COST, policy, request, worker
+from router.placement_state import PlacementBook
+from router.routing import POLICIES, LeastLoadedPolicy, make_policy
+from tests.unit.router.routing_factories import COST, booked_policy, policy, request, worker
 
 REQUEST = request()
 
@@ -16,9 +17,9 @@ REQUEST = request()
 def test_every_configurable_policy_exists() -> None:
     assert sorted(POLICIES) == sorted(ROUTING_POLICIES)
     with pytest.raises(ValueError, match="unknown routing policy 'random'"):
-        make_policy("random", RoutingContext.create())
+        make_policy("random", PlacementBook().view)
     with pytest.raises(ValueError, match="disaggregation must be one of .* got 'sometimes'"):
-        RoutingContext.create("sometimes")
+        make_policy("least_loaded", PlacementBook().view, "sometimes")
 
 
 # --- round robin -------------------------------------------------------------------------------
@@ -44,13 +45,13 @@ def test_least_loaded_fewest_running_plus_waiting() -> None:
 
 
 def test_least_loaded_counts_own_in_flight_when_the_heartbeat_lags() -> None:
-    in_flight = InFlightCounter()
-    ll = LeastLoadedPolicy(in_flight)  # the older constructor still works
+    book = PlacementBook()
+    ll = LeastLoadedPolicy(book.view)
     w1, w2 = worker("w1", running=1), worker("w2", running=2)
-    with in_flight.track(w1.address), in_flight.track(w1.address), in_flight.track(w1.address):
+    with book.track(w1.address), book.track(w1.address), book.track(w1.address):
         assert ll.load(w1) == 3  # the heartbeat says 1: it has not seen our three yet
         assert ll.choose([w1, w2], REQUEST).worker_id == "w2"
-    assert in_flight.get(w1.address) == 0
+    assert book.view.in_flight(w1.address) == 0
     assert ll.choose([w1, w2], REQUEST).worker_id == "w1"
 
 
@@ -62,22 +63,24 @@ def test_least_loaded_ties_go_to_free_blocks_then_worker_id() -> None:
     assert ll.choose([worker("w1", running=1), bare], REQUEST) is bare
 
 
-def test_no_workers_raises_naming_the_request() -> None:
-    with pytest.raises(ValueError, match="req-1"):
-        policy("least_loaded").choose([], REQUEST)
-    with pytest.raises(ValueError, match="no decode worker .* 'req-1'"):
-        policy("predicted_latency").place([worker("p1")], [], REQUEST)
+def test_the_view_has_readers_only() -> None:
+    book, ll = booked_policy("least_loaded")
+    assert not hasattr(ll.view, "track") and not hasattr(ll.view, "add_pending")
+    with pytest.raises(AttributeError):
+        ll.view.extra = 1  # __slots__: nothing can be hung on it either
+    book.add_pending("k", "127.0.0.1:9001", 7)
+    assert ll.view.pending_tokens("127.0.0.1:9001") == 7  # a live view, not a copy
 
 
 # --- cache aware -------------------------------------------------------------------------------
 
 
 def test_cache_aware_follows_the_longest_prefix_sent_then_load() -> None:
-    ca = policy("cache_aware")
+    book, ca = booked_policy("cache_aware")
     d1, d2 = worker("d1", "decode"), worker("d2", "decode", running=5)
     hot = request(64)
-    ca.context.local_cache.record(d2.address, hot.block_hashes[:3])
-    ca.context.local_cache.record(d1.address, hot.block_hashes[:1])
+    book.record_sent(d2.address, hot.block_hashes[:3])
+    book.record_sent(d1.address, hot.block_hashes[:1])
     assert ca.choose([d1, d2], hot).worker_id == "d2"  # 3 blocks beat 1, whatever the load
     assert ca.choose([d1, d2], request(64, first=7)).worker_id == "d1"  # nothing cached: least loaded
 
@@ -108,21 +111,21 @@ def test_predicted_latency_prefers_the_shorter_queue_not_the_fewer_requests() ->
 
 
 def test_predicted_latency_ties_are_broken_by_load_so_a_hot_prefix_spreads() -> None:
-    pl = policy("predicted_latency", disaggregation="always")
+    book, pl = booked_policy("predicted_latency", disaggregation="always")
     prefills, decodes = [worker("p1"), worker("p2")], [worker("d1", "decode")]
     hot = request(256, pool_cached=240)  # both workers read the same pool: equal predictions
-    with pl.context.in_flight.track(prefills[0].address):
+    with book.track(prefills[0].address):
         assert pl.place(prefills, decodes, hot).prefill.worker_id == "p2"
     assert pl.place(prefills, decodes, hot).prefill.worker_id == "p1"
 
 
 def test_pending_prefills_make_a_burst_alternate() -> None:
-    pl = policy("predicted_latency", disaggregation="always")
+    book, pl = booked_policy("predicted_latency", disaggregation="always")
     prefills, decodes = [worker("p1"), worker("p2")], [worker("d1", "decode")]
     chosen = []
     for i in range(4):
         placement = pl.place(prefills, decodes, request(600, request_id=f"r{i}"))
-        pl.context.pending.add(placement, placement.prefill.address, 600)  # what the Placer does
+        book.add_pending(placement, placement.prefill.address, 600)  # what the Placer does
         chosen.append(placement.prefill.worker_id)
     assert chosen == ["p1", "p2", "p1", "p2"]
 
@@ -140,13 +143,13 @@ def test_decode_worker_over_the_tbt_slo_or_out_of_blocks_is_avoided() -> None:
 
 
 def test_conditional_disaggregation_colocates_a_mostly_cached_prompt() -> None:
-    pl = policy("predicted_latency")
+    book, pl = booked_policy("predicted_latency")
     prefills, decode = [worker("p1")], worker("d1", "decode", running=8, kv_tokens=4000)
     long_new = request(1000)
     # Same speed both sides, but colocated chunks share their steps with 8 running decodes.
     assert pl.place(prefills, [decode], long_new).mode == DISAGGREGATED
     cached = request(1000, first=5000)
-    pl.context.local_cache.record(decode.address, cached.block_hashes)  # the decode worker has it all
+    book.record_sent(decode.address, cached.block_hashes)  # the decode worker has it all
     placement = pl.place(prefills, [decode], cached)
     assert (placement.mode, placement.prediction.num_cached_tokens) == (COLOCATED, 992)  # 62 full blocks
     assert pl.place([], [decode], long_new).mode == COLOCATED  # no prefill worker at all
@@ -175,10 +178,10 @@ def test_an_idle_cluster_disaggregates_a_fresh_prompt() -> None:
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", DISAGGREGATED), ("never", COLOCATED)])
 def test_disaggregation_setting_forces_the_mode(mode: str, expected: str) -> None:
-    pl = policy("predicted_latency", disaggregation=mode)
+    book, pl = booked_policy("predicted_latency", disaggregation=mode)
     decode = worker("d1", "decode")
     cached = request(200)
-    pl.context.local_cache.record(decode.address, cached.block_hashes)
+    book.record_sent(decode.address, cached.block_hashes)
     assert pl.place([worker("p1", waiting_tokens=5000)], [decode], cached).mode == expected
 
 

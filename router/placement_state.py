@@ -1,0 +1,130 @@
+"""The router's placement bookkeeping: one owner that writes it, a read-only view for policies.
+
+A worker's heartbeat is up to a second old. What this router did since then is kept here, so a
+burst of requests does not all land on the worker that looked idle:
+
+- in flight: this router's requests running at each worker address (an RPC or stream open);
+- pending prefills: prompt tokens it placed at each worker that still wait for their first token;
+- the local prefix view: the block hashes it sent to each worker (router.prefix_index).
+
+:class:`PlacementBook` holds all three; only :class:`router.placer.Placer` writes it (at
+placement, at each attempt's start and end, at the first token and at the request's end).
+Routing policies and the Predictor read it through :class:`PlacementView`, which has readers
+only. Everything here runs on the router's event loop (no lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Hashable, Iterator, Sequence
+
+from router.prefix_index import LocalPrefixCache
+
+
+class InFlightCounter:
+    """This router's own requests in flight per worker address."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+
+    def get(self, address: str) -> int:
+        return self._counts[address]
+
+    @contextlib.contextmanager
+    def track(self, address: str) -> Iterator[None]:
+        """Counts one request at ``address`` for the duration of the ``with`` block."""
+        self._counts[address] += 1
+        try:
+            yield
+        finally:
+            self._counts[address] -= 1
+            if self._counts[address] <= 0:
+                del self._counts[address]
+
+
+class PendingPrefills:
+    """Prompt tokens this router placed at each worker and still waiting for their first token.
+
+    ``add`` at placement, ``remove`` at the first token (or the request's end); ``key`` names one
+    placement (the router uses the Placement object itself).
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[Hashable, tuple[str, int]] = {}  # key -> (address, tokens)
+        self._tokens: Counter[str] = Counter()
+
+    def add(self, key: Hashable, address: str, num_tokens: int) -> None:
+        """Counts ``num_tokens`` prompt tokens queued at ``address`` under ``key`` (replacing an
+        earlier entry of that key)."""
+        self.remove(key)
+        self._by_key[key] = (address, num_tokens)
+        self._tokens[address] += num_tokens
+
+    def remove(self, key: Hashable) -> None:
+        """Forgets ``key`` (no-op when unknown)."""
+        entry = self._by_key.pop(key, None)
+        if entry is not None:
+            address, num_tokens = entry
+            self._tokens[address] -= num_tokens
+            if self._tokens[address] <= 0:
+                del self._tokens[address]
+
+    def tokens(self, address: str) -> int:
+        """Prompt tokens this router has placed at ``address`` and not yet seen prefilled."""
+        return self._tokens[address]
+
+
+class PlacementView:
+    """Read-only access to a :class:`PlacementBook` (what policies and the Predictor get)."""
+
+    __slots__ = ("_book",)
+
+    def __init__(self, book: PlacementBook):
+        self._book = book
+
+    def in_flight(self, address: str) -> int:
+        """This router's requests running at ``address`` now."""
+        return self._book._in_flight.get(address)
+
+    def pending_tokens(self, address: str) -> int:
+        """Prompt tokens this router placed at ``address`` that still wait for their first token."""
+        return self._book._pending.tokens(address)
+
+    def local_cached_blocks(self, address: str, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of ``block_hashes`` this router recently sent to ``address``."""
+        return self._book._local_cache.num_cached_blocks(address, block_hashes)
+
+    def reads(self, book: PlacementBook) -> bool:
+        """Whether this view shows ``book``."""
+        return self._book is book
+
+
+class PlacementBook:
+    """The bookkeeping itself; see the module docstring. Its methods say what they mutate.
+
+    Raises:
+        ValueError: ``cache_capacity_blocks`` < 1.
+    """
+
+    def __init__(self, cache_capacity_blocks: int = 8192):
+        self._in_flight = InFlightCounter()
+        self._pending = PendingPrefills()
+        self._local_cache = LocalPrefixCache(cache_capacity_blocks)
+        self.view = PlacementView(self)
+
+    def track(self, address: str) -> contextlib.AbstractContextManager[None]:
+        """Counts one request in flight at ``address`` for the ``with`` block. Mutates: in flight."""
+        return self._in_flight.track(address)
+
+    def add_pending(self, key: Hashable, address: str, num_tokens: int) -> None:
+        """Queues ``num_tokens`` prompt tokens at ``address`` under ``key``. Mutates: pending."""
+        self._pending.add(key, address, num_tokens)
+
+    def remove_pending(self, key: Hashable) -> None:
+        """Forgets ``key``'s pending tokens (no-op when unknown). Mutates: pending."""
+        self._pending.remove(key)
+
+    def record_sent(self, address: str, block_hashes: Sequence[int]) -> None:
+        """Notes that ``block_hashes`` went to ``address``. Mutates: the local prefix view."""
+        self._local_cache.record(address, block_hashes)
