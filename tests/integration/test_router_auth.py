@@ -68,7 +68,7 @@ async def cluster(redis_url: str):
         await router.start()
         registry = WorkerRegistry(url)
         for role in ("prefill", "decode", "pool"):
-            await registry.heartbeat(WorkerInfo(f"fake-{role}", role, address, {"num_requests_running": 0}), ttl_s=600)
+            await registry.heartbeat(WorkerInfo(f"fake-{role}", role, address), ttl_s=600)
         await router.view.refresh()
         yield AuthCluster(router, fakes, tokenizer, address)
         await router.stop()

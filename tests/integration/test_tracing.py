@@ -62,7 +62,7 @@ async def traced(redis_url: str):
     await router.start()
     registry = WorkerRegistry(url)
     for role, address in addresses.items():
-        await registry.heartbeat(WorkerInfo(f"fake-{role}", role, address, {"num_requests_running": 0}), ttl_s=600)
+        await registry.heartbeat(WorkerInfo(f"fake-{role}", role, address), ttl_s=600)
     await router.view.refresh()
     yield router, fakes, tokenizer, exporter
     await router.stop()
