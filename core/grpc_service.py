@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import cache
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from core import grpc_auth, tracing
 from core.fault_injection import interceptors_from_env
+from core.grpc_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +25,32 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def insecure_channel(address: str) -> grpc.Channel:
-    """A blocking channel with Tandem's message limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+@cache
+def process_security() -> ClusterSecurity:
+    """This process's cluster credentials, read once from the environment (core.grpc_auth).
+
+    Raises:
+        ValueError: a file the variables name cannot be read, or they are inconsistent.
+    """
+    return ClusterSecurity.from_env()
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel with Tandem's message limits."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def cluster_channel(address: str, security: ClusterSecurity | None = None,
+                    options: Sequence[tuple] = CHANNEL_OPTIONS) -> grpc.Channel:
+    """A blocking channel to a Tandem service (``options``: Tandem's message limits), over TLS
+    and carrying the cluster token when ``security`` (default: :func:`process_security`) has them."""
+    return grpc_auth.channel(address, options, security or process_security())
+
+
+def cluster_aio_channel(address: str, security: ClusterSecurity | None = None,
+                        options: Sequence[tuple] = CHANNEL_OPTIONS) -> grpc.aio.Channel:
+    """The asyncio form of :func:`cluster_channel`."""
+    return grpc_auth.aio_channel(address, options, security or process_security())
+
+
+# Older names (plaintext and tokenless whenever the cluster has no credentials).
+insecure_channel = cluster_channel
+aio_channel = cluster_aio_channel
 
 
 class GrpcService:
@@ -37,17 +58,34 @@ class GrpcService:
 
     ``service_names`` are the fully-qualified gRPC service names (``tandem.v1.KVPool``) whose
     health is reported SERVING once started and NOT_SERVING while draining.
+
+    An internal service (pool, workers) refuses RPCs without the cluster token (UNAUTHENTICATED)
+    and serves TLS when ``security`` (default: :func:`process_security`) says so; a public one
+    (the router) takes its ``gates`` instead (API keys, core.grpc_auth) and serves plaintext.
+    ``grpc.health.v1`` stays open either way. With tracing on (core.tracing) every RPC gets a span.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], grace_s: float = 5.0):
+    def __init__(self, host: str, port: int, service_names: Iterable[str], grace_s: float = 5.0,
+                 security: ClusterSecurity | None = None, internal: bool = True,
+                 gates: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.address = f"{host}:{port}"
         self.service_names = list(service_names)
         self.grace_s = grace_s
+        security = (security or process_security()) if internal else ClusterSecurity()
+        server_name = self.service_names[0] if self.service_names else "tandem"
+        tracing.configure_from_env(server_name)  # OTEL_EXPORTER_OTLP_ENDPOINT set: traces on (once per process)
+        interceptors = [tracing.TracingInterceptor(server_name)] if tracing.enabled() else []
+        interceptors += list(gates)
+        if security.token:
+            interceptors.append(grpc_auth.cluster_gate(security.token))
+        self._credentials = security.server_credentials()
         # No SO_REUSEPORT (grpc sets it by default): a second server on a taken port must fail to
         # bind, not silently share the port's connections with the first.
-        # interceptors: none in production; fault injection only under a chaos option (issue 16).
-        self.server = grpc.aio.server(interceptors=interceptors_from_env(),
-                                      options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        # Fault injection only under a chaos option (issue 16; core.fault_injection), never in production.
+        interceptors += interceptors_from_env()
+        self.interceptors = tuple(interceptors)
+        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+                                      interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.bound_port = 0
@@ -60,7 +98,10 @@ class GrpcService:
                 an interface of this machine); the message names the port.
         """
         try:
-            self.bound_port = self.server.add_insecure_port(self.address)
+            if self._credentials is None:
+                self.bound_port = self.server.add_insecure_port(self.address)
+            else:
+                self.bound_port = self.server.add_secure_port(self.address, self._credentials)
         except RuntimeError:  # grpc >= 1.49 raises instead of returning 0
             self.bound_port = 0
         if self.bound_port == 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import click
 import redis
-from prometheus_client import Gauge, start_http_server
+from prometheus_client import REGISTRY, start_http_server
 
 from core.cost_model import BandwidthMeter
 from core.grpc_service import GrpcService, run_until_signalled
@@ -29,6 +29,7 @@ from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnector, PoolLocator
+from engine.worker_metrics import WorkerCollector
 from tandem.v1 import prefill_worker_pb2
 
 log = logging.getLogger(__name__)
@@ -142,25 +143,6 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
     return worker, engine_config, kwargs["log_level"]
 
 
-def _export_gauges(engine: AsyncEngine, kv_load: BandwidthMeter, role: str) -> None:
-    labels = {"role": role}
-    Gauge("tandem:num_requests_running", "Requests in the running batch", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_requests_running
-    )
-    Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_requests_waiting
-    )
-    Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use", ["role"]).labels(**labels).set_function(
-        lambda: engine.stats().num_used_blocks / max(1, engine.stats().num_total_blocks)
-    )
-    coefficient = Gauge("tandem:cost_model_coefficient_seconds",
-                        "Fitted step-time coefficient (seconds per step, token, sequence or 1k attention pairs)",
-                        ["role", "coefficient"])
-    for name in ("base_s", "per_token_s", "per_seq_s", "per_attn_s"):
-        coefficient.labels(role=role, coefficient=name).set_function(
-            lambda name=name: getattr(engine.stats().cost_model, name))
-    Gauge("tandem:kv_load_bandwidth_bytes_per_second", "Measured pool -> worker KV bandwidth (EWMA)",
-          ["role"]).labels(**labels).set_function(lambda: kv_load.bytes_per_s)
 
 
 def worker_load(engine: AsyncEngine, kv_load: BandwidthMeter) -> WorkerLoad:
@@ -229,9 +211,10 @@ def serve_worker(
             heartbeat = Heartbeat(registry, info, lambda: worker_load(async_engine, connector.kv_load),
                                   worker.heartbeat_interval_s, worker.heartbeat_ttl_s)
             await heartbeat.start()
-            if worker.metrics_port:
-                _export_gauges(async_engine, connector.kv_load, worker.role)
-                start_http_server(worker.metrics_port)
+            if worker.metrics_port:  # vLLM-named gauges (engine.worker_metrics) + KV transfer counters
+                REGISTRY.register(WorkerCollector(lambda: worker_load(async_engine, connector.kv_load).to_wire(),
+                                                  worker.role, engine_config.model))
+                start_http_server(worker.metrics_port, addr=worker.host)
             log.info("serving %s on %s", service_name, address)
 
         async def stop() -> None:

@@ -26,6 +26,7 @@ from launcher.preflight import (
     check_ports_free,
 )
 from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
+from launcher.status import status_command
 from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 console = Console()
@@ -36,20 +37,53 @@ def main() -> None:
     """Tandem: disaggregated prefill/decode LLM serving."""
 
 
+def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None) -> Path | None:
+    """-f: the values file's settings become the defaults of every other option (flags win)."""
+    if path is None:
+        return None
+    from launcher.values import load_values, up_options
+
+    try:
+        options = up_options(load_values(path))
+    except ValueError as err:
+        raise click.BadParameter(str(err), ctx, _param) from None
+    ctx.default_map = {**(ctx.default_map or {}), **options}
+    return path
+
+
 @main.command()
+@click.option("-f", "--values", "values_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              is_eager=True, expose_value=False, callback=_values_file,
+              help="A Helm values file (the chart's vocabulary and schema) setting the options below; "
+                   "flags override it.")
+@click.option("--print-config", is_flag=True, help="Print the effective configuration and each service's command, "
+                                                   "then exit.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Bundled name, .gguf file or HF folder.")
+@click.option("--served-model-name", default="", help="The name clients send as `model` (default: the model's).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--http-port", default=8000, show_default=True, type=int)
 @click.option("--grpc-port", default=50050, show_default=True, type=int)
 @click.option("--redis-url", default="", help="Use this Redis instead of starting a private redis-server.")
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--num-kv-blocks", default=1024, show_default=True, type=int, help="Decode/prefill KV cache blocks.")
+@click.option("--prefill-num-kv-blocks", default=0, show_default=True, type=int,
+              help="KV cache blocks of each prefill worker; 0: --num-kv-blocks.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
 @click.option("--max-model-len", default=2048, show_default=True, type=int,
               help="Longest prompt + output in tokens; at most the model's max_position_embeddings.")
 @click.option("--pool-capacity-bytes", default="2GiB", show_default=True, type=ByteSize(),
               help="KV pool DRAM capacity: bytes or a size such as 512MiB, 2GiB.")
+@click.option("--num-pool-nodes", default=1, show_default=True, type=int,
+              help="KV pool processes; the workers spread blocks over them.")
+@click.option("--pool-lease-ttl-s", default=60.0, show_default=True, type=float,
+              help="Lifetime of a pool lease or request-scoped block without an explicit one.")
+@click.option("--pool-nvme-path", default="", help="Directory of the pool's NVMe tier ('' : off); each pool node "
+                                                  "uses a folder of its own under it.")
+@click.option("--pool-nvme-capacity-bytes", default="16GiB", show_default=True, type=ByteSize(),
+              help="NVMe tier size of each pool node, with --pool-nvme-path.")
+@click.option("--kv-transfer", default="auto", show_default=True, type=click.Choice(["auto", "grpc", "shm", "nixl"]),
+              help="How the workers move KV to and from the pool; auto: shm on one host, else nixl, else grpc.")
 @click.option("--num-threads", default=0, show_default=True, type=int,
               help="CPU threads split between the workers; 0: every core of this machine.")
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
@@ -87,6 +121,18 @@ def main() -> None:
 @click.option("--tbt-slo-s", default=0.0, show_default=True, type=float, help="Router TBT SLO (0: none).")
 @click.option("--max-queue-s", default=0.5, show_default=True, type=float,
               help="The router refuses (429) a request missing the SLOs only past this much queued work.")
+@click.option("--default-max-tokens", default=16, show_default=True, type=int,
+              help="max_tokens of a completion that omits it (a chat may use the rest of the context).")
+@click.option("--request-timeout-s", default=600.0, show_default=True, type=float,
+              help="Deadline of one request's worker calls.")
+@click.option("--open-paths", default="/health,/metrics", show_default=True,
+              help="Router HTTP paths served without an API key, comma-separated.")
+@click.option("--api-key", "api_keys", multiple=True, envvar="TANDEM_API_KEY",
+              help="A key clients must send as 'Authorization: Bearer <key>' to the router (repeat for several; "
+                   "env TANDEM_API_KEY, space-separated). Unset: the API is open.")
+@click.option("--api-key-file", default="", help="A file of API keys, one a line, added to --api-key.")
+@click.option("--cluster-token", default="", envvar="TANDEM_CLUSTER_TOKEN",
+              help="Shared secret the pool and worker RPCs demand (gRPC metadata); unset: none.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
@@ -113,8 +159,8 @@ def main() -> None:
 @click.option("--autoscale-cooldown-s", default=30.0, show_default=True, type=float,
               help="With --autoscale: no second change of a role within this many seconds.")
 def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
-       use_ray: bool, address: str | None, autoscale: bool, max_prefill_workers: int, max_decode_workers: int,
-       autoscale_interval_s: float, autoscale_cooldown_s: float, **kwargs) -> None:
+       use_ray: bool, address: str | None, print_config: bool, autoscale: bool, max_prefill_workers: int,
+       max_decode_workers: int, autoscale_interval_s: float, autoscale_cooldown_s: float, **kwargs) -> None:
     """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
     (or, with --ray, the same services as Ray actors)."""
     if address and not use_ray:
@@ -125,10 +171,18 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
                                          autoscale_cooldown_s) if autoscale else None
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
+    if use_ray and kwargs["num_pool_nodes"] > 1:
+        raise click.UsageError("--ray starts one pool node; --num-pool-nodes > 1 needs the local launcher")
     if kwargs["colocated"] and _given("num_prefill_workers"):
         raise click.UsageError("--colocated starts no prefill worker; drop --num-prefill-workers or --colocated")
+    given = {name: (kwargs[name], _source(name)) for name in kwargs}
     config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
-                                       demo, check_ports=not address)
+                                       demo, check_ports=not (address or print_config))
+    if print_config:
+        from launcher.config_report import config_report
+
+        console.print(config_report(config, given), markup=False, highlight=False, soft_wrap=True)
+        return
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
 
@@ -156,6 +210,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
         console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
+        _print_metrics(getattr(cluster, "metrics_urls", None) or {"router": f"{cluster.http_url}/metrics"})
         if demo:
             _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
         else:
@@ -178,6 +233,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print("stopped")
 
 
+
+
 def _autoscale_config(kwargs: dict, max_prefill: int, max_decode: int, cooldown_s: float):
     """The autoscaler's bounds and SLOs from ``tandem up``'s flags. Raises click.UsageError."""
     from autoscaler.policy import AutoscaleConfig
@@ -192,6 +249,13 @@ def _autoscale_config(kwargs: dict, max_prefill: int, max_decode: int, cooldown_
         raise click.UsageError(str(err)) from None
 
 
+def _print_metrics(urls: dict[str, str]) -> None:
+    """Where each process serves Prometheus metrics (the router's also shows the whole cluster)."""
+    if urls:
+        console.print("metrics: " + "  ".join(f"{name} {url}" for name, url in urls.items())
+                      + "  (router: the whole cluster; `tandem status` shows it live)")
+
+
 def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
     """From now on SIGINT and SIGTERM set the returned event and are appended to the returned
     list (instead of raising KeyboardInterrupt): start-up launches nothing more, serving stops."""
@@ -204,6 +268,12 @@ def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     return stop, signals
+
+
+def _source(name: str) -> str:
+    """Where option ``name``'s value came from: command line, environment, values file or default."""
+    source = click.get_current_context().get_parameter_source(name)
+    return {click.core.ParameterSource.DEFAULT_MAP: "values file"}.get(source, source.name.lower().replace("_", " "))
 
 
 def _given(name: str) -> bool:
@@ -237,19 +307,22 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
     Raises:
         click.ClickException: one line naming the flag to change.
     """
+    from router.auth import load_api_keys
     from router.config import RouterConfig  # torch-free
 
     try:
+        kwargs["api_keys"] = load_api_keys(kwargs.pop("api_keys"), kwargs.pop("api_key_file"))
         if check_ports:
             check_ports_free(kwargs["host"], {"--http-port": kwargs["http_port"], "--grpc-port": kwargs["grpc_port"]})
         check_engine_sizes(*(kwargs[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len")))
         RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
-                     max_model_len=kwargs["max_model_len"])
+                     max_model_len=kwargs["max_model_len"], api_keys=kwargs["api_keys"])
         prompts = _demo_prompts(prompts_path, num_prompts) if demo else []
         restart = RestartPolicy() if kwargs.pop("restart") else RestartPolicy(max_restarts=0)
         config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
-                               extra_router_args=_router_flags(kwargs), restart=restart, **kwargs)
+                               extra_router_args=_router_flags(kwargs), extra_pool_args=_pool_flags(kwargs),
+                               restart=restart, **kwargs)
         source = resolve_model(config.model)
     except (ValueError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from None
@@ -279,6 +352,7 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
         "--enable-overlap" if overlap else "--no-enable-overlap",
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
         "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
+        "--kv-transfer", kwargs.pop("kv_transfer"),
         *(() if eager is None else ("--enforce-eager" if eager else "--no-enforce-eager",)),
     )
 
@@ -286,8 +360,19 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
 def _router_flags(kwargs: dict) -> tuple[str, ...]:
     """Moves the routing and SLO switches out of ``kwargs`` into router flags."""
     flags: list[str] = []
-    for name in ("routing_policy", "disaggregation", "ttft_slo_s", "tbt_slo_s", "max_queue_s"):
+    for name in ("routing_policy", "disaggregation", "ttft_slo_s", "tbt_slo_s", "max_queue_s", "default_max_tokens",
+                 "request_timeout_s", "open_paths"):
         flags += [f"--{name.replace('_', '-')}", str(kwargs.pop(name))]
+    served = kwargs.pop("served_model_name")
+    return tuple(flags) + (("--served-model-name", served) if served else ())
+
+
+def _pool_flags(kwargs: dict) -> tuple[str, ...]:
+    """Moves the pool switches out of ``kwargs`` into kv_pool flags."""
+    flags = ["--lease-ttl-s", str(kwargs.pop("pool_lease_ttl_s"))]
+    nvme_path, nvme_bytes = kwargs.pop("pool_nvme_path"), kwargs.pop("pool_nvme_capacity_bytes")
+    if nvme_path:
+        flags += ["--nvme-path", nvme_path, "--nvme-capacity-bytes", str(nvme_bytes)]
     return tuple(flags)
 
 
@@ -323,6 +408,7 @@ def _print_demo(results) -> None:
         raise click.ClickException("some demo requests failed")
 
 
+main.add_command(status_command)
 main.add_command(bench_command)
 main.add_command(sim_command)
 main.add_command(plan_command)

@@ -26,6 +26,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.grpc_service import cluster_channel
 from launcher.supervisor import RestartPolicy, StartInterrupted, Supervisor
 
 _PR_SET_PDEATHSIG = 1
@@ -74,11 +75,22 @@ class ClusterConfig:
     # Tensor-parallel ranks of each prefill / decode worker (engine.parallel; one GPU each on CUDA).
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Keys clients must send to the router (router.auth); empty: open. Passed in the environment,
+    # never in argv (which `ps` shows).
+    api_keys: tuple[str, ...] = ()
+    # Shared secret of the cluster's internal RPCs (core.grpc_auth); empty: none.
+    cluster_token: str = ""
+    # KV blocks of each prefill worker's cache; 0: num_kv_blocks (the decode workers').
+    prefill_num_kv_blocks: int = 0
+    # KV pool processes; the workers spread blocks over all of them (core.pool_ring).
+    num_pool_nodes: int = 1
+    # KV pool flags beyond capacity (lease TTL, NVMe tier: python -m kv_pool --help).
+    extra_pool_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        for name in ("num_prefill_workers", "num_decode_workers", "prefill_tp", "decode_tp"):
+        for name in ("num_prefill_workers", "num_decode_workers", "num_pool_nodes", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -90,6 +102,11 @@ class ClusterConfig:
         """Threads of each rank of a ``role`` worker given ``worker_threads`` for the whole
         worker: split between its ranks, at least 1 (TP=2 on 2 cores: 1 thread a rank)."""
         return max(1, worker_threads // self.tensor_parallel_size(role))
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Service names of the pool nodes: ``kv_pool``, then ``kv_pool-1``, ..."""
+        return tuple("kv_pool" if i == 0 else f"kv_pool-{i}" for i in range(self.num_pool_nodes))
 
     @property
     def worker_roles(self) -> tuple[str, ...]:
@@ -143,7 +160,7 @@ class Service:
 
 def _grpc_ready(address: str) -> Callable[[], bool]:
     def check() -> bool:
-        with grpc.insecure_channel(address) as channel:
+        with cluster_channel(address) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             except grpc.RpcError:
@@ -205,28 +222,54 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
 
 
 def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,
-                 pool_address: str = "", num_threads: int = 1) -> list[str]:
+                 pool_address: str = "", num_threads: int = 1, metrics_port: int = 0) -> list[str]:
     """``python -m <package> <flags>`` of one service (role: kv_pool, prefill, decode, router).
 
-    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``). Shared by the local and
-    the Ray launcher, so both start the services with the same flags. ``num_threads``: the whole
-    worker's; a tensor-parallel worker's ranks split it (``ClusterConfig.rank_threads``).
+    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``); ``metrics_port``: where
+    a pool or worker serves ``/metrics`` (0: off; the router serves it on its HTTP port). Shared
+    by the local and the Ray launcher, so both start the services with the same flags.
+    ``num_threads``: the whole worker's; a tensor-parallel worker's ranks split it
+    (``ClusterConfig.rank_threads``).
     """
     common = [python, "-m", SERVICE_PACKAGES[role], "--host", host, "--redis-url", redis_url]
+    if metrics_port and role != "router":
+        common += ["--metrics-port", str(metrics_port)]
     if role == "kv_pool":
-        return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes)]
+        return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes), *c.extra_pool_args]
     if role == "router":
         return [*common, "--http-port", str(c.http_port), "--grpc-port", str(port),
                 "--model", c.model, "--max-model-len", str(c.max_model_len), *c.extra_router_args]
     if role not in ("prefill", "decode"):
         raise ValueError(f"unknown service role {role!r}")
+    num_kv_blocks = c.prefill_num_kv_blocks if role == "prefill" and c.prefill_num_kv_blocks else c.num_kv_blocks
     return [
-        *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(c.num_kv_blocks),
+        *common, "--model", c.model, "--block-size", str(c.block_size), "--num-kv-blocks", str(num_kv_blocks),
         "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
         "--max-model-len", str(c.max_model_len), "--pool-address", pool_address,
         *c.extra_worker_args, "--port", str(port), "--num-threads", str(c.rank_threads(role, num_threads)),
         "--tensor-parallel-size", str(c.tensor_parallel_size(role)),
     ]
+
+
+def service_env(c: ClusterConfig, role: str) -> dict[str, str]:
+    """Environment variables of one service beyond the launcher's own: its secrets."""
+    env = {"TANDEM_CLUSTER_TOKEN": c.cluster_token} if c.cluster_token else {}
+    if role == "router" and c.api_keys:
+        env["TANDEM_ROUTER_API_KEY"] = " ".join(c.api_keys)
+    return env
+
+
+def pool_node_args(name: str, c: ClusterConfig) -> list[str]:
+    """What sets pool node ``name`` apart when several share this host: its id and, with an NVMe
+    tier, a folder of its own under ``--nvme-path`` (a repeated flag: the last one counts)."""
+    if c.num_pool_nodes == 1:
+        return []
+    index = name.removeprefix("kv_pool").lstrip("-") or "0"
+    args = ["--node-id", f"pool-{index}"]
+    if "--nvme-path" in c.extra_pool_args:
+        base = c.extra_pool_args[c.extra_pool_args.index("--nvme-path") + 1]
+        args += ["--nvme-path", str(Path(base) / f"pool-{index}")]
+    return args
 
 
 def _port(address: str) -> int:
@@ -245,15 +288,20 @@ class LocalCluster:
         self.grpc_address = f"{config.host}:{config.grpc_port}"
         # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
+        # Where each service serves Prometheus metrics, by name; the router's has the cluster view.
+        self.metrics_urls: dict[str, str] = {"router": f"{self.http_url}/metrics"}
         self._supervisor = Supervisor(config.restart)
         self._threads: dict[str, int] = {}  # torch threads of each role's workers
+        self._pool_address = ""  # every pool node's gRPC address, comma-separated (the workers' --pool-address)
+        self._metrics_ports: dict[str, int] = {}  # /metrics port of each pool and worker process
         self._draining: list[Service] = []  # removed workers finishing their in-flight requests
 
     def _spawn(self, name: str, argv: list[str], ready: Callable[[], bool], env: dict | None = None) -> Service:
         self._stop_if_interrupted(name)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        env = env or {}
+        role = "router" if name == "router" else "kv_pool" if name.startswith("kv_pool") else "worker"
+        env = {**service_env(self.config, role), **(env or {})} if name != "redis" else (env or {})
         service = Service(name, _popen(argv, env, log_path), ready, log_path, argv, env)
         self.services.append(service)
         return service
@@ -283,12 +331,19 @@ class LocalCluster:
         py = sys.executable
         if not self.redis_url:
             self.start_redis(on_progress, timeout_s)
-        self.addresses = {"kv_pool": f"{c.host}:{free_port()}"}
+        self.addresses = {name: f"{c.host}:{free_port()}" for name in c.pool_names}
         self.addresses.update({name: f"{c.host}:{free_port()}" for name, _ in c.worker_names})
-        pool = self._spawn("kv_pool", service_argv(c, "kv_pool", py, c.host, _port(self.addresses["kv_pool"]),
-                                                   self.redis_url), _grpc_ready(self.addresses["kv_pool"]))
-        self._wait(pool, on_progress, timeout_s)
+        metrics_ports = {name: free_port() for name in self.addresses}
+        self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
+        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]), self.redis_url,
+                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c),
+                             _grpc_ready(self.addresses[name])) for name in c.pool_names]
+        for pool in pools:
+            self._wait(pool, on_progress, timeout_s)
+        pool_address = ",".join(self.addresses[name] for name in c.pool_names)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
+        self._pool_address = pool_address
+        self._metrics_ports = metrics_ports
         self._threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
                                        c.num_prefill_workers, c.num_decode_workers)
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
@@ -301,8 +356,10 @@ class LocalCluster:
     def _spawn_worker(self, name: str, role: str) -> Service:
         c, threads = self.config, self._threads[role]
         self.addresses.setdefault(name, f"{c.host}:{free_port()}")
+        metrics_port = self._metrics_ports.setdefault(name, free_port())
+        self.metrics_urls[name] = f"http://{c.host}:{metrics_port}/metrics"
         argv = service_argv(c, role, sys.executable, c.host, _port(self.addresses[name]), self.redis_url,
-                            pool_address=self.addresses["kv_pool"], num_threads=threads)
+                            pool_address=self._pool_address, num_threads=threads, metrics_port=metrics_port)
         return self._spawn(name, argv, _grpc_ready(self.addresses[name]),
                            env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads))})
 

@@ -35,6 +35,7 @@ from launcher.local_cluster import (
     _grpc_ready,
     _http_ready,
     service_argv,
+    service_env,
     worker_threads,
 )
 from launcher.supervisor import ServiceExited, StartInterrupted, Supervisor
@@ -252,6 +253,7 @@ class RayCluster:
         if self.interrupted():
             raise StartInterrupted(service.name)
         host, port = service.address.rsplit(":", 1)
+        env = {**service_env(self.config, service.name), **env}
         service.argv, service.env = argv(service.python, host, int(port)), env
         service.pid = ray.get(service.actor.start.remote(service.argv, env))
         if on_progress is not None:

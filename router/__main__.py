@@ -9,7 +9,8 @@ import click
 from core.grpc_service import run_until_signalled
 from core.logging_setup import setup_logging
 from core.model_source import DEFAULT_MODEL
-from router.config import DISAGGREGATION_MODES, ROUTING_POLICIES, RouterConfig
+from router.auth import load_api_keys
+from router.config import DEFAULT_OPEN_PATHS, DISAGGREGATION_MODES, ROUTING_POLICIES, RouterConfig
 from router.server import RouterServer
 
 
@@ -37,12 +38,19 @@ def _option(name: str, **kwargs):
 @_option("--max-queue-s", default=0.5, type=float,
          help="Refuse (429) a request that cannot meet the SLOs only when the queue ahead takes longer than this.")
 @_option("--prefix-cache-blocks", default=8192, type=int, help="Blocks remembered per worker in the prefix view.")
+@click.option("--api-key", "api_keys", multiple=True, envvar=["TANDEM_ROUTER_API_KEY", "TANDEM_API_KEY"],
+              show_envvar=True, help="A key clients must send as 'Authorization: Bearer <key>' on HTTP and gRPC "
+                                     "(repeat, or separate with spaces/commas, for several). Unset: open.")
+@_option("--api-key-file", default="", help="A file of API keys, one a line (# comments), added to --api-key.")
+@_option("--open-paths", default=",".join(DEFAULT_OPEN_PATHS),
+         help="HTTP paths served without an API key, comma-separated ('' for none).")
 @_option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def main(log_level: str, **flags) -> None:
+def main(log_level: str, api_keys: tuple[str, ...], api_key_file: str, open_paths: str, **flags) -> None:
     """Runs the router until SIGTERM/SIGINT."""
     setup_logging("router", log_level)
     try:
-        config = RouterConfig(**flags)
+        keys = load_api_keys(api_keys, api_key_file)
+        config = RouterConfig(**flags, api_keys=keys, open_paths=tuple(p for p in open_paths.split(",") if p))
     except ValueError as err:
         raise click.BadParameter(str(err)) from err
     server = RouterServer(config)

@@ -9,6 +9,7 @@ from core.model_source import DEFAULT_MODEL
 # router.routing's names, repeated so that the configuration imports no policy code.
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
 DISAGGREGATION_MODES = ("auto", "always", "never")
+DEFAULT_OPEN_PATHS = ("/health", "/metrics")  # HTTP paths served without an API key
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class RouterConfig:
             queued ahead of it takes longer than this to drain (seconds).
         prefix_cache_blocks: blocks remembered per worker in the router's view of worker prefix
             caches (an LRU of what it sent there).
+        api_keys: keys a client must send (``Authorization: Bearer``) on HTTP and gRPC; empty:
+            the APIs are open (router.auth).
+        open_paths: HTTP paths served without a key even when ``api_keys`` is set.
 
     Raises:
         ValueError: on any out-of-range value, quoting it.
@@ -59,6 +63,8 @@ class RouterConfig:
     tbt_slo_s: float = 0.0
     max_queue_s: float = 0.5
     prefix_cache_blocks: int = 8192
+    api_keys: tuple[str, ...] = ()
+    open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -90,3 +96,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_blocks < 1:
             raise ValueError(f"prefix_cache_blocks must be >= 1, got {self.prefix_cache_blocks}")
+        for key in self.api_keys:
+            if not key or any(c.isspace() for c in key):
+                raise ValueError("an API key must be non-empty and hold no whitespace")
+        for path in self.open_paths:
+            if not path.startswith("/"):
+                raise ValueError(f"open_paths entries must start with '/', got {path!r}")

@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics (DESIGN.md §9b), named like vLLM's under ``tandem:``.
+"""The router's Prometheus metrics (DESIGN.md §9b): the request histograms and token counters
+under vLLM's names (core.metric_names), the rest under ``tandem:``.
 
 Each :class:`RouterMetrics` owns its registry, so several routers (tests) never collide.
 """
@@ -6,6 +7,8 @@ Each :class:`RouterMetrics` owns its registry, so several routers (tests) never 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from core import metric_names as names
 
 # Buckets of vLLM's histograms of the same name, in seconds.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -23,21 +26,21 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft_s = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl_s = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens.", buckets=ITL_BUCKETS_S, registry=r)
-        self.e2e_s = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS_S, registry=r)
+        self.ttft_s = Histogram(names.TTFT_SECONDS, "Time to first token.", buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl_s = Histogram(names.ITL_SECONDS, "Time between output tokens.", buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e_s = Histogram(names.E2E_SECONDS, "Arrival to last token.", buckets=E2E_BUCKETS_S, registry=r)
         self.request_success = Counter(
-            "tandem:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+            names.REQUEST_SUCCESS, "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
-        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", registry=r)
-        self.prefix_cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.prefix_cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Generated tokens.", registry=r)
+        self.prefix_cache_queries = Counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", registry=r)
         self.rejections = Counter("tandem:rejections", "Requests refused before any token, by reason.", ["reason"], registry=r)
         self.routing_decisions = Counter(
             "tandem:routing_decisions", "Workers chosen, by policy and role.", ["policy", "role"], registry=r
         )
-        self.num_requests_running = Gauge("tandem:num_requests_running", "Requests in generation at this router.", registry=r)
+        self.num_requests_running = Gauge("tandem:router_requests_running", "Requests in generation at this router.", registry=r)
         self.placements = Counter(
             "tandem:placements", "Requests placed, by policy and mode (colocated or disaggregated).",
             ["policy", "mode"], registry=r,

@@ -9,13 +9,18 @@ import logging
 import uvicorn
 from grpc_health.v1 import health_pb2
 
+from core import tracing
+from core.grpc_auth import api_key_gate
 from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
+from router.auth import ApiKeyMiddleware
+from router.cluster_metrics import ClusterCollector
 from router.config import RouterConfig
 from router.admission import Admission
 from router.generation import Generation
 from router.grpc_api import SERVICE_NAME, RouterServicer
+from router.http_tracing import TracingMiddleware
 from router.metrics import RouterMetrics
 from router.openai_api import OpenAIApi
 from router.placement import SLO
@@ -72,6 +77,7 @@ class RouterServer:
         self.generation = Generation(
             self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
         )
+        self.metrics.registry.register(ClusterCollector(self.view))  # the cluster view on /metrics
         await self.view.start()
         await self._start_grpc()
         await self._start_http()
@@ -89,13 +95,19 @@ class RouterServer:
         return Placer(book, policy, admission, self.metrics, PoolPrefixIndex(self.registry.redis))
 
     async def _start_grpc(self) -> None:
-        self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s)
+        gates = [api_key_gate(self.config.api_keys)] if self.config.api_keys else []
+        self.grpc = GrpcService(self.config.host, self.config.grpc_port, [SERVICE_NAME], self.config.shutdown_grace_s,
+                                internal=False, gates=gates)
         servicer = RouterServicer(self.validator, self.generation, self.metrics)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
         self.grpc_port = await self.grpc.start()
 
     async def _start_http(self) -> None:
         app = OpenAIApi(self.validator, self.generation, self.view, self.metrics).app
+        if self.config.api_keys:
+            app.add_middleware(ApiKeyMiddleware, api_keys=self.config.api_keys, open_paths=self.config.open_paths)
+        if tracing.enabled():  # outermost: a refused request is traced too
+            app.add_middleware(TracingMiddleware)
         uv_config = uvicorn.Config(
             app, host=self.config.host, port=self.config.http_port, log_config=None, access_log=False,
             lifespan="off", timeout_graceful_shutdown=max(1, int(self.config.shutdown_grace_s)),

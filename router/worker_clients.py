@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.grpc_service import CHANNEL_OPTIONS
+from core.grpc_service import CHANNEL_OPTIONS, cluster_aio_channel
 from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
@@ -137,7 +137,7 @@ class WorkerClients:
             task.add_done_callback(self._closing.discard)
             channel = None
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self._channels[address] = cluster_aio_channel(address, options=_CHANNEL_OPTIONS)
         return channel
 
     async def prefill(self, address: str, request_id: str, request: ValidatedRequest, timeout_s: float) -> PrefillResult:

@@ -46,7 +46,10 @@ TANDEM_SERVICES = {
     "decode_worker": ("TANDEM_DECODE_", "tandem.v1.DecodeWorker", "TANDEM_DECODE_PORT"),
 }
 # TANDEM_* variables read outside a service's flags (core.model_source, tandem-fetch-model).
-GLOBAL_TANDEM_ENV = {"TANDEM_CACHE_DIR", "TANDEM_MODEL_SOURCE", "TANDEM_MODEL_DIR"}
+GLOBAL_TANDEM_ENV = {"TANDEM_CACHE_DIR", "TANDEM_MODEL_SOURCE", "TANDEM_MODEL_DIR",
+                     # read by core.grpc_auth in every service (its CLUSTER_ENV_VARS; a test keeps them equal)
+                     "TANDEM_CLUSTER_TOKEN", "TANDEM_CLUSTER_TOKEN_FILE", "TANDEM_GRPC_TLS_CERT_FILE",
+                     "TANDEM_GRPC_TLS_KEY_FILE", "TANDEM_GRPC_TLS_CA_FILE", "TANDEM_GRPC_TLS_SERVER_NAME"}
 VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 MODULE_ARG = re.compile(r"python3? -m ([a-z_]+)")
 
@@ -306,6 +309,11 @@ def check_env_source(r: Rendering, w: Obj, source: dict, where: str, container_n
             yield f"{where}: ConfigMap {ref['name']!r} does not exist here"
         elif ref["key"] not in (cm.raw.get("data") or {}):
             yield f"{where}: ConfigMap {ref['name']!r} has no key {ref['key']!r}"
+    ref = source.get("secretKeyRef")
+    if ref and not ref.get("optional"):
+        secret = r.get("Secret", w.namespace, ref["name"])  # absent: an existing Secret the user made
+        if secret is not None and ref["key"] not in {**(secret.raw.get("data") or {}), **(secret.raw.get("stringData") or {})}:
+            yield f"{where}: Secret {ref['name']!r} has no key {ref['key']!r}"
     field = source.get("resourceFieldRef")
     if field:
         name = field.get("containerName")

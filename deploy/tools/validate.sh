@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Validates Tandem's deployment files offline (CI runs it through tests/deploy/test_manifests.py):
 #   1. hadolint on deploy/docker/Dockerfile.*
-#   2. helm lint --strict of the chart with the default and the multi-node GPU values
+#   2. helm lint --strict of the chart with the default, the multi-node GPU and the secure values
 #   3. helm template of both, kubectl kustomize of every overlay (and of the base with every
 #      optional component), each piped into kubernetes-validate --strict for Kubernetes $KUBE_VERSION
 #      and into check_manifests.py (selectors, ports, probes, env references)
@@ -17,6 +17,7 @@ tools="${1:-$repo/.cache/k8s-tools}"
 kube_version="${KUBE_VERSION:-1.37.0}"
 chart="$repo/deploy/k8s/helm/tandem"
 multinode="$repo/deploy/k8s/helm/values-multinode-gpu.yaml"
+secure="$repo/deploy/k8s/helm/values-secure.yaml"
 
 if [[ ! -x "$tools/bin/helm" || ! -x "$tools/bin/kubernetes-validate" ]]; then
   "$repo/deploy/tools/install_k8s_tools.sh" "$tools"
@@ -47,6 +48,7 @@ hadolint --config "$repo/deploy/docker/hadolint.yaml" \
 step "helm lint --strict"
 helm lint --strict "$chart" || fail "helm lint (default values)"
 helm lint --strict "$chart" -f "$multinode" || fail "helm lint (multinode values)"
+helm lint --strict "$chart" -f "$secure" || fail "helm lint (secure values)"
 
 step "helm template | kubernetes-validate | check_manifests (Kubernetes $kube_version)"
 helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" >"$out/helm-default.yaml" \
@@ -58,6 +60,9 @@ helm lint --strict "$chart" --set autoscaler.enabled=true || fail "helm lint (au
 helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" --set autoscaler.enabled=true \
   >"$out/helm-autoscaler.yaml" \
   && check_rendered helm-autoscaler "$out/helm-autoscaler.yaml" || fail "helm template (autoscaler on)"
+helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" -f "$secure" \
+  >"$out/helm-secure.yaml" \
+  && check_rendered helm-secure "$out/helm-secure.yaml" || fail "helm template (secure values)"
 
 step "kubectl kustomize | kubernetes-validate | check_manifests"
 for overlay in "$repo"/deploy/k8s/overlays/*/; do
@@ -79,6 +84,7 @@ components:
   - $k8s_rel/components/monitoring
   - $k8s_rel/components/external-redis
   - $k8s_rel/components/nvme-hostpath
+  - $k8s_rel/components/auth
 EOF
 kubectl kustomize "$compose" >"$out/kustomize-components.yaml" \
   && check_rendered kustomize-components "$out/kustomize-components.yaml" \

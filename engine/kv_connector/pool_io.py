@@ -34,6 +34,7 @@ from core.block_key import BlockKey
 from core.kv_cache_spec import KVCacheSpec
 from core.kv_transfer.backend import ReadBlock, TransferBackend
 from core.kv_transfer.checksum import block_checksum, matches, verify_enabled
+from core.kv_transfer.metered import metered
 from core.kv_transfer.select import connect
 from core.pool_client import PoolClient
 from core.pool_ring import HashRing
@@ -89,7 +90,7 @@ class PoolIO:
         with self._lock:
             backend = self._backends.get(address)
         if backend is None:
-            backend = connect(self.transfer, self.client(address))
+            backend = metered(connect(self.transfer, self.client(address)))  # bytes/seconds/errors counted
             log.info("kv transfer to pool %s: %s", address, backend.name)
             with self._lock:
                 backend = self._backends.setdefault(address, backend)

@@ -21,16 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "k8s" / "helm" / "tandem"
 MULTINODE = DEPLOY / "k8s" / "helm" / "values-multinode-gpu.yaml"
+SECURE = DEPLOY / "k8s" / "helm" / "values-secure.yaml"
 TOOLS = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
 
 # Settings the chart and manifests already pass as env but the services do not read yet (unknown
 # env vars are ignored by click). A flag that appears in the service drops out of this list by itself.
-PENDING_FLAGS = {
-    "router": {"ROUTING_POLICY", "TTFT_SLO_MS", "TBT_SLO_MS"},
-    "prefill_worker": {"TRANSFER_BACKEND"},
-    "decode_worker": {"TRANSFER_BACKEND", "NUM_SCHEDULER_STEPS"},
-    "kv_pool": {"NVME_PATH", "NVME_CAPACITY_BYTES"},
-}
+PENDING_FLAGS: dict[str, set[str]] = {"router": set(), "prefill_worker": set(), "decode_worker": set(), "kv_pool": set()}
 # module -> (env prefix, source files declaring its click options, file defining SERVICE_NAME)
 SERVICES = {
     "router": ("TANDEM_ROUTER_", ["router/__main__.py"], "router/grpc_api.py"),
@@ -146,6 +142,7 @@ def renderings(tools: Path) -> dict[str, list[dict]]:
     return {
         "helm-default": helm_template(tools),
         "helm-multinode": helm_template(tools, "-f", str(MULTINODE)),
+        "helm-secure": helm_template(tools, "-f", str(SECURE)),
         "kustomize-dev": kustomize(tools, "dev"),
         "kustomize-gpu-rdma": kustomize(tools, "gpu-rdma"),
     }

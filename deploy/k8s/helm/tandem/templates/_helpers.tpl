@@ -297,4 +297,77 @@ affinity:
 {{- if and .Values.transfer.nixl.rdma.enabled (ne .Values.transfer.backend "nixl") }}
 {{- fail (printf "transfer.nixl.rdma.enabled needs transfer.backend nixl, got %q" .Values.transfer.backend) }}
 {{- end }}
+{{- if and .Values.auth.apiKeys.enabled (not .Values.auth.apiKeys.existingSecret) }}
+{{- fail "auth.apiKeys.enabled needs auth.apiKeys.existingSecret: a Secret with key api-keys (one key a line)" }}
+{{- end }}
+{{- if and .Values.auth.apiKeys.enabled (not (has "/health" .Values.auth.apiKeys.openPaths)) }}
+{{- fail "auth.apiKeys.openPaths must keep /health: the router's readiness probe sends no key" }}
+{{- end }}
+{{- if and .Values.auth.tls.enabled (not .Values.auth.tls.secretName) }}
+{{- fail "auth.tls.enabled needs auth.tls.secretName: a Secret with tls.crt, tls.key and ca.crt (cert-manager makes one)" }}
+{{- end }}
+{{- end }}
+
+{{/* Access control (core.grpc_auth, router.auth) ------------------------------------------------ */}}
+{{- define "tandem.clusterTokenSecret" -}}
+{{- .Values.auth.clusterToken.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "cluster-token")) -}}
+{{- end }}
+
+{{/* Env of every Tandem service: the OTLP endpoint, the cluster token internal RPCs carry, the gRPC TLS files. */}}
+{{- define "tandem.authEnv" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT  # core.tracing: spans of every RPC go here
+  value: {{ . | quote }}
+{{- end }}
+{{- if .Values.auth.clusterToken.enabled }}
+- name: TANDEM_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.clusterTokenSecret" . }}
+      key: token
+{{- end }}
+{{- if .Values.auth.tls.enabled }}
+- name: TANDEM_GRPC_TLS_CERT_FILE
+  value: /etc/tandem/tls/tls.crt
+- name: TANDEM_GRPC_TLS_KEY_FILE
+  value: /etc/tandem/tls/tls.key
+- name: TANDEM_GRPC_TLS_CA_FILE
+  value: /etc/tandem/tls/ca.crt
+- name: TANDEM_GRPC_TLS_SERVER_NAME
+  value: {{ .Values.auth.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.authMounts" -}}
+{{- if .Values.auth.tls.enabled }}
+- name: grpc-tls
+  mountPath: /etc/tandem/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.authVolumes" -}}
+{{- if .Values.auth.tls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ .Values.auth.tls.secretName }}
+    defaultMode: 0440  # group 10001 (fsGroup): the services' user
+{{- end }}
+{{- end }}
+
+{{/* A gRPC health probe of a pool or worker: kubelet's own, or with gRPC TLS (which kubelet's
+probe cannot speak) an exec of core.health_probe, which presents the pod's certificate.
+(dict "root" $ "port" N "service" NAME-or-"") */}}
+{{- define "tandem.grpcProbe" -}}
+{{- if .root.Values.auth.tls.enabled }}
+exec:
+  command: ["python", "-m", "core.health_probe", "--port", {{ .port | quote }}{{ with .service }}, "--service", {{ . | quote }}{{ end }}]
+timeoutSeconds: 5
+{{- else }}
+grpc:
+  port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end }}
 {{- end }}

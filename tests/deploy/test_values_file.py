@@ -1,0 +1,125 @@
+"""One values file, two launchers: `helm template -f FILE` and `tandem up -f FILE` give every
+service the same arguments (the ones that mean the same on both: not hosts, ports of pods,
+threads or devices), and the same number of processes per role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import _prepare, up
+from launcher.local_cluster import service_argv
+from launcher.values import load_values, quantity_bytes
+from tests.deploy.test_manifests import DEPLOY, SERVICES, env_of, helm_template, tandem_containers
+from tests.deploy.test_manifests import tools  # noqa: F401  (the fixture)
+
+LOCAL = DEPLOY / "k8s" / "helm" / "values-local.yaml"
+COMPARED = {
+    "router": {"model", "served-model-name", "max-model-len", "routing-policy", "ttft-slo-s", "tbt-slo-s",
+               "default-max-tokens", "request-timeout-s", "http-port", "grpc-port"},
+    "prefill_worker": {"model", "dtype", "block-size", "num-kv-blocks", "max-num-seqs", "max-num-batched-tokens",
+                       "max-model-len", "attention-backend", "num-scheduler-steps", "kv-transfer"},
+    "kv_pool": {"capacity-bytes", "lease-ttl-s"},
+}
+COMPARED["decode_worker"] = COMPARED["prefill_worker"]
+ROLE_OF = {"router": "router", "prefill_worker": "prefill", "decode_worker": "decode", "kv_pool": "kv_pool"}
+# (values file, override flags) pairs; the flags go to tandem up and, as --set, to helm
+CASES = {
+    "values-local": (LOCAL, [], []),
+    "values-local + overrides": (LOCAL, ["--max-num-seqs", "8", "--num-decode-workers", "2"],
+                                 ["--set", "engine.maxNumSeqs=8", "--set", "decode.replicas=2"]),
+}
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def argv_flags(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of an argv (a flag followed by another flag is a switch: "")."""
+    flags, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            flags[argv[i][2:]] = argv[i + 1] if has_value else ""
+            i += 2 if has_value else 1
+        else:
+            i += 1
+    return flags
+
+
+def chart_flags(objects: list[dict]) -> dict[str, tuple[int, dict[str, str]]]:
+    """module -> (replicas, {flag: value}) from the rendered env (ConfigMap references resolved)."""
+    config = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-config"))
+    out = {}
+    for o in objects:
+        for module, container in tandem_containers([o]):
+            prefix, env = SERVICES[module][0], env_of(container)
+
+            def value(name: str) -> str:
+                entry = env[name]
+                ref = (entry.get("valueFrom") or {}).get("configMapKeyRef")
+                return config["data"][ref["key"]] if ref else str(entry.get("value", ""))
+
+            literal_or_config = [n for n in env if n.startswith(prefix) and (
+                "valueFrom" not in env[n] or "configMapKeyRef" in env[n]["valueFrom"])]  # not downward API
+            flags = {n[len(prefix):].lower().replace("_", "-"): value(n) for n in literal_or_config}
+            if module == "kv_pool":  # the pod computes it in its shell from the memory request
+                memory = quantity_bytes(container["resources"]["requests"]["memory"])
+                flags["capacity-bytes"] = str(memory // 100 * int(value("POOL_ARENA_PERCENT")))
+            out[module] = (o["spec"]["replicas"], flags)
+    return out
+
+
+def local_commands(args: list[str]) -> tuple[object, dict[str, list[dict[str, str]]]]:
+    ctx = up.make_context("up", args)
+    params = dict(ctx.params)
+    for name in ("demo", "prompts_path", "num_prompts", "max_tokens", "log_dir", "use_ray", "address", "print_config"):
+        params.pop(name)
+    config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
+    commands = {"kv_pool": [argv_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
+                "router": [argv_flags(service_argv(config, "router", "python", "h", config.grpc_port, "r"))]}
+    for _, role in config.worker_names:
+        commands.setdefault(f"{role}_worker", []).append(argv_flags(service_argv(config, role, "python", "h", 1, "r")))
+    return config, commands
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chart_and_tandem_up_give_each_service_the_same_arguments(tools, case) -> None:  # noqa: F811
+    path, up_flags, helm_flags = CASES[case]
+    chart = chart_flags(helm_template(tools, "-f", str(path), *helm_flags))
+    _, local = local_commands(["-f", str(path), *up_flags])
+    assert set(chart) == set(local) == set(SERVICES)
+    for module, (replicas, flags) in chart.items():
+        assert replicas == len(local[module]), (module, replicas, len(local[module]))
+        missing = COMPARED[module] - set(flags)
+        assert not missing, f"the chart sets no {sorted(missing)} on {module}"
+        for process in local[module]:
+            for flag in COMPARED[module]:
+                assert _same(flags[flag], process[flag]), (module, flag, flags[flag], process[flag])
+
+
+def test_flags_override_the_file_and_bad_values_are_refused_by_the_schema(tmp_path: Path) -> None:
+    config, local = local_commands(["-f", str(LOCAL), "--block-size", "32"])
+    assert local["decode_worker"][0]["block-size"] == "32" and local["decode_worker"][0]["max-num-seqs"] == "32"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  blockSize: 24\n")
+    with pytest.raises(ValueError, match=r"at /engine/blockSize: 24 is not one of \[16, 32, 64, 128\]"):
+        load_values(bad)
+    bad.write_text("kvPool:\n  dramSize: 16Gi\n")
+    with pytest.raises(ValueError, match=r"Additional properties are not allowed \('dramSize' was unexpected\)"):
+        load_values(bad)
+
+
+def test_pool_nodes_nvme_and_colocated_from_the_file(tmp_path: Path) -> None:
+    values = tmp_path / "v.yaml"
+    values.write_text("prefill: {replicas: 0}\nkvPool: {replicas: 2, dram: 1Gi, arenaPercent: 50, "
+                      "nvme: {type: hostPath, hostPath: /mnt/nvme, size: 10Gi, usePercent: 50}}\n")
+    config, local = local_commands(["-f", str(values)])
+    assert config.colocated and config.worker_roles == ("decode",)
+    assert [p["capacity-bytes"] for p in local["kv_pool"]] == [str(2**30 // 100 * 50)] * 2
+    assert local["kv_pool"][0]["nvme-path"] == "/mnt/nvme" and local["kv_pool"][0]["nvme-capacity-bytes"] == str(5 * 2**30)
