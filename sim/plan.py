@@ -24,8 +24,6 @@ from sim.simulator import Simulation
 from sim.workload import SimRequest
 
 PREFILL_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)
-CHART_POLICIES = {"predicted_latency": "cost_model", "cache_aware": "prefix_aware", "least_loaded": "least_loaded",
-                  "round_robin": "round_robin"}
 
 
 @dataclass(frozen=True)
@@ -205,7 +203,7 @@ def helm_values(point: PlanPoint, base: ClusterChoice, num_kv_blocks: int, max_m
         "model": {"maxModelLen": max_model_len},
         "engine": {"blockSize": base.block_size, "maxNumBatchedTokens": base.max_num_batched_tokens,
                    "maxNumSeqs": base.max_num_seqs},
-        "routing": {"policy": CHART_POLICIES[base.router.policy],
+        "routing": {"policy": base.router.policy,  # the chart takes the router's policy names
                     "slo": {"ttftMs": int(slo.ttft_ms), "tbtMs": int(slo.tbt_ms)}},
         "prefill": {"replicas": point.num_prefill, "gpus": point.tp, "numKvBlocks": num_kv_blocks},
         "decode": {"replicas": point.num_decode, "gpus": point.tp, "numKvBlocks": num_kv_blocks},

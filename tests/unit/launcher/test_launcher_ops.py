@@ -3,6 +3,7 @@ environment (argv, which `ps` shows, never holds them); pool and workers get a m
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from launcher.cli import _prepare, up
@@ -12,7 +13,8 @@ from launcher.local_cluster import service_argv, service_env
 def _config(args: list[str], env: dict[str, str] | None = None):
     ctx = up.make_context("up", args, default_map=None)
     params = dict(ctx.params)
-    for name in ("demo", "prompts_path", "num_prompts", "max_tokens", "log_dir", "use_ray", "address", "print_config"):
+    named = [p.name for p in inspect.signature(up.callback).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for name in named:  # up()'s own parameters; the rest is what _prepare reads
         params.pop(name)
     config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
     return config

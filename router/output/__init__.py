@@ -1,0 +1,1 @@
+"""What the client gets of the tokens: the stop rule, detokenization, stop strings, logprobs."""
