@@ -5,7 +5,7 @@ Two gates, both as ``grpc.aio`` server interceptors (:class:`MetadataGate`):
 - **internal** (pool and worker RPCs): the caller sends the shared cluster token in the metadata
   key ``x-tandem-cluster-token``; channels made by :func:`channel` / :func:`aio_channel` attach it.
 - **public** (the router's ``tandem.v1.Router``): ``authorization: Bearer <api key>``, as OpenAI's
-  HTTP API takes it (router.auth checks the same keys on HTTP).
+  HTTP API takes it (router.api.auth checks the same keys on HTTP).
 
 ``grpc.health.v1`` is always open: Kubernetes' gRPC probes send no metadata, and a health answer
 reveals nothing. TLS (server certificate, and mTLS when a CA for clients is given) wraps either.

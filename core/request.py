@@ -20,10 +20,10 @@ class FinishReason(str, enum.Enum):
 
 # The one rule that ends a request on a token. Both sides apply it to the same tokens: the
 # engine (Request.append_output_token) to free a finished request's blocks at the step that ends
-# it, and the router (router.output.OutputProcessor) because the first token comes from a
+# it, and the router (router.output.processor.OutputProcessor) because the first token comes from a
 # prefill worker, which does not say whether it ends the request, and because a resumed
 # (migrated) stream must end at the same token. Stop *strings* are the router's alone (they need
-# the tokenizer; router.stop_strings).
+# the tokenizer; router.output.stop_strings).
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:

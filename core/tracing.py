@@ -10,7 +10,7 @@ While on:
   (``tandem.v1.PrefillWorker/Prefill``), as a child of the caller's span when the call carries a
   W3C ``traceparent`` in its metadata, with the request's ``request_id`` as ``tandem.request_id``;
 - every channel to a Tandem service (core.grpc_auth) sends the current span as ``traceparent``;
-- the router opens a span per HTTP request (router.http_tracing), a child of the client's
+- the router opens a span per HTTP request (router.api.http_tracing), a child of the client's
   ``traceparent`` header when there is one, so a client's trace continues through the cluster.
 
 The router's spans carry its request id; a worker's carry the router's per-attempt id

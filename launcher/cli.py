@@ -307,7 +307,7 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
     Raises:
         click.ClickException: one line naming the flag to change.
     """
-    from router.auth import load_api_keys
+    from router.api.auth import load_api_keys
     from router.config import RouterConfig  # torch-free
 
     try:

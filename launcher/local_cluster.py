@@ -75,7 +75,7 @@ class ClusterConfig:
     # Tensor-parallel ranks of each prefill / decode worker (engine.parallel; one GPU each on CUDA).
     prefill_tp: int = 1
     decode_tp: int = 1
-    # Keys clients must send to the router (router.auth); empty: open. Passed in the environment,
+    # Keys clients must send to the router (router.api.auth); empty: open. Passed in the environment,
     # never in argv (which `ps` shows).
     api_keys: tuple[str, ...] = ()
     # Shared secret of the cluster's internal RPCs (core.grpc_auth); empty: none.

@@ -9,7 +9,7 @@ import click
 from core.grpc_service import run_until_signalled
 from core.logging_setup import setup_logging
 from core.model_source import DEFAULT_MODEL
-from router.auth import load_api_keys
+from router.api.auth import load_api_keys
 from router.config import DEFAULT_OPEN_PATHS, DISAGGREGATION_MODES, ROUTING_POLICIES, RouterConfig
 from router.server import RouterServer
 

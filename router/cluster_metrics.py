@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from core import metric_names as names
 from core.registry import WorkerInfo
 from core.worker_load import WorkerLoad
-from router.worker_view import WorkerView
+from router.workers.view import WorkerView
 
 WORKER_ROLES = ("prefill", "decode")
 COEFFICIENTS = ("base_s", "per_token_s", "per_seq_s", "per_attn_s")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from core.model_source import DEFAULT_MODEL
 
-# router.routing's names, repeated so that the configuration imports no policy code.
+# router.placement.policies's names, repeated so that the configuration imports no policy code.
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
 DISAGGREGATION_MODES = ("auto", "always", "never")
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")  # HTTP paths served without an API key
@@ -29,7 +29,7 @@ class RouterConfig:
         request_timeout_s: deadline of one request's worker calls, prefill through last token.
         worker_refresh_interval_s: how often the worker view is re-read from Redis.
         shutdown_grace_s: how long in-flight requests may run on after SIGTERM.
-        routing_policy: round_robin, least_loaded, cache_aware or predicted_latency (router.routing).
+        routing_policy: round_robin, least_loaded, cache_aware or predicted_latency (router.placement.policies).
         disaggregation: auto (the policy may prefill on the decode worker when predicted faster),
             always (colocated only without a live prefill worker) or never (always colocated).
         ttft_slo_s: TTFT target in seconds for admission and placement; 0: none.
@@ -39,7 +39,7 @@ class RouterConfig:
         prefix_cache_blocks: blocks remembered per worker in the router's view of worker prefix
             caches (an LRU of what it sent there).
         api_keys: keys a client must send (``Authorization: Bearer``) on HTTP and gRPC; empty:
-            the APIs are open (router.auth).
+            the APIs are open (router.api.auth).
         open_paths: HTTP paths served without a key even when ``api_keys`` is set.
 
     Raises:

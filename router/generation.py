@@ -12,7 +12,7 @@ worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``
 ``MAX_MIGRATIONS`` times: the client sees one stream, no token repeated or missing. Every attempt
 gets its own worker-facing request id (:func:`attempt_id`), so neither attempts nor clients
 reusing an id share worker or pool state; the client's id stays in logs and responses. A worker
-that hangs (stops heartbeating) fails its waiting calls the same way (router.worker_loss).
+that hangs (stops heartbeating) fails its waiting calls the same way (router.workers.loss).
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from core.request import FinishReason
 from core.registry import WorkerInfo
 from router.errors import ErrorKind, RouterError
-from router.fallback import ColocatedFallbacks
-from router.logprobs import TokenLogprob
+from router.placement.fallback import ColocatedFallbacks
+from router.output.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
-from router.output import OutputProcessor, OutputStep
-from router.request_ids import attempt_id
+from router.output.processor import OutputProcessor, OutputStep
+from router.api.request_ids import attempt_id
 from router.shutdown import Shutdown
-from router.placement import Placement
-from router.placer import Placer
+from router.placement.prediction import Placement
+from router.placement.placer import Placer
 from router.tokenizer import ModelTokenizer
-from router.validation import ValidatedRequest
-from router.worker_clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
-from router.worker_loss import stream_unless_lost, unless_lost
-from router.worker_view import WorkerView
+from router.api.validation import ValidatedRequest
+from router.workers.clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
+from router.workers.loss import stream_unless_lost, unless_lost
+from router.workers.view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class _Run:
     # after a successful prefill reuses that prefill's id (its manifest's scoped blocks).
     attempt_ids: list[str] = field(default_factory=list)
     num_migrations: int = 0
-    placement: Placement | None = None  # where the router placed it (router.placer)
+    placement: Placement | None = None  # where the router placed it (router.placement.placer)
 
 
 class Generation:

@@ -62,7 +62,7 @@ class RouterMetrics:
         )
         self.colocated_fallbacks = Counter(
             "tandem:colocated_fallbacks", "Requests prefilled on their decode worker for want of a prefill worker "
-            "(router.fallback), by reason.", ["reason"], registry=r
+            "(router.placement.fallback), by reason.", ["reason"], registry=r
         )
 
     def rejected(self, reason: str) -> None:

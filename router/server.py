@@ -14,24 +14,24 @@ from core.grpc_auth import api_key_gate
 from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
-from router.auth import ApiKeyMiddleware
+from router.api.auth import ApiKeyMiddleware
 from router.cluster_metrics import ClusterCollector
 from router.config import RouterConfig
-from router.admission import Admission
+from router.placement.admission import Admission
 from router.generation import Generation
-from router.grpc_api import SERVICE_NAME, RouterServicer
-from router.http_tracing import TracingMiddleware
+from router.api.grpc_api import SERVICE_NAME, RouterServicer
+from router.api.http_tracing import TracingMiddleware
 from router.metrics import RouterMetrics
-from router.openai_api import OpenAIApi
-from router.placement import SLO
-from router.placement_state import PlacementBook
-from router.placer import Placer
-from router.prefix_index import PoolPrefixIndex
-from router.routing import make_policy
+from router.api.openai_api import OpenAIApi
+from router.placement.prediction import SLO
+from router.placement.state import PlacementBook
+from router.placement.placer import Placer
+from router.placement.prefix_index import PoolPrefixIndex
+from router.placement.policies import make_policy
 from router.tokenizer import ModelTokenizer, load_tokenizer
-from router.validation import Validator
-from router.worker_clients import WorkerClients
-from router.worker_view import WorkerView
+from router.api.validation import Validator
+from router.workers.clients import WorkerClients
+from router.workers.view import WorkerView
 from tandem.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ placement and admission is decided by the production code, unmodified:
 - ``engine.scheduler.Scheduler`` (with its ``KVCacheManager``/``BlockPool`` and batching policy)
   builds every step of every simulated worker; :class:`SimEngine` only times the step (a
   ``StepTimer``) and feeds back a ``ModelRunnerOutput`` whose sampled token is a constant.
-- ``router.placer.Placer`` with a ``router.routing`` policy and ``router.admission.Admission``
-  places and admits every request, writing its own ``router.placement_state.PlacementBook``;
+- ``router.placement.placer.Placer`` with a ``router.placement.policies`` policy and ``router.placement.admission.Admission``
+  places and admits every request, writing its own ``router.placement.state.PlacementBook``;
   :class:`SimRouter` hands it ``WorkerInfo`` heartbeats whose ``load`` is a
   ``core.worker_load.WorkerLoad`` built from the simulated schedulers (as
   ``engine.engine.LLMEngine.stats`` builds it) and drives its coroutine to completion without an
@@ -35,11 +35,11 @@ from engine.config import EngineConfig
 from engine.outputs import ExternalKV, ModelRunnerOutput, SampledToken, SchedulerOutput
 from engine.preemption import PreemptionPolicy
 from engine.scheduler import Scheduler
-from router.admission import Admission
-from router.placement import SLO, Placement
-from router.placement_state import PlacementBook
-from router.placer import Placer
-from router.routing import make_policy
+from router.placement.admission import Admission
+from router.placement.prediction import SLO, Placement
+from router.placement.state import PlacementBook
+from router.placement.placer import Placer
+from router.placement.policies import make_policy
 from sim.hardware import StepFeatures
 
 SAMPLED_TOKEN_ID = 1  # every simulated step samples this token (outputs run to max_tokens)
@@ -218,7 +218,7 @@ def worker_info(worker_id: str, role: str, block_size: int) -> WorkerInfo:
 
 
 class _PoolIndex:
-    """The router's view of the pool's block index (router.prefix_index.PoolPrefixIndex's API);
+    """The router's view of the pool's block index (router.placement.prefix_index.PoolPrefixIndex's API);
     keeps the last prompt's block hashes so the simulated pool need not hash it again."""
 
     def __init__(self, num_cached_blocks):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from core.cost_model import CostModel, StepSample, StepTimeFit, prefill_attn_pairs
 from engine.config import EngineConfig
-from router.placement import SLO
+from router.placement.prediction import SLO
 from sim.adapter import CostModelTimer, StepTimer
 from sim.hardware import Roofline, StepFeatures
 

@@ -11,7 +11,7 @@ from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, WorkloadConfig, load_
 from core.cost_model import CostModel
 from core.worker_load import WorkerLoad
 from engine.config import EngineConfig
-from router.placement import SLO
+from router.placement.prediction import SLO
 from sim.cluster import ClusterSpec, RouterSpec, WorkerSpec, fitted_worker, roofline_worker
 from sim.hardware import GPUS, MODELS, Roofline, lookup
 from sim.workload import SimRequest, from_bench, load_trace

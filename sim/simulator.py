@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from bench.client import RequestRecord
 from bench.metrics import meets_slo
 from router.errors import RouterError
-from router.placement import Placement
+from router.placement.prediction import Placement
 from sim.adapter import SAMPLED_TOKEN_ID, SimEngine, SimRouter, worker_info
 from sim.cluster import ClusterSpec, WorkerSpec
 from sim.pool import SimPool

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.grpc_auth import bearer_token, token_matches
 from router.config import DEFAULT_OPEN_PATHS
-from router.http_errors import openai_error
+from router.api.http_errors import openai_error
 
 
 def load_api_keys(keys: Iterable[str], key_file: str = "") -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from router.generation import Generation, GenerationEvent, Usage
-from router.validation import ValidatedRequest
+from router.api.validation import ValidatedRequest
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import grpc
 
 from core.proto_convert import finish_reason_to_proto, token_logprob_to_proto
 from router.errors import RouterError
-from router.choices import ChoiceEvent, generate_choices
+from router.api.choices import ChoiceEvent, generate_choices
 from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
-from router.request_ids import client_request_id
-from router.validation import InvalidRequestError, RequestInput, Validator
+from router.api.request_ids import client_request_id
+from router.api.validation import InvalidRequestError, RequestInput, Validator
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Router"

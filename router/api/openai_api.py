@@ -2,7 +2,7 @@
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input 400 (also
 malformed JSON, unknown fields and wrong types, where FastAPI would say 422), unknown model or
-path 404, a body over 16 MiB 413 (router.http_errors), worker overload
+path 404, a body over 16 MiB 413 (router.api.http_errors), worker overload
 429, no healthy worker or a worker failure 503. A failure after the first chunk was streamed
 ends the stream with a ``finish_reason: "abort"`` chunk, an ``{"error": ...}`` event and
 ``[DONE]``; so does a stream still running when the router stops (code ``shutting_down``, after
@@ -27,15 +27,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import ErrorKind, RouterError
-from router.choices import ChoiceEvent, generate_choices, total_usage
+from router.api.choices import ChoiceEvent, generate_choices, total_usage
 from router.generation import Finished, Generation
-from router.http_errors import BodyLimitMiddleware, http_exception_response
+from router.api.http_errors import BodyLimitMiddleware, http_exception_response
 from router.metrics import RouterMetrics
-from router.request_ids import client_request_id
-from router.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
-from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
-from router.validation import InvalidRequestError, Validator
-from router.worker_view import WorkerView
+from router.api.request_ids import client_request_id
+from router.api.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
+from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
+from router.api.validation import InvalidRequestError, Validator
+from router.workers.view import WorkerView
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; never actually delivered
@@ -123,7 +123,7 @@ class OpenAIApi:
     async def _health(self) -> JSONResponse:
         """200 when a decode worker is live (with no prefill worker the cluster runs colocated:
         decode workers prefill locally; ``colocated_fallback`` when it had prefill workers and
-        lost them, router.fallback), else 503 saying what is missing."""
+        lost them, router.placement.fallback), else 503 saying what is missing."""
         counts = {role: len(self.view.workers(role)) for role in ("prefill", "decode", "pool")}
         if self.generation.shutdown.stopping:
             return JSONResponse({"status": "shutting_down", "reason": "the router is stopping", "workers": counts},

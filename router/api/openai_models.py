@@ -1,5 +1,5 @@
 """OpenAI API response shapes: the JSON of responses and stream chunks (request bodies are in
-router.openai_requests)."""
+router.api.openai_requests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.generation import Usage
-from router.logprobs import LogprobsFormatter, TokenLogprob
+from router.output.logprobs import LogprobsFormatter, TokenLogprob
 
 
 def usage_json(usage: Usage) -> dict:

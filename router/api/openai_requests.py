@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from core.sampling_params import MAX_TOP_LOGPROBS
 from router.errors import as_json
-from router.validation import InvalidRequestError, RequestInput
+from router.api.validation import InvalidRequestError, RequestInput
 
 
 def _none(value: Any) -> bool:

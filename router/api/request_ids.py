@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 from router.errors import as_json
-from router.validation import InvalidRequestError
+from router.api.validation import InvalidRequestError
 
 MAX_REQUEST_ID_CHARS = 128
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from core.request import FinishReason, stop_reason, stop_token_ids
 from core.sampling_params import SamplingParams
-from router.detokenizer import IncrementalDetokenizer
-from router.stop_strings import StopStringMatcher
+from router.output.detokenizer import IncrementalDetokenizer
+from router.output.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)

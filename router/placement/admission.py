@@ -18,7 +18,7 @@ fitted yet): everything is admitted.
 from __future__ import annotations
 
 from router.errors import ErrorKind, RouterError
-from router.placement import SLO, Placement
+from router.placement.prediction import SLO, Placement
 
 
 class Admission:

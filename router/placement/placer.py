@@ -3,10 +3,10 @@
 :class:`Placer` is what ``Generation`` calls once per request before any worker sees it
 (``place``), when a role's worker must be chosen again after a failure (``choose``), around each
 worker attempt (``attempt``), at the first token and at the end (``first_token``, ``finished``).
-It owns the placement bookkeeping (router.placement_state.PlacementBook: the only writer), the
+It owns the placement bookkeeping (router.placement.state.PlacementBook: the only writer), the
 async part (the pool index in Redis), the metrics and the one "no healthy worker" check; the
-decisions themselves are the policy's (router.routing, reading the bookkeeping through a
-read-only view) and the admission's (router.admission).
+decisions themselves are the policy's (router.placement.policies, reading the bookkeeping through a
+read-only view) and the admission's (router.placement.admission).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import logging
 from collections.abc import Sequence
 
 from core.registry import WorkerInfo
-from router.admission import Admission
+from router.placement.admission import Admission
 from router.errors import ErrorKind, RouterError
 from router.metrics import RouterMetrics
-from router.placement import DEFAULT_BLOCK_SIZE, Placement, RoutingRequest
-from router.placement_state import PlacementBook
-from router.prefix_index import PoolPrefixIndex, prompt_block_hashes
-from router.routing import RoutingPolicy
+from router.placement.prediction import DEFAULT_BLOCK_SIZE, Placement, RoutingRequest
+from router.placement.state import PlacementBook
+from router.placement.prefix_index import PoolPrefixIndex, prompt_block_hashes
+from router.placement.policies import RoutingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from core.registry import WorkerInfo
 from router.config import DISAGGREGATION_MODES
-from router.placement import SLO, Placement, Prediction, Predictor, RoutingRequest, num_requests
-from router.placement_state import PlacementView
+from router.placement.prediction import SLO, Placement, Prediction, Predictor, RoutingRequest, num_requests
+from router.placement.state import PlacementView
 
 __all__ = [
     "DISAGGREGATION_MODES", "POLICIES", "CacheAwarePolicy", "LeastLoadedPolicy", "PredictedLatencyPolicy",
@@ -47,7 +47,7 @@ class RoutingPolicy(abc.ABC):
     """Chooses workers for requests; subclasses set ``name`` and implement ``choose``.
 
     A policy reads the router's bookkeeping through ``view`` and mutates nothing but its own
-    state (round robin's turn); the caller (router.placer.Placer) passes non-empty worker lists
+    state (round robin's turn); the caller (router.placement.placer.Placer) passes non-empty worker lists
     and records what was placed.
 
     Raises:

@@ -4,7 +4,7 @@ A :class:`Placement` names the decode worker and, when disaggregated, the prefil
 request. :class:`Predictor` turns a candidate placement into predicted TTFT and TBT from the
 workers' heartbeats (live load plus the step-time :class:`~core.cost_model.CostModel` each fits of
 itself) and from this router's own placements still waiting for their first token
-(router.placement_state, fresher than a heartbeat up to a second old). Everything here is plain
+(router.placement.state, fresher than a heartbeat up to a second old). Everything here is plain
 data and arithmetic: policies and tests drive it from hand-built :class:`WorkerInfo` values.
 
 Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from core.cost_model import CostModel
 from core.registry import WorkerInfo
-from router.placement_state import PlacementView
+from router.placement.state import PlacementView
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 DEFAULT_BLOCK_SIZE = 16  # a worker that does not say its block size (older heartbeat)

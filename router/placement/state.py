@@ -5,9 +5,9 @@ burst of requests does not all land on the worker that looked idle:
 
 - in flight: this router's requests running at each worker address (an RPC or stream open);
 - pending prefills: prompt tokens it placed at each worker that still wait for their first token;
-- the local prefix view: the block hashes it sent to each worker (router.prefix_index).
+- the local prefix view: the block hashes it sent to each worker (router.placement.prefix_index).
 
-:class:`PlacementBook` holds all three; only :class:`router.placer.Placer` writes it (at
+:class:`PlacementBook` holds all three; only :class:`router.placement.placer.Placer` writes it (at
 placement, at each attempt's start and end, at the first token and at the request's end).
 Routing policies and the Predictor read it through :class:`PlacementView`, which has readers
 only. Everything here runs on the router's event loop (no lock).
@@ -19,7 +19,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 
-from router.prefix_index import LocalPrefixCache
+from router.placement.prefix_index import LocalPrefixCache
 
 
 class InFlightCounter:

@@ -19,9 +19,9 @@ from core.grpc_service import CHANNEL_OPTIONS, cluster_aio_channel
 from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
 from router.errors import ErrorKind, RouterError, kind_from_grpc
-from router.logprobs import TokenLogprob
-from router.validation import ValidatedRequest
-from router.worker_view import Health
+from router.output.logprobs import TokenLogprob
+from router.api.validation import ValidatedRequest
+from router.workers.view import Health
 from tandem.v1 import (
     common_pb2,
     decode_worker_pb2,

@@ -12,11 +12,11 @@ with its data lost) stays known until then, so a Redis restart neither empties t
 migrates anything; a worker that re-registers within ``loss_after_s`` was never lost.
 
 The router confirms a stale heartbeat with a health check before it loses the worker
-(router.worker_view): a worker that still answers SERVING (alive, only starved of CPU so its
+(router.workers.view): a worker that still answers SERVING (alive, only starved of CPU so its
 heartbeats ran late) is spared and its clock restarts. Losing a worker sets its
 :meth:`LossWatch.lost_event`; :func:`unless_lost` and
 :func:`stream_unless_lost` race a call against that event and raise
-:class:`~router.worker_clients.WorkerFailedError` when it fires, so the caller retries the prefill
+:class:`~router.workers.clients.WorkerFailedError` when it fires, so the caller retries the prefill
 or migrates the decode stream (router.generation) exactly as after a broken connection. The
 abandoned call is cancelled: when the worker wakes (SIGCONT) it finds the RPC cancelled and
 aborts the request, and the router never reads from it again, so nothing is served twice.
@@ -114,8 +114,8 @@ class LossWatch:
 
 
 def _lost_error(address: str) -> Exception:
-    # Imported here: router.worker_clients imports router.worker_view, which imports this module.
-    from router.worker_clients import WorkerFailedError
+    # Imported here: router.workers.clients imports router.workers.view, which imports this module.
+    from router.workers.clients import WorkerFailedError
 
     return WorkerFailedError("worker stopped heartbeating (hung or unreachable); its call was abandoned", address)
 

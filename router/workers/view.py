@@ -10,7 +10,7 @@ disappears from the registry is forgotten (a restarted worker registers afresh) 
 heartbeat is older than the loss bound.
 
 Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
-and that does not answer a health check with SERVING is **lost** (router.worker_loss): marked down, and the calls still waiting on it fail over. When
+and that does not answer a health check with SERVING is **lost** (router.workers.loss): marked down, and the calls still waiting on it fail over. When
 every entry vanished at once (Redis restarted, its data lost) the workers known before stay in
 the view for ``WIPE_GRACE_S`` while they re-register, so a Redis restart does not empty it; a
 single worker gone from the registry (deregistered, expired) leaves the view at once, though its
@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from core.registry import ROLES, WorkerInfo, WorkerRegistry
-from router.worker_loss import LossWatch
+from router.workers.loss import LossWatch
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class WorkerView:
         log.warning("worker %s marked down: %s", address, reason)
 
     async def refresh(self) -> None:
-        """Re-reads every role from Redis; loses workers whose heartbeat stopped (router.worker_loss);
+        """Re-reads every role from Redis; loses workers whose heartbeat stopped (router.workers.loss);
         every ``health_interval_s`` marks down the workers whose health check fails; brings back
         marked-down workers that heartbeat again and answer SERVING (mutates the down set).
         Raises redis errors (the loop logs them) after a health sweep of the last view."""

@@ -29,7 +29,7 @@ TOOLS = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
 PENDING_FLAGS: dict[str, set[str]] = {"router": set(), "prefill_worker": set(), "decode_worker": set(), "kv_pool": set()}
 # module -> (env prefix, source files declaring its click options, file defining SERVICE_NAME)
 SERVICES = {
-    "router": ("TANDEM_ROUTER_", ["router/__main__.py"], "router/grpc_api.py"),
+    "router": ("TANDEM_ROUTER_", ["router/__main__.py"], "router/api/grpc_api.py"),
     "kv_pool": ("TANDEM_POOL_", ["kv_pool/__main__.py"], "kv_pool/servicer.py"),
     "prefill_worker": ("TANDEM_PREFILL_", ["prefill_worker/__main__.py", "engine/worker_runtime.py"],
                        "prefill_worker/__main__.py"),

@@ -706,7 +706,7 @@ async def test_without_prefill_workers_the_decode_worker_runs_colocated(cluster:
     await cluster.deregister(("prefill",))
     try:
         health = await cluster.http.get("/health")
-        # It had prefill workers: running colocated now is a fall-back, and says so (router.fallback).
+        # It had prefill workers: running colocated now is a fall-back, and says so (router.placement.fallback).
         assert (health.status_code, health.json()["mode"]) == (200, "colocated_fallback")
         before = health.json()["colocated_fallbacks"].get("no_prefill_worker", 0)
         response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})

@@ -1,4 +1,4 @@
-"""router.worker_clients against a real gRPC server that dies and comes back on the same port."""
+"""router.workers.clients against a real gRPC server that dies and comes back on the same port."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from router.worker_clients import WorkerClients
-from router.worker_view import Health
+from router.workers.clients import WorkerClients
+from router.workers.view import Health
 from tests.conftest import find_free_port
 
 WAIT_S = 10.0

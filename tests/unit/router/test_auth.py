@@ -1,4 +1,4 @@
-"""router.auth.load_api_keys and the RouterConfig checks of keys and open paths."""
+"""router.api.auth.load_api_keys and the RouterConfig checks of keys and open paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import load_api_keys
+from router.api.auth import load_api_keys
 from router.config import RouterConfig
 
 

@@ -22,15 +22,15 @@ from core.sampling_params import SamplingParams
 from router.errors import ErrorKind, RouterError
 from router.generation import MAX_MIGRATIONS, Finished, Generation, TextDelta
 from router.metrics import RouterMetrics
-from router.request_ids import MAX_REQUEST_ID_CHARS, client_request_id
-from router.placer import Placer
-from router.placement_state import PlacementBook
-from router.routing import make_policy
-from router.validation import InvalidRequestError, ValidatedRequest
-from router.worker_clients import (
+from router.api.request_ids import MAX_REQUEST_ID_CHARS, client_request_id
+from router.placement.placer import Placer
+from router.placement.state import PlacementBook
+from router.placement.policies import make_policy
+from router.api.validation import InvalidRequestError, ValidatedRequest
+from router.workers.clients import (
     DecodeFinished, DecodeTokens, PrefillResult, WorkerFailedError, _router_error,
 )
-from router.worker_view import Health, WorkerView
+from router.workers.view import Health, WorkerView
 from tandem.v1 import common_pb2
 
 POOL = "pool:1"

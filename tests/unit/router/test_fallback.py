@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.fallback import ColocatedFallbacks
+from router.placement.fallback import ColocatedFallbacks
 from router.metrics import RouterMetrics
 from tests.unit.router.test_failover import counter, make_generation, run
 

@@ -13,10 +13,10 @@ import pytest
 
 from core.registry import WorkerInfo
 from core.request import FinishReason
-from router.worker_clients import DecodeTokens
-from router.worker_loss import LossWatch, stream_unless_lost, unless_lost
-from router.worker_clients import WorkerFailedError
-from router.worker_view import Health, WorkerView
+from router.workers.clients import DecodeTokens
+from router.workers.loss import LossWatch, stream_unless_lost, unless_lost
+from router.workers.clients import WorkerFailedError
+from router.workers.view import Health, WorkerView
 from tests.unit.router.test_failover import FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
 
 

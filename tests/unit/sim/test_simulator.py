@@ -12,11 +12,11 @@ from core.cost_model import CostModel
 from core.worker_load import WorkerLoad
 from engine.config import EngineConfig
 from engine.scheduler import Scheduler
-from router.admission import Admission
-from router.placement_state import PlacementBook
-from router.placer import Placer
-from router.placement import SLO
-from router.routing import PredictedLatencyPolicy, RoundRobinPolicy
+from router.placement.admission import Admission
+from router.placement.state import PlacementBook
+from router.placement.placer import Placer
+from router.placement.prediction import SLO
+from router.placement.policies import PredictedLatencyPolicy, RoundRobinPolicy
 from sim import adapter
 from sim.cluster import ClusterSpec, RouterSpec, fitted_worker
 from sim.simulator import Simulation

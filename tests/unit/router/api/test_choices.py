@@ -8,10 +8,10 @@ import pytest
 
 from core.request import FinishReason
 from core.sampling_params import SamplingParams
-from router.choices import choice_requests, generate_choices, total_usage
+from router.api.choices import choice_requests, generate_choices, total_usage
 from router.errors import ErrorKind, RouterError
 from router.generation import Finished, TextDelta, Usage
-from router.validation import ValidatedRequest
+from router.api.validation import ValidatedRequest
 
 
 class FakeGeneration:

@@ -7,8 +7,8 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from router.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
-from router.validation import InvalidRequestError
+from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
+from router.api.validation import InvalidRequestError
 
 
 def test_completion_fields_and_vllm_extras() -> None:

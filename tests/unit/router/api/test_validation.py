@@ -9,7 +9,7 @@ import pytest
 
 from core.model_source import DEFAULT_MODEL
 from router.errors import ErrorKind
-from router.validation import InvalidRequestError, RequestInput, Validator
+from router.api.validation import InvalidRequestError, RequestInput, Validator
 
 MAX_MODEL_LEN = 64
 

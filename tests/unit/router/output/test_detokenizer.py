@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from router.output.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 MULTIBYTE_TEXT = "Café ☕ — 👋🏽 hi 世界 日本語のテキスト, 👨‍👩‍👧 family! 한국어 done."
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.logprobs import MIN_LOGPROB, LogprobsFormatter, TokenLogprob
-from router.openai_models import ChatShape, ChoiceResult, CompletionShape
+from router.output.logprobs import MIN_LOGPROB, LogprobsFormatter, TokenLogprob
+from router.api.openai_models import ChatShape, ChoiceResult, CompletionShape
 from router.generation import Usage
 
 TEXTS = {1: "Hel", 2: "lo", 3: " world", 4: "é"}

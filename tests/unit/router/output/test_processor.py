@@ -6,7 +6,7 @@ import pytest
 
 from core.request import FinishReason, Request, stop_reason, stop_token_ids
 from core.sampling_params import SamplingParams
-from router.output import OutputProcessor
+from router.output.processor import OutputProcessor
 
 EOS = 2
 

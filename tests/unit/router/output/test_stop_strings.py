@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.stop_strings import StopStringMatcher
+from router.output.stop_strings import StopStringMatcher
 
 
 def feed_all(stop: list[str], deltas: list[str]) -> tuple[list[str], bool]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from core.cost_model import CostModel
 from core.registry import WorkerInfo
 from core.worker_load import WorkerLoad
-from router.placement import SLO, RoutingRequest
-from router.prefix_index import prompt_block_hashes
-from router.placement_state import PlacementBook
-from router.routing import RoutingPolicy, make_policy
+from router.placement.prediction import SLO, RoutingRequest
+from router.placement.prefix_index import prompt_block_hashes
+from router.placement.state import PlacementBook
+from router.placement.policies import RoutingPolicy, make_policy
 
 BLOCK_SIZE = 16
 FINGERPRINT = "fp-test"

@@ -7,13 +7,13 @@ import asyncio
 import grpc
 import pytest
 
-from router.admission import Admission
+from router.placement.admission import Admission
 from router.errors import ErrorKind, RouterError
 from router.metrics import RouterMetrics
-from router.placement import SLO, Placement, Prediction
-from router.placer import Placer
-from router.placement_state import PlacementBook
-from tests.unit.router.routing_factories import booked_policy, policy, worker
+from router.placement.prediction import SLO, Placement, Prediction
+from router.placement.placer import Placer
+from router.placement.state import PlacementBook
+from tests.unit.router.placement.factories import booked_policy, policy, worker
 
 DECODE = worker("d1", "decode")
 

@@ -6,10 +6,10 @@ import pytest
 
 from core.registry import WorkerInfo
 from router.config import ROUTING_POLICIES
-from router.placement import COLOCATED, DISAGGREGATED, SLO
-from router.placement_state import PlacementBook
-from router.routing import POLICIES, LeastLoadedPolicy, make_policy
-from tests.unit.router.routing_factories import COST, booked_policy, policy, request, worker
+from router.placement.prediction import COLOCATED, DISAGGREGATED, SLO
+from router.placement.state import PlacementBook
+from router.placement.policies import POLICIES, LeastLoadedPolicy, make_policy
+from tests.unit.router.placement.factories import COST, booked_policy, policy, request, worker
 
 REQUEST = request()
 

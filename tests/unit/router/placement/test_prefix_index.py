@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from core.block_hash import hash_block_chain
 from core.kv_index import hash_field, index_key, index_value, parse_index_value
-from router.prefix_index import LocalPrefixCache, PoolPrefixIndex, leading_present, prompt_block_hashes
+from router.placement.prefix_index import LocalPrefixCache, PoolPrefixIndex, leading_present, prompt_block_hashes
 
 
 def test_index_layout_as_documented() -> None:

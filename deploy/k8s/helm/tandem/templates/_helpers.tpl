@@ -308,7 +308,7 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* Access control (core.grpc_auth, router.auth) ------------------------------------------------ */}}
+{{/* Access control (core.grpc_auth, router.api.auth) ------------------------------------------------ */}}
 {{- define "tandem.clusterTokenSecret" -}}
 {{- .Values.auth.clusterToken.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "cluster-token")) -}}
 {{- end }}
