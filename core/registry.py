@@ -11,8 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 
@@ -31,7 +31,7 @@ NO_LOAD = WorkerLoad()  # what a worker that publishes no load (a pool node) has
 @dataclass
 class WorkerInfo:
     """What the router knows of one worker; ``load`` is its latest stats snapshot, parsed once
-    when the entry is read (NO_LOAD for a pool node).
+    when the entry is read (NO_LOAD for a pool node, whose stats are ``pool_stats``).
 
     ``spec_fingerprint`` and ``block_size`` are the worker's KVCacheSpec's (empty / 0 for a pool
     node or an older worker): with them the router computes a prompt's block hashes
@@ -46,10 +46,17 @@ class WorkerInfo:
     heartbeat_ttl_s: float = 0.0  # its registry key's TTL (0: an older worker that does not say)
     spec_fingerprint: str = ""
     block_size: int = 0
+    # A pool node's stats (kv_pool.block_types.PoolStats as numbers: bytes, blocks, hits and
+    # misses by tier, leases), published by its heartbeat for the router's cluster view; empty
+    # for a worker (its load is ``load``).
+    pool_stats: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not isinstance(self.pool_stats, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.pool_stats.values()):
+            raise ValueError(f"pool_stats of {self.worker_id!r} must map names to numbers, got {self.pool_stats!r}")
 
     def to_json(self) -> str:
         """The registry entry: these fields, ``load`` in its wire format (``{}`` for NO_LOAD)
@@ -127,13 +134,14 @@ class WorkerRegistry:
 
 class Heartbeat:
     """Background task that re-registers a worker every ``interval_s`` with its live load
-    (``load_fn`` None: the entry carries none, as for a pool node)."""
+    (``load_fn`` None: the entry carries none; a pool node's returns its stats mapping, kept in
+    ``WorkerInfo.pool_stats``)."""
 
     def __init__(
         self,
         registry: WorkerRegistry,
         info: WorkerInfo,
-        load_fn: Callable[[], WorkerLoad] | None,
+        load_fn: Callable[[], WorkerLoad | Mapping[str, float]] | None,
         interval_s: float = 1.0,
         ttl_s: float = 3.0,
     ):
@@ -149,7 +157,11 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         if self.load_fn is not None:
-            self.info.load = self.load_fn()
+            load = self.load_fn()  # a worker's WorkerLoad, or a pool node's stats
+            if isinstance(load, WorkerLoad):
+                self.info.load = load
+            else:
+                self.info.pool_stats = dict(load)
         await self.registry.heartbeat(self.info, self.ttl_s)
 
     async def _run(self) -> None:

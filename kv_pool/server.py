@@ -60,9 +60,10 @@ class PoolServer:
         port = await self._grpc.start()
         self.address = self.config.advertise_address or f"{self._advertise_host()}:{port}"
         info = WorkerInfo(worker_id=self.config.node_id, role="pool", address=self.address)
-        # No load in the entry: nothing places by it (the pool's stats are on GetStats and /metrics).
+        # The entry carries the pool's stats (WorkerInfo.pool_stats) for the router's cluster view
+        # (router.cluster_metrics, tandem status); nothing places by them.
         self._heartbeat = Heartbeat(
-            self._registry, info, None, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_s
+            self._registry, info, self._pool_stats, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_s
         )
         await self._heartbeat.start()
         self._expiry_task = asyncio.create_task(self._expire_forever(), name="kv-pool-lease-expiry")
@@ -126,6 +127,9 @@ class PoolServer:
             )
         servicer = KVPoolServicer(self.store, self._metrics, c.lease_ttl_s, self._peer_puts, data_plane)
         kv_pool_pb2_grpc.add_KVPoolServicer_to_server(servicer, self._grpc.server)
+
+    def _pool_stats(self) -> dict[str, float]:
+        return dataclasses.asdict(self._stats())
 
     def _stats(self) -> PoolStats:
         if self.store is None:  # not started yet: an empty pool

@@ -49,6 +49,8 @@ WORKER_GAUGES = {
 def worker_load(info: WorkerInfo) -> Mapping[str, float]:
     """The numbers a worker or pool node last published, by wire key (the one place that reads
     them): a WorkerLoad's wire form (core.worker_load), or a plain mapping."""
+    if info.role == "pool":
+        return info.pool_stats
     return info.load.to_wire() if isinstance(info.load, WorkerLoad) else info.load
 
 

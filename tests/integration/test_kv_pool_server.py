@@ -21,13 +21,14 @@ from core.block_key import BlockKey
 from core.grpc_service import aio_channel, insecure_channel
 from core.pool_client import MAX_CHUNK_BYTES, PoolClient
 from core.proto_convert import block_key_to_proto
-from core.registry import worker_key
+from core.registry import WorkerInfo, worker_key
 from kv_pool.index_mirror import EVENTS_STREAM, hash_field, index_key
 from tandem.v1 import common_pb2, kv_pool_pb2, kv_pool_pb2_grpc
 
 KIB = 1024
 MIB = 1024 * KIB
 SMOLLM_BLOCK_BYTES = 720 * KIB  # SmolLM2-135M, fp32, block_size 16
+POOL_CAPACITY_BYTES = 256 * MIB  # the module's shared pool
 
 
 @dataclass
@@ -88,7 +89,7 @@ def start_pool(redis_url, free_port_factory, wait_until, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(start_pool) -> PoolProcess:
-    return start_pool(256 * MIB)
+    return start_pool(POOL_CAPACITY_BYTES)
 
 
 @pytest.fixture
@@ -122,7 +123,11 @@ def assert_code(excinfo: pytest.ExceptionInfo, code: grpc.StatusCode, case: str 
 
 def test_health_is_serving_and_pool_is_registered(pool, rdb):
     assert health_status(pool.address) == health_pb2.HealthCheckResponse.SERVING
-    assert f'"address": "{pool.address}"' in rdb.get(worker_key("pool", pool.node_id))
+    entry = WorkerInfo.from_json(rdb.get(worker_key("pool", pool.node_id)))
+    assert entry.address == pool.address
+    # Its stats ride on the heartbeat, for the router's cluster view (router.cluster_metrics).
+    assert entry.pool_stats["capacity_bytes"] == POOL_CAPACITY_BYTES
+    assert set(entry.pool_stats) >= {"used_bytes", "num_dram_hits", "num_dram_misses", "num_leases"}
 
 
 def test_put_get_round_trip_single_and_multi_chunk(client, fp):

@@ -24,7 +24,7 @@ class FakeView:
             WorkerInfo("decode-0", "decode", "127.0.0.1:1", dict(DECODE_LOAD)),
             WorkerInfo("prefill-0", "prefill", "127.0.0.1:2", {"num_requests_running": 2, "num_used_blocks": 0,
                                                                "num_total_blocks": 128}),
-            WorkerInfo("pool-0", "pool", "127.0.0.1:3", dict(POOL_LOAD)),
+            WorkerInfo("pool-0", "pool", "127.0.0.1:3", pool_stats=dict(POOL_LOAD)),
         ]
 
     def workers(self, role: str) -> list[WorkerInfo]:
@@ -68,6 +68,6 @@ def test_each_scrape_reads_the_view_again() -> None:
 
 def test_a_pool_without_nvme_reports_dram_only() -> None:
     load = {k: v for k, v in POOL_LOAD.items() if not k.startswith(("nvme", "num_nvme"))}
-    r = registry_of(FakeView([WorkerInfo("pool-1", "pool", "127.0.0.1:4", load)]))
+    r = registry_of(FakeView([WorkerInfo("pool-1", "pool", "127.0.0.1:4", pool_stats=load)]))
     assert r.get_sample_value("tandem:pool_node_blocks", {"node_id": "pool-1", "tier": "dram"}) == 5
     assert r.get_sample_value("tandem:pool_node_blocks", {"node_id": "pool-1", "tier": "nvme"}) is None
