@@ -18,8 +18,8 @@ from core.registry import WorkerRegistry
 @click.option("--namespace", default="", help="Default: the pod's own (service-account namespace file).")
 @click.option("--prefill-deployment", default="", help="Empty: no prefill workers (colocated).")
 @click.option("--decode-deployment", required=True)
-@click.option("--ttft-slo-ms", default=2000.0, show_default=True, type=float)
-@click.option("--tbt-slo-ms", default=200.0, show_default=True, type=float)
+@click.option("--ttft-slo-s", default=2.0, show_default=True, type=float, help="TTFT SLO, seconds (as the router's).")
+@click.option("--tbt-slo-s", default=0.2, show_default=True, type=float, help="TBT SLO, seconds (as the router's).")
 @click.option("--min-prefill", default=1, show_default=True, type=int)
 @click.option("--max-prefill", default=4, show_default=True, type=int)
 @click.option("--min-decode", default=1, show_default=True, type=int)
@@ -27,15 +27,15 @@ from core.registry import WorkerRegistry
 @click.option("--cooldown-s", default=120.0, show_default=True, type=float)
 @click.option("--interval-s", default=5.0, show_default=True, type=float)
 @click.option("--log-level", default="INFO", show_default=True)
-def main(redis_url: str, namespace: str, prefill_deployment: str, decode_deployment: str, ttft_slo_ms: float,
-         tbt_slo_ms: float, min_prefill: int, max_prefill: int, min_decode: int, max_decode: int, cooldown_s: float,
+def main(redis_url: str, namespace: str, prefill_deployment: str, decode_deployment: str, ttft_slo_s: float,
+         tbt_slo_s: float, min_prefill: int, max_prefill: int, min_decode: int, max_decode: int, cooldown_s: float,
          interval_s: float, log_level: str) -> None:
     """Scale the prefill and decode Deployments from the workers' heartbeats (docs/autoscaling.md)."""
     setup_logging("autoscaler", log_level)
     if not prefill_deployment:
         min_prefill = max_prefill = 0
     try:
-        config = AutoscaleConfig(ttft_slo_ms / 1000, tbt_slo_ms / 1000, min_prefill, max_prefill, min_decode,
+        config = AutoscaleConfig(ttft_slo_s, tbt_slo_s, min_prefill, max_prefill, min_decode,
                                  max_decode, cooldown_s=cooldown_s)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None

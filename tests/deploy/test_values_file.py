@@ -4,6 +4,7 @@ threads or devices), and the same number of processes per role."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def chart_flags(objects: list[dict]) -> dict[str, tuple[int, dict[str, str]]]:
 def local_commands(args: list[str]) -> tuple[object, dict[str, list[dict[str, str]]]]:
     ctx = up.make_context("up", args)
     params = dict(ctx.params)
-    for name in ("demo", "prompts_path", "num_prompts", "max_tokens", "log_dir", "use_ray", "address", "print_config"):
+    named = [p.name for p in inspect.signature(up.callback).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for name in named:  # up()'s own parameters; the rest is what _prepare reads
         params.pop(name)
     config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
     commands = {"kv_pool": [argv_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
