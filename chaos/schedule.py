@@ -101,7 +101,7 @@ class Campaign:
     scenarios: tuple[Scenario, ...]
     seed: int = 0
     deadline_s: float = 120.0
-    idle_bound_s: float = 45.0  # after a scenario, workers and pool must be idle within this
+    idle_bound_s: float = 75.0  # after a scenario, workers and pool must be idle within this
     cluster: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     concurrency: int = 8
@@ -151,7 +151,7 @@ def parse_campaign(data: object) -> Campaign:
     concurrency = int(workload.pop("concurrency", 8))
     duration_s = float(workload.pop("duration_s", 0.0))
     return Campaign(tuple(scenarios), int(data.get("seed", 0)), float(data.get("deadline_s", 120.0)),
-                    float(data.get("idle_bound_s", 45.0)), dict(data.get("cluster") or {}), workload, concurrency,
+                    float(data.get("idle_bound_s", 75.0)), dict(data.get("cluster") or {}), workload, concurrency,
                     duration_s)
 
 
