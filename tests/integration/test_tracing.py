@@ -1,5 +1,5 @@
 """Tracing: one disaggregated request, sent with a client's W3C traceparent, is one trace:
-router HTTP span → prefill RPC (→ its pool call) and decode RPC, and the router's pool release,
+router HTTP span → prefill RPC (→ its pool call) and decode RPC,
 every span in the client's trace, parents as the calls nest, joined by the request id.
 In-memory exporter; fake workers (tests.integration.test_router) on real GrpcServices."""
 
@@ -84,28 +84,28 @@ async def test_one_disaggregated_request_is_one_trace(traced) -> None:
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == TEXT
     request_id = response.headers["x-request-id"]
 
+    # No pool release from the router: the workers' KV connectors own it (engine/kv_connector).
     expected = {"POST /v1/completions", "tandem.v1.PrefillWorker/Prefill", "tandem.v1.KVPool/Lookup",
-                "tandem.v1.DecodeWorker/Decode", "tandem.v1.KVPool/ReleaseRequest"}
+                "tandem.v1.DecodeWorker/Decode"}
 
     async def all_ended() -> list:
-        while True:  # the release to the pool may end after the response
+        while True:  # polled (deadline below): a server span may end just after the client's answer
             spans = [s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == TRACE_ID]
             if {s.name for s in spans} >= expected:
                 return spans
-            fakes.release_seen.clear()
-            await asyncio.wait_for(fakes.release_seen.wait(), timeout=10)
+            await asyncio.sleep(0.02)
 
     spans = await asyncio.wait_for(all_ended(), timeout=10)
     assert sorted(s.name for s in spans) == sorted(expected)  # one span each, all in the client's trace
     by_name = {s.name: s for s in spans}
     root = by_name["POST /v1/completions"]
     assert f"{root.parent.span_id:016x}" == CLIENT_SPAN_ID and root.parent.is_remote
-    for child in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode", "tandem.v1.KVPool/ReleaseRequest"):
+    for child in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode"):
         assert by_name[child].parent.span_id == root.context.span_id, child
     assert by_name["tandem.v1.KVPool/Lookup"].parent.span_id == by_name["tandem.v1.PrefillWorker/Prefill"].context.span_id
     assert root.attributes["tandem.request_id"] == request_id
     assert root.attributes["http.response.status_code"] == 200
-    for name in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode", "tandem.v1.KVPool/ReleaseRequest"):
+    for name in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode"):
         assert by_name[name].attributes["tandem.request_id"].startswith(request_id + "-"), name
     assert by_name["tandem.v1.DecodeWorker/Decode"].attributes["tandem.server"] == "tandem.v1.DecodeWorker"
 
