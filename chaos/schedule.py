@@ -52,7 +52,7 @@ class Fault:
     stage: str = "mid_decode"  # disconnect: when the client goes
     multiplier: int = 10  # burst: extra requests = multiplier x concurrency, sent at once
     mode: str = "delay"  # transfer: delay | error | truncate | corrupt
-    methods: tuple[str, ...] = ("GetBlocks", "AcquireLease", "LocateBlocks")  # transfer: pool RPCs hit
+    methods: tuple[str, ...] = ("GetBlocks", "LocateBlocks")  # transfer: pool RPCs hit
     delay_s: float = 1.0  # transfer delay
     probability: float = 1.0  # transfer: share of matching RPCs hit
 
