@@ -126,9 +126,10 @@ class LeaseKeeper:
 
     def _renew(self, watch: LeaseWatch) -> bool:
         """One RenewLease; True when held (the watch's good point moves to when it was sent)."""
-        sent_s = self._clock()
+        with self._cond:
+            sent_s, lease_id = self._clock(), watch.lease_id
         try:
-            held = watch.client.renew_lease(watch.request_id, watch.lease_id, self.ttl_s)
+            held = watch.client.renew_lease(watch.request_id, lease_id, self.ttl_s)
         except grpc.RpcError as err:  # cannot prove the lease: treat it as gone
             log.warning("lease renewal failed (%s)", err.code() if hasattr(err, "code") else err,
                         extra={"request_id": watch.request_id})
@@ -136,10 +137,11 @@ class LeaseKeeper:
         with self._cond:
             watch.next_s = sent_s + self.renew_after * self.ttl_s
             if held:
-                watch.good_s = max(watch.good_s, sent_s)
                 watch.num_renewals += 1
                 self.num_renewals += 1
-            elif watch.lease_id:  # before LocateBlocks answered, "none held" proves nothing
+                if lease_id:  # "whichever it holds" keeps the lease alive but proves nothing
+                    watch.good_s = max(watch.good_s, sent_s)
+            elif lease_id:  # before LocateBlocks answered, "none held" proves nothing either
                 watch.lost = True
         return held
 
