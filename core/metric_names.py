@@ -52,6 +52,9 @@ VLLM_COMPATIBLE: dict[str, tuple[str, str]] = {
 KV_TRANSFER_BYTES = "tandem:kv_transfer_bytes"  # counter
 KV_TRANSFER_SECONDS = "tandem:kv_transfer_seconds"  # counter: wall time of the transfers
 KV_TRANSFER_ERRORS = "tandem:kv_transfer_errors"  # counter: transfers that raised
+# KV loads from the pool that failed, in the worker that loaded {stage, reason, action}
+# (engine.kv_connector.load_failure).
+KV_LOAD_FAILURES = "tandem:kv_load_failures"  # counter
 
 # The router's cluster view: one sample per live worker or pool node, read from its heartbeat.
 CLUSTER_WORKERS = "tandem:cluster_workers"  # gauge {role}: live processes

@@ -34,6 +34,7 @@ class BlockLocation:
     offset_bytes: int
     block_bytes: int
     checksum: int  # the writer's, 0: none
+    lease_id: int = 0  # the request's lease it is held under (LocateBlocksResponse.lease_id)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ def _put_requests(
             )
 
 
+class IncompleteReadError(ValueError):
+    """The pool's GetBlocks stream ended before every requested block arrived whole (a transfer
+    cut off): the pool's fault, not the caller's input."""
+
+
 class _BlockAssembler:
     """Reassembles GetBlocks chunks into one ``bytes`` per requested key, in request order."""
 
@@ -110,17 +116,17 @@ class _BlockAssembler:
     def add(self, msg: kv_pool_pb2.GetBlocksResponse) -> None:
         i = msg.key_index
         if i >= len(self._keys) or msg.offset_bytes != self._received[i]:
-            raise ValueError(f"pool sent chunk key_index={i} offset={msg.offset_bytes} out of order")
+            raise IncompleteReadError(f"pool sent chunk key_index={i} offset={msg.offset_bytes} out of order")
         self._sizes[i] = msg.block_bytes
         self.checksums[i] = msg.checksum
         self._parts[i].append(msg.data)
         self._received[i] += len(msg.data)
 
     def blocks(self) -> list[bytes]:
-        """Raises ValueError if a block arrived incomplete."""
+        """Raises IncompleteReadError if a block arrived incomplete (or not at all)."""
         for key, size, received in zip(self._keys, self._sizes, self._received):
             if received != size or size == 0:
-                raise ValueError(f"block {key}: pool sent {received} of {size} bytes")
+                raise IncompleteReadError(f"block {key}: pool sent {received} of {size} bytes")
         return [parts[0] if len(parts) == 1 else b"".join(parts) for parts in self._parts]
 
 
@@ -165,7 +171,7 @@ class PoolClient:
 
         Raises:
             grpc.RpcError: NOT_FOUND names the first key the pool does not hold.
-            ValueError: the pool sent a block incomplete or out of order.
+            IncompleteReadError (a ValueError): the pool sent a block incomplete or out of order.
         """
         return [data for data, _ in self.get_blocks_with_checksums(keys)]
 
@@ -183,7 +189,14 @@ class PoolClient:
             keys=[block_key_to_proto(k) for k in keys], request_id=request_id, ttl_ms=_ttl_ms(ttl_s)
         )
         response = self._stub.LocateBlocks(msg, timeout=self.timeout_s)
-        return [BlockLocation(m.offset_bytes, m.block_bytes, m.checksum) for m in response.locations]
+        lease_id = response.lease_id
+        return [BlockLocation(m.offset_bytes, m.block_bytes, m.checksum, lease_id) for m in response.locations]
+
+    def renew_lease(self, request_id: str, lease_id: int, ttl_s: float) -> bool:
+        """Extends lease ``lease_id`` of ``request_id`` (from ``locate_blocks``) by ``ttl_s``;
+        False when that lease is gone (released, lapsed, the pool restarted)."""
+        msg = kv_pool_pb2.RenewLeaseRequest(request_id=request_id, lease_id=lease_id, ttl_ms=_ttl_ms(ttl_s))
+        return self._stub.RenewLease(msg, timeout=self.timeout_s).held
 
     def reserve_blocks(
         self, keys: Sequence[BlockKey], block_bytes: int, checksums: Sequence[int] = (),

@@ -11,7 +11,7 @@ from core.proto_convert import (
 )
 from core.request import Request
 from engine.async_engine import AsyncEngine
-from engine.kv_connector import KVConnector, Manifest
+from engine.kv_connector import KVConnector, KVLoadError, Manifest
 from engine.worker_runtime import stats_response
 from tandem.v1 import decode_worker_pb2, decode_worker_pb2_grpc
 
@@ -47,7 +47,8 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     decode steps (Sarathi-Serve), then decode; every token is streamed, the first included.
     Resumed (``output_token_ids``, after another decode worker failed): the connector loads the
     longest prefix of prompt + those tokens stored in the pool, the engine recomputes the rest,
-    only new tokens are streamed."""
+    only new tokens are streamed. A failed KV load follows ``--kv-load-failure-policy``: prefill
+    the prompt here instead, or end with ``UNAVAILABLE`` and the reason in trailing metadata."""
 
     def __init__(self, engine: AsyncEngine, connector: KVConnector):
         self.engine = engine
@@ -67,12 +68,18 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 await self.connector.drop_manifest(request.request_id, manifest)
                 yield _finished(engine_request)  # the first token already ends it
                 return
-            external = await self.connector.load_manifest(request.request_id, manifest)
+            try:
+                external = await self.connector.load_manifest(request.request_id, manifest)
+            except KVLoadError as err:  # --kv-load-failure-policy fail (released in the pool already)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err), err.trailing_metadata)
         elif request.output_token_ids:  # resumed: the tokens so far are outputs, not prompt
             if engine_request.is_finished:
                 yield _finished(engine_request)
                 return
-            external = await self.connector.load_resumed(request.request_id, engine_request.all_token_ids)
+            try:
+                external = await self.connector.load_resumed(request.request_id, engine_request.all_token_ids)
+            except KVLoadError as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err), err.trailing_metadata)
             log.info("resuming after %d output tokens: %d of %d tokens loaded from the pool, the rest recomputed",
                      engine_request.num_output_tokens, external.num_tokens if external else 0,
                      engine_request.num_tokens, extra={"request_id": request.request_id})

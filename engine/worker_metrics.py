@@ -16,7 +16,9 @@ and Tandem's own:
     tandem:cost_model_coefficient_seconds{role, coefficient}      gauge, the fitted step-time model
     tandem:kv_load_bandwidth_bytes_per_second{role}               gauge, measured pool -> worker (EWMA)
 
-plus ``tandem:kv_transfer_*`` (core.kv_transfer.metered), all in one registry.
+plus ``tandem:kv_transfer_*`` (core.kv_transfer.metered) and
+``tandem:kv_load_failures_total{stage, reason, action}`` (engine.kv_connector.load_failure),
+all in one registry.
 """
 
 from __future__ import annotations

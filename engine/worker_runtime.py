@@ -28,7 +28,7 @@ from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_connector import KVConnector, PoolLocator
+from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolLocator
 from engine.worker_metrics import WorkerCollector
 from tandem.v1 import prefill_worker_pb2
 
@@ -48,6 +48,8 @@ class WorkerConfig:
     advertise_address: str  # empty: host:bound_port
     metrics_port: int
     kv_transfer: str = "auto"  # how KV bytes reach the pool: auto, grpc, shm, nixl (core.kv_transfer)
+    # A failed KV load from the pool: recompute or fail the request (engine.kv_connector.load_failure).
+    kv_load_failure_policy: str = "recompute"
     heartbeat_interval_s: float = 1.0
     # Synthetic passes timed at start-up so the cost model is fitted before traffic (0: none).
     calibration_steps: int = 16
@@ -113,6 +115,11 @@ def worker_options(default_port: int):
             click.option("--kv-transfer", default="auto", show_default=True,
                          type=click.Choice(["auto", "grpc", "shm", "nixl"]),
                          help="KV transfer to the pool; auto: shm on the pool's host, else nixl, else grpc."),
+            click.option("--kv-load-failure-policy", default="recompute", show_default=True,
+                         type=click.Choice([p.value for p in KVLoadFailurePolicy]),
+                         help="A KV load from the pool that fails (unreachable, transfer error, checksum, lost "
+                              "lease): recompute the KV here, or fail the request (gRPC UNAVAILABLE). Counted "
+                              "in tandem:kv_load_failures_total."),
             click.option("--calibration-steps", default=16, show_default=True, type=click.IntRange(min=0),
                          help="Synthetic passes timed at start-up to fit the cost model (0: off; at most ~5 s)."),
             click.option("--log-level", default="INFO", show_default=True),
@@ -138,6 +145,7 @@ def split_config(role: str, kwargs: dict) -> tuple[WorkerConfig, EngineConfig, s
         advertise_address=kwargs["advertise_address"],
         metrics_port=kwargs["metrics_port"],
         kv_transfer=kwargs["kv_transfer"],
+        kv_load_failure_policy=kwargs.get("kv_load_failure_policy", "recompute"),
         calibration_steps=kwargs.get("calibration_steps", 16),
     )
     return worker, engine_config, kwargs["log_level"]
@@ -196,7 +204,9 @@ def serve_worker(
         async_engine = AsyncEngine(engine, thread)
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
-        connector = KVConnector(engine.spec, PoolLocator(registry, worker.pool_address, worker.kv_transfer))
+        failures = KVLoadFailures(KVLoadFailurePolicy(worker.kv_load_failure_policy))
+        connector = KVConnector(engine.spec, PoolLocator(registry, worker.pool_address, worker.kv_transfer),
+                                failures=failures)
         add_servicer(service, async_engine, connector)
         heartbeat: Heartbeat | None = None
 

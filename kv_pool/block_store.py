@@ -280,6 +280,21 @@ class BlockStore:
         self._leases.drop_if_idle(request_id)
         return num_leased
 
+    def lease_id(self, request_id: str) -> int:
+        """The id of ``request_id``'s lease (the same from its first lease or scoped block until it
+        is released or lapses); 0 when it holds nothing. Mutates nothing."""
+        return self._leases.lease_id(request_id)
+
+    def renew_lease(self, request_id: str, lease_id: int, ttl_s: float) -> bool:
+        """Moves the deadline of lease ``lease_id`` of ``request_id`` to at least now + ``ttl_s``
+        (a read of its blocks is still running). False, mutating nothing, when that lease is
+        gone: bytes read under it may have been freed or reused since.
+
+        Mutates: the request's deadline. Raises ValueError as ``lease``.
+        """
+        self._validate_lease(request_id, ttl_s)
+        return self._leases.renew(request_id, lease_id, ttl_s)
+
     def release_request(self, request_id: str) -> tuple[int, int]:
         """Ends ``request_id`` in the pool: drops its leases and frees its scoped blocks.
 

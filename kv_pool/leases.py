@@ -3,6 +3,10 @@
 A request's entry lives while it holds a lease or owns a request-scoped block; its deadline only
 moves later (every lease and every scoped reservation extends it). When the deadline lapses the
 block store releases the request as if the client had called ``ReleaseRequest``.
+
+Each entry has a ``lease_id``, new for every entry the table creates: a reader that sees the same
+id before and after its copy knows the request held its blocks throughout (nothing released them
+in between, so no slot was freed or reused); a different id or none means they may have been.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from core.block_key import BlockKey
 @dataclass(eq=False)
 class _RequestLeases:
     deadline_s: float  # on the table's monotonic clock
+    lease_id: int  # unique per entry of this table (> 0)
     # Dicts as ordered sets: released blocks rejoin the LRU in the order they were leased.
     leased: dict[BlockKey, None] = field(default_factory=dict)
     scoped: dict[BlockKey, None] = field(default_factory=dict)  # its own scoped blocks, any state
@@ -38,6 +43,7 @@ class LeaseTable:
         self._requests: dict[str, _RequestLeases] = {}
         self._holders: dict[BlockKey, set[str]] = {}  # leased key -> request_ids
         self.num_leases = 0  # requests holding at least one lease
+        self._last_lease_id = 0
 
     @property
     def num_leased_blocks(self) -> int:
@@ -49,8 +55,26 @@ class LeaseTable:
     def extend(self, request_id: str, ttl_s: float) -> None:
         """Makes the request's deadline at least now + ``ttl_s``. Mutates: the request's entry."""
         deadline_s = self._clock() + ttl_s
-        state = self._requests.setdefault(request_id, _RequestLeases(deadline_s))
+        state = self._requests.get(request_id)
+        if state is None:
+            self._last_lease_id += 1
+            state = self._requests[request_id] = _RequestLeases(deadline_s, self._last_lease_id)
         state.deadline_s = max(state.deadline_s, deadline_s)
+
+    def lease_id(self, request_id: str) -> int:
+        """The id of the request's entry; 0 when it has none. Mutates nothing."""
+        state = self._requests.get(request_id)
+        return state.lease_id if state is not None else 0
+
+    def renew(self, request_id: str, lease_id: int, ttl_s: float) -> bool:
+        """Extends the request's deadline to at least now + ``ttl_s`` if its entry is still the
+        one named ``lease_id`` (0: whichever it has); False (mutating nothing, creating nothing)
+        when it is gone or another one. Mutates: the entry's deadline."""
+        state = self._requests.get(request_id)
+        if state is None or (lease_id and state.lease_id != lease_id):
+            return False
+        state.deadline_s = max(state.deadline_s, self._clock() + ttl_s)
+        return True
 
     def lease(self, request_id: str, key: BlockKey) -> bool:
         """Leases ``key`` to ``request_id`` (``extend`` it first).

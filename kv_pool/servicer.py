@@ -137,8 +137,14 @@ class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
         location = kv_pool_pb2.BlockLocation
         return kv_pool_pb2.LocateBlocksResponse(
             locations=[location(offset_bytes=loc.offset_bytes, block_bytes=loc.block_bytes, checksum=loc.checksum)
-                       for loc in locations]
+                       for loc in locations],
+            lease_id=self._store.lease_id(request.request_id),
         )
+
+    async def RenewLease(self, request, context):
+        await _require(context, request.request_id, "request_id")
+        ttl_s = request.ttl_ms / 1000 or self._default_ttl_s
+        return kv_pool_pb2.RenewLeaseResponse(held=self._store.renew_lease(request.request_id, request.lease_id, ttl_s))
 
     async def ReserveBlocks(self, request, context):
         try:

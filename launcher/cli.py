@@ -84,6 +84,9 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
               help="NVMe tier size of each pool node, with --pool-nvme-path.")
 @click.option("--kv-transfer", default="auto", show_default=True, type=click.Choice(["auto", "grpc", "shm", "nixl"]),
               help="How the workers move KV to and from the pool; auto: shm on one host, else nixl, else grpc.")
+@click.option("--kv-load-failure-policy", default="recompute", show_default=True,
+              type=click.Choice(["recompute", "fail"]),
+              help="A worker's KV load from the pool that fails: recompute the KV, or fail the request (503).")
 @click.option("--num-threads", default=0, show_default=True, type=int,
               help="CPU threads split between the workers; 0: every core of this machine.")
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
@@ -353,6 +356,7 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
         "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
         "--kv-transfer", kwargs.pop("kv_transfer"),
+        "--kv-load-failure-policy", kwargs.pop("kv_load_failure_policy"),
         *(() if eager is None else ("--enforce-eager" if eager else "--no-enforce-eager",)),
     )
 

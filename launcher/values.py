@@ -125,6 +125,7 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "num_scheduler_steps": lambda v: v["engine"]["numSchedulerSteps"],
     "attention_backend": lambda v: v["engine"]["attentionBackend"],
     "kv_transfer": lambda v: v["transfer"]["backend"],
+    "kv_load_failure_policy": lambda v: v["transfer"]["kvLoadFailurePolicy"],
     "routing_policy": lambda v: v["routing"]["policy"],
     "ttft_slo_s": lambda v: v["routing"]["slo"]["ttftMs"] / 1000,
     "tbt_slo_s": lambda v: v["routing"]["slo"]["tbtMs"] / 1000,

@@ -12,7 +12,7 @@ from core.proto_convert import block_key_to_proto, sampling_params_from_proto, t
 from core.request import Request
 from engine.async_engine import AsyncEngine
 from core.pool_ring import HashRing
-from engine.kv_connector import KVConnector, Manifest
+from engine.kv_connector import KVConnector, KVLoadError, Manifest
 from engine.worker_runtime import stats_response
 from tandem.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
 
@@ -31,7 +31,10 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
     rest and samples the first token, the connector writes the new blocks (full ones
     content-addressed, the tail request-scoped) leased to the request, and the answer carries
     the manifest: the request's pool state goes with it (``KVConnector.hand_off``). On any
-    failure the connector releases what it holds. Nothing stays on the worker afterwards."""
+    failure the connector releases what it holds. Nothing stays on the worker afterwards.
+
+    A failed prefix load follows ``--kv-load-failure-policy`` (engine.kv_connector.load_failure):
+    recompute the whole prompt, or end with ``UNAVAILABLE`` and the reason in trailing metadata."""
 
     def __init__(self, engine: AsyncEngine, connector: KVConnector):
         self.engine = engine
@@ -52,6 +55,12 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
             response = await self._prefill(engine_request, ring, started)
+        except KVLoadError as err:  # the prefix load failed under --kv-load-failure-policy fail
+            await self.connector.release(rid)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err), err.trailing_metadata)
+        except (grpc.RpcError, OSError) as err:  # writing the new blocks failed: the pool broke
+            await self.connector.release(rid)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool write failed: {err}")
         except ValueError as err:
             await self.connector.release(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

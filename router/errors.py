@@ -24,6 +24,9 @@ class ErrorKind(enum.Enum):
     NO_WORKER = "no_worker"
     UNAVAILABLE = "unavailable"
     SHUTTING_DOWN = "shutting_down"  # the router is stopping: no new request, in-flight ones end
+    # A worker's KV load from the pool failed under --kv-load-failure-policy fail: the pool or the
+    # transfer broke, not the worker (not marked down, not retried); a client retry may succeed.
+    KV_LOAD_FAILED = "kv_load_failed"
 
 
 # kind -> (HTTP status, OpenAI error type, OpenAI error code, gRPC status code)
@@ -35,6 +38,7 @@ _TRANSPORT = {
     ErrorKind.NO_WORKER: (503, "service_unavailable_error", "no_worker", grpc.StatusCode.UNAVAILABLE),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error", "unavailable", grpc.StatusCode.UNAVAILABLE),
     ErrorKind.SHUTTING_DOWN: (503, "service_unavailable_error", "shutting_down", grpc.StatusCode.UNAVAILABLE),
+    ErrorKind.KV_LOAD_FAILED: (503, "service_unavailable_error", "kv_load_failed", grpc.StatusCode.UNAVAILABLE),
 }
 
 

@@ -21,6 +21,7 @@ from core.pool_client import BlockBytes, PoolClient
 class ReadBlock:
     data: bytes | memoryview  # [block_bytes], uint8; the caller's own copy (or a view of ``out``)
     checksum: int  # the writer's, 0: none
+    lease_id: int = 0  # the pool lease it was read under (core.pool_client.BlockLocation.lease_id)
 
 
 def place(out: memoryview | None, offset: int, data: bytes | memoryview) -> bytes | memoryview:

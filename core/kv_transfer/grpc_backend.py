@@ -15,16 +15,17 @@ class GrpcBackend(TransferBackend):
     def read(
         self, keys: Sequence[BlockKey], request_id: str, ttl_s: float, out: memoryview | None = None
     ) -> list[ReadBlock]:
-        num_held = len(self.client.locate_blocks(keys, request_id, ttl_s))  # leases first
-        if num_held == 0:
+        locations = self.client.locate_blocks(keys, request_id, ttl_s)  # leases first
+        if not locations:
             return []
-        blocks = self.client.get_blocks_with_checksums(keys[:num_held])
+        lease_id = locations[0].lease_id
+        blocks = self.client.get_blocks_with_checksums(keys[: len(locations)])
         if out is None:
-            return [ReadBlock(data, checksum) for data, checksum in blocks]
+            return [ReadBlock(data, checksum, lease_id) for data, checksum in blocks]
         offsets = [0]
         for data, _ in blocks:
             offsets.append(offsets[-1] + len(data))
-        return [ReadBlock(place(out, o, data), checksum) for o, (data, checksum) in zip(offsets, blocks)]
+        return [ReadBlock(place(out, o, data), checksum, lease_id) for o, (data, checksum) in zip(offsets, blocks)]
 
     def write(
         self, keys: Sequence[BlockKey], payloads: Sequence[BlockBytes], checksums: Sequence[int],

@@ -57,7 +57,8 @@ class NixlBackend(TransferBackend):
                 spans = self._transfer("READ", [(locations[i].offset_bytes, n) for i, n in batch])
                 staging = memoryview(self._staging)
                 for (i, n), s in zip(batch, spans):
-                    blocks.append(ReadBlock(place(out, offset, staging[s : s + n]), locations[i].checksum))
+                    blocks.append(ReadBlock(place(out, offset, staging[s : s + n]), locations[i].checksum,
+                                             locations[i].lease_id))
                     offset += n
         return blocks
 

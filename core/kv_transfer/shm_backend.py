@@ -85,7 +85,7 @@ class ShmBackend(TransferBackend):
         if not locations:
             return []
         view = self._mapping()
-        return [ReadBlock(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes], loc.checksum)
+        return [ReadBlock(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes], loc.checksum, loc.lease_id)
                 for loc in locations]
 
     def write(
@@ -152,8 +152,8 @@ class ShmBackend(TransferBackend):
         slots), or into new ``bytes`` each."""
         view = self._mapping()
         if out is None:
-            return [ReadBlock(bytes(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes]), loc.checksum)
-                    for loc in locations]
+            return [ReadBlock(bytes(view[loc.offset_bytes : loc.offset_bytes + loc.block_bytes]), loc.checksum,
+                              loc.lease_id) for loc in locations]
         total = sum(loc.block_bytes for loc in locations)
         if offset + total > len(out):
             raise ValueError(f"read buffer of {len(out)} bytes is too small for {offset + total}")
@@ -166,7 +166,7 @@ class ShmBackend(TransferBackend):
             pos, start = pos + len(run), end
         blocks = []
         for loc in locations:
-            blocks.append(ReadBlock(out[offset : offset + loc.block_bytes], loc.checksum))
+            blocks.append(ReadBlock(out[offset : offset + loc.block_bytes], loc.checksum, loc.lease_id))
             offset += loc.block_bytes
         return blocks
 

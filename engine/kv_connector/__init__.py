@@ -7,16 +7,21 @@
 - :mod:`.swap`: swap spaces for preempted requests (host memory, or the pool through PoolIO).
 - :mod:`.manifest`: :class:`Manifest`, a prefill's blocks as domain data.
 - :mod:`.blocks`: copying blocks between the paged KV cache and transfer bytes.
+- :mod:`.lease_keeper`: :class:`LeaseKeeper`, renews the leases of long reads and proves they held.
+- :mod:`.load_failure`: what a failed KV load does (``--kv-load-failure-policy``), counted.
 """
 
 from engine.kv_connector.blocks import ArenaBlock, LoadGuard, pack_blocks, unpack_blocks
 from engine.kv_connector.connector import KVConnector
+from engine.kv_connector.lease_keeper import LeaseKeeper, LeaseLostError
+from engine.kv_connector.load_failure import KVLoadError, KVLoadFailurePolicy, KVLoadFailures
 from engine.kv_connector.locator import PoolLocator
 from engine.kv_connector.manifest import Manifest
 from engine.kv_connector.pool_io import PoolIO
 from engine.kv_connector.swap import HostSwapSpace, PoolSwapSpace, SwapSpace
 
 __all__ = [
-    "ArenaBlock", "HostSwapSpace", "KVConnector", "LoadGuard", "Manifest", "PoolIO", "PoolLocator",
-    "PoolSwapSpace", "SwapSpace", "pack_blocks", "unpack_blocks",
+    "ArenaBlock", "HostSwapSpace", "KVConnector", "KVLoadError", "KVLoadFailurePolicy", "KVLoadFailures",
+    "LeaseKeeper", "LeaseLostError", "LoadGuard", "Manifest", "PoolIO", "PoolLocator", "PoolSwapSpace",
+    "SwapSpace", "pack_blocks", "unpack_blocks",
 ]

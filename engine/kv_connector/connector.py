@@ -47,6 +47,7 @@ from core.block_key import BlockKey
 from core.cost_model import BandwidthMeter
 from core.kv_cache_spec import KVCacheSpec
 from core.pool_ring import HashRing
+from engine.kv_connector.load_failure import MISSING, UNREACHABLE, KVLoadError, KVLoadFailures
 from engine.kv_connector.locator import PoolLocator
 from engine.kv_connector.manifest import Manifest
 from engine.kv_connector.pool_io import PoolIO
@@ -55,19 +56,21 @@ from engine.outputs import ExternalKV
 
 log = logging.getLogger(__name__)
 
-_POOL_ERRORS = (grpc.RpcError, OSError)
 
 
 class KVConnector:
     """One per worker; used from the worker's event loop (``swap_space`` from the engine thread).
 
-    ``io``: the transport (default: a :class:`PoolIO` over ``locator.kv_transfer``).
+    ``io``: the transport (default: a :class:`PoolIO` over ``locator.kv_transfer``);
+    ``failures``: what a failed load does (default: recompute, counted in this process's registry).
     """
 
-    def __init__(self, spec: KVCacheSpec, locator: PoolLocator, io: PoolIO | None = None):
+    def __init__(self, spec: KVCacheSpec, locator: PoolLocator, io: PoolIO | None = None,
+                 failures: KVLoadFailures | None = None):
         self.spec = spec
         self.locator = locator
         self.io = io or PoolIO(spec, transfer=locator.kv_transfer)
+        self.failures = failures or KVLoadFailures()
         # Pool -> worker KV bandwidth (the router's KV-load estimate: bytes / this).
         self.kv_load = BandwidthMeter()
         # request_id -> the pool nodes where this connector holds the request's leases / blocks.
@@ -85,56 +88,76 @@ class KVConnector:
     async def load_cached_prefix(self, request_id: str, token_ids: list[int], ring: HashRing) -> ExternalKV | None:
         """Leases the longest stored prefix of ``token_ids``' full blocks for the request (held
         until :meth:`release` or :meth:`hand_off`) and returns its verified KV; None when the
-        pool has none. Raises grpc.RpcError / OSError when a single pool node fails."""
+        pool has none, or when the load failed and the policy is to recompute.
+
+        Raises:
+            KVLoadError: the load failed and the policy is ``fail``.
+        """
+        return await self._load_prefix("prefix", request_id, token_ids, ring)
+
+    async def _load_prefix(self, stage: str, request_id: str, token_ids: list[int], ring: HashRing) -> ExternalKV | None:
         hashes = hash_block_chain(token_ids, self.spec.block_size)
         if not hashes:
             return None
         self._holding[request_id] = ring
         started_s = time.perf_counter()
-        payloads = await self.io.load_cached_prefix(ring, request_id, hashes)
+        try:
+            payloads = await self.io.load_cached_prefix(ring, request_id, hashes)
+        except KVLoadError as err:
+            self.failures.failed(stage, err, request_id)
+            return None  # recompute every token
         self._record(len(payloads), started_s)
         return ExternalKV(len(payloads) * self.spec.block_size, payloads) if payloads else None
 
     async def load_resumed(self, request_id: str, token_ids: list[int]) -> ExternalKV | None:
         """KV of the longest stored prefix of ``token_ids`` (a resumed request's prompt + outputs;
         in practice the prompt's full blocks), then the request is released. None when the pool
-        has none or cannot be reached: the engine recomputes everything after what it gets."""
+        has none (or cannot be reached, or the load failed under ``recompute``): the engine
+        recomputes everything after what it gets. Raises KVLoadError under ``fail``."""
         try:
             ring = await self.locator.ring()
-        except LookupError:
+        except LookupError as err:
+            self.failures.failed("resume", KVLoadError(UNREACHABLE, str(err)), request_id)
             return None
-        kv = None
         try:
-            kv = await self.load_cached_prefix(request_id, token_ids, ring)
-        except _POOL_ERRORS as err:
-            log.warning("KV pool fetch failed (%s); recomputing", err, extra={"request_id": request_id})
+            return await self._load_prefix("resume", request_id, token_ids, ring)
         finally:
             await self.release(request_id)
-        return kv
 
     async def load_manifest(self, request_id: str, manifest: Manifest) -> ExternalKV | None:
         """Takes the request over from the prefill worker, fetches the manifest's blocks, releases
-        the request in the pool. Whatever the pool cannot give (it died, a block is gone or fails
-        its checksum) is left to recompute: the ExternalKV covers the verified full blocks only
-        then, None when there are none."""
+        the request in the pool. A load that fails (the pool died, a transfer failed, a block
+        fails its checksum, the lease was lost) follows the policy: under ``recompute`` it
+        returns None (the engine prefills the prompt); blocks that are merely gone leave the
+        verified full blocks before them (None when there are none).
+
+        Raises:
+            KVLoadError: the load failed (or blocks were gone) and the policy is ``fail``; the
+                request is released in the pool first.
+        """
         payloads: list = []
         try:
             ring = await self._manifest_ring(request_id, manifest)
         except LookupError as err:
-            log.warning("no KV pool (%s); recomputing the prompt", err, extra={"request_id": request_id})
+            self.failures.failed("manifest", KVLoadError(UNREACHABLE, str(err)), request_id)
             return None
+        failure: KVLoadError | None = None
         try:
             started_s = time.perf_counter()
             payloads = await self.io.fetch(ring, manifest.keys, request_id)
             self._record(len(payloads), started_s)
-        except _POOL_ERRORS as err:
-            log.warning("KV pool fetch failed (%s); recomputing the prompt", err, extra={"request_id": request_id})
+        except KVLoadError as err:
+            failure = err
         finally:
             await self.release(request_id)
+        if failure is not None:
+            self.failures.failed("manifest", failure, request_id)
+            return None
         if len(payloads) == len(manifest.keys):
             return ExternalKV(manifest.num_tokens, payloads)
-        log.warning("pool gave %d of %d blocks; recomputing the rest", len(payloads), len(manifest.keys),
-                    extra={"request_id": request_id})
+        missing = KVLoadError(MISSING, f"the pool gave {len(payloads)} of the manifest's {len(manifest.keys)} blocks")
+        self.failures.failed("manifest", missing, request_id)
+        # Recompute the rest only: the blocks before the gap are verified full blocks.
         return ExternalKV(len(payloads) * self.spec.block_size, payloads) if payloads else None
 
     async def drop_manifest(self, request_id: str, manifest: Manifest) -> None:

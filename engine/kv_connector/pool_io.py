@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -36,9 +36,11 @@ from core.kv_transfer.backend import ReadBlock, TransferBackend
 from core.kv_transfer.checksum import block_checksum, matches, verify_enabled
 from core.kv_transfer.metered import metered
 from core.kv_transfer.select import connect
-from core.pool_client import PoolClient
+from core.pool_client import IncompleteReadError, PoolClient
 from core.pool_ring import HashRing
 from engine.kv_connector.blocks import ArenaBlock, LoadGuard
+from engine.kv_connector.lease_keeper import LeaseKeeper, LeaseLostError, LeaseWatch
+from engine.kv_connector.load_failure import CHECKSUM, LEASE_LOST, TRUNCATED, KVLoadError, reason_of
 
 # Where blocks go: one pool address, or a ring of pool nodes (consistent hashing of block keys).
 PoolTarget = str | HashRing
@@ -52,6 +54,7 @@ class _PendingLoad:
 
     num_guards: int  # fetches whose views are still uncopied
     release_ring: HashRing | None = None  # set when a release of the request was deferred
+    watches: list[LeaseWatch] = field(default_factory=list)  # leases renewed until the views are copied
 
 
 class PoolIO:
@@ -78,6 +81,7 @@ class PoolIO:
         self.map_arena = map_arena
         self._pending_loads: dict[str, _PendingLoad] = {}  # request_id -> uncopied views
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="pool-release")  # deferred releases
+        self.leases = LeaseKeeper(lease_ttl_s)  # renews leases of long reads, proves they held
 
     def client(self, address: str) -> PoolClient:
         with self._lock:
@@ -127,10 +131,15 @@ class PoolIO:
         await asyncio.to_thread(self.store_now, _ring(pool), request_id, keys, payloads)
 
     async def fetch(self, pool: PoolTarget, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
-        """Leases the longest stored prefix of ``keys`` to the request and returns its verified
-        part, in order: fewer than ``keys`` when a block is missing, corrupt, or on a node that
-        does not answer. Blocks read through shared memory are ArenaBlock views (``map_arena``),
-        to be handed to ``engine.kv_connector.unpack_blocks`` (or dropped)."""
+        """Leases the longest stored prefix of ``keys`` to the request and returns it, verified,
+        in order (fewer than ``keys`` when the pool holds fewer). Blocks read through shared
+        memory are ArenaBlock views (``map_arena``), to be handed to
+        ``engine.kv_connector.unpack_blocks`` (or dropped).
+
+        Raises:
+            KVLoadError: a node did not answer or failed, a block came incomplete or failed its
+                checksum (reported to the pool, which drops it), or the read's lease was lost.
+        """
         return await asyncio.to_thread(self.fetch_now, _ring(pool), keys, request_id)
 
     async def release(self, pool: PoolTarget, request_id: str) -> None:
@@ -157,6 +166,7 @@ class PoolIO:
     def close(self) -> None:
         """Closes every backend and client; deferred releases still queued run first."""
         self._releaser.shutdown(wait=True)
+        self.leases.close()
         with self._lock:
             backends, clients = list(self._backends.values()), list(self._clients.values())
             self._backends, self._clients = {}, {}
@@ -189,7 +199,8 @@ class PoolIO:
                             address, len(idx), _why(err), extra={"request_id": request_id})
 
     def fetch_now(self, ring: HashRing, keys: list[BlockKey], request_id: str) -> list[bytes | ArenaBlock]:
-        """:meth:`fetch`, blocking. Reads runs of consecutive keys that live on one node, in order, until one comes short."""
+        """:meth:`fetch`, blocking. Reads runs of consecutive keys that live on one node, in order,
+        until one comes short. Raises KVLoadError as :meth:`fetch`."""
         out: list[bytes | ArenaBlock] = []
         guard = self._guard(request_id) if self.map_arena else None
         try:
@@ -199,11 +210,14 @@ class PoolIO:
                 end = start + 1
                 while end < len(keys) and ring.address_for(keys[end]) == address:
                     end += 1
-                run = self._read_run(address, keys[start:end], request_id, len(ring.nodes) == 1, guard)
+                run = self._read_run(address, keys[start:end], request_id, guard)
                 out += run
                 if len(run) < end - start:
                     break
                 start = end
+        except BaseException:
+            out = []  # no byte of a failed read is used
+            raise
         finally:
             if guard is not None and not any(isinstance(b, ArenaBlock) for b in out):
                 guard.done()  # nothing mapped (or the read failed): no release to defer
@@ -227,6 +241,8 @@ class PoolIO:
             if pending.num_guards > 0:
                 return
             del self._pending_loads[request_id]
+        for watch in pending.watches:  # copied: no need to keep the leases alive any more
+            self.leases.unwatch(watch)
         if pending.release_ring is not None:
             try:
                 self._releaser.submit(self._release_quietly, pending.release_ring, request_id)
@@ -240,30 +256,58 @@ class PoolIO:
             log.warning("deferred pool release failed (%s)", _why(err), extra={"request_id": request_id})
 
     def _read_run(
-        self, address: str, keys: list[BlockKey], request_id: str, single_node: bool, guard: LoadGuard | None
+        self, address: str, keys: list[BlockKey], request_id: str, guard: LoadGuard | None
     ) -> list[bytes | ArenaBlock]:
+        """Reads ``keys`` (all on ``address``) under a watched lease; views stay watched (renewed)
+        until copied. Raises KVLoadError."""
+        watch = self.leases.watch(request_id, self.client(address))
+        kept = False  # renewed on until the views are copied (PoolIO._load_done)
         try:
-            backend = self.backend(address)
-            blocks = backend.read_views(keys, request_id, self.lease_ttl_s) if guard is not None else None
-            if blocks is None:
-                blocks = backend.read(keys, request_id, self.lease_ttl_s)
-            else:
-                blocks = [ReadBlock(ArenaBlock.wrap(b.data, guard), b.checksum) for b in blocks]
-        except (grpc.RpcError, OSError) as err:
-            if single_node:
-                raise
-            self._forget(address)
-            log.warning("pool %s did not answer (%s); recomputing from there", address, _why(err),
-                        extra={"request_id": request_id})
-            return []
+            blocks = self._read_blocks(address, keys, request_id, guard)
+            lease_ids = {b.lease_id for b in blocks}
+            if len(lease_ids) > 1:  # a pipelined read's batches under different leases: let go between
+                raise LeaseLostError(f"the pool lease of {request_id} changed during the read")
+            if blocks:
+                views = guard is not None and isinstance(blocks[0].data, ArenaBlock)
+                self.leases.finish(watch, lease_ids.pop(), keep=views)
+                if views:
+                    with self._lock:
+                        self._pending_loads[request_id].watches.append(watch)
+                    kept = True
+        except LeaseLostError as err:
+            raise KVLoadError(LEASE_LOST, str(err)) from err
+        finally:
+            if not kept:
+                self.leases.unwatch(watch)
         num_good = self._num_verified(blocks)
         if num_good < len(blocks):
             bad = keys[num_good]
             self.num_corrupt_blocks += 1
-            log.warning("block %s from pool %s failed its checksum: dropped there, recomputing from it",
-                        bad, address, extra={"request_id": request_id})
-            self.client(address).report_corrupt([bad])
-        return [b.data for b in blocks[:num_good]]
+            self._report_corrupt(address, bad, request_id)
+            raise KVLoadError(CHECKSUM, f"block {bad} from pool {address} failed its checksum (dropped there)")
+        return [b.data for b in blocks]
+
+    def _read_blocks(
+        self, address: str, keys: list[BlockKey], request_id: str, guard: LoadGuard | None
+    ) -> list[ReadBlock]:
+        """The backend's read (views when ``guard``). Raises KVLoadError."""
+        try:
+            backend = self.backend(address)
+            blocks = backend.read_views(keys, request_id, self.lease_ttl_s) if guard is not None else None
+            if blocks is None:
+                return backend.read(keys, request_id, self.lease_ttl_s)
+            return [ReadBlock(ArenaBlock.wrap(b.data, guard), b.checksum, b.lease_id) for b in blocks]
+        except IncompleteReadError as err:
+            raise KVLoadError(TRUNCATED, f"pool {address}: {err}") from err
+        except (grpc.RpcError, OSError) as err:
+            self._forget(address)
+            raise KVLoadError(reason_of(err), f"pool {address}: {_why(err)}") from err
+
+    def _report_corrupt(self, address: str, key: BlockKey, request_id: str) -> None:
+        try:
+            self.client(address).report_corrupt([key])
+        except grpc.RpcError as err:  # the next reader finds it corrupt too
+            log.warning("could not report corrupt block %s (%s)", key, _why(err), extra={"request_id": request_id})
 
     def _release(self, ring: HashRing, request_id: str) -> None:
         for address in ring.addresses:

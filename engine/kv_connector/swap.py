@@ -18,6 +18,7 @@ import grpc
 
 from core.block_key import BlockKey
 from core.pool_ring import HashRing
+from engine.kv_connector.load_failure import KVLoadError
 from engine.outputs import ExternalKV
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class PoolSwapSpace:
         payloads: list = []
         try:
             payloads = self.io.fetch_now(self.ring, keys, owner)
-        except (grpc.RpcError, OSError) as err:  # a lost swap is recomputed, never served wrong
+        except (grpc.RpcError, OSError, KVLoadError) as err:  # a lost swap is recomputed, never served wrong
             log.warning("swap-in from the pool failed (%s); recomputing", err, extra={"request_id": request_id})
         finally:
             self._release(owner)  # deferred by PoolIO until mapped views are copied

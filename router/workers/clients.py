@@ -79,7 +79,16 @@ class WorkerFailedError(RouterError):
         self.address = address
 
 
+# Trailing metadata of a request a worker ended because its KV load failed (--kv-load-failure-policy
+# fail; engine.kv_connector.load_failure.METADATA_KEY): the worker is fine, the request fails.
+KV_LOAD_FAILURE_KEY = "tandem-kv-load-failure"
+
+
 def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
+    reason = dict(err.trailing_metadata() or ()).get(KV_LOAD_FAILURE_KEY)
+    if reason is not None:
+        return RouterError(f"{role} worker could not load the KV cache ({reason}): {err.details()}",
+                           ErrorKind.KV_LOAD_FAILED)
     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"the {role} worker did not answer within the request timeout of {timeout_s:g} s"
     else:

@@ -99,7 +99,7 @@ class FakeContext:
     def __init__(self):
         self.code = None
 
-    async def abort(self, code, details):
+    async def abort(self, code, details, trailing_metadata=()):
         self.code = code
         raise Aborted(details)
 

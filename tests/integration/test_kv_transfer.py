@@ -21,6 +21,7 @@ from core.kv_transfer.select import connect
 from core.kv_transfer.shm_backend import BATCH_BLOCKS
 from core.pool_client import PoolClient
 from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
+from engine.kv_connector.load_failure import CHECKSUM, KVLoadError
 from engine.kv_connector.pool_io import PoolIO
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, client, fp, start_pool, stored_prefix  # noqa: F401
 # client: a PoolClient on this module's `pool` that asserts the pool is idle after each test
@@ -100,7 +101,7 @@ def test_shm_write_that_fails_midway_rolls_back(client, fp):
 
 
 @pytest.mark.parametrize("mode", ["grpc", "shm", "nixl"])
-def test_corrupted_block_is_detected_dropped_and_cut(pool, client, fp, mode):
+def test_corrupted_block_is_detected_dropped_and_the_read_fails(pool, client, fp, mode):
     isolated(mode, _corruption, pool.address, fp, mode)
 
 
@@ -117,7 +118,9 @@ def _corruption(address: str, fp: str, mode: str) -> None:
         arena[loc.offset_bytes + 100] ^= 0xFF  # a bit flip in the pool's DRAM
 
     corrupt_before = client.stats()["num_corrupt_blocks"]
-    assert fetch_bytes(io, address, keys, "req-r") == data[:1]  # cut before the bad block
+    with pytest.raises(KVLoadError) as failed:  # no byte of the read is used: the caller recomputes
+        fetch_bytes(io, address, keys, "req-r")
+    assert failed.value.reason == CHECKSUM
     assert client.stats()["num_corrupt_blocks"] == corrupt_before + 1 and io.num_corrupt_blocks == 1
     assert stored_prefix(client, fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
     asyncio.run(io.store(address, "req-r", keys, data, skip=1))  # the recompute writes it again

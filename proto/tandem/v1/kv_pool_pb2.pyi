@@ -156,10 +156,28 @@ class BlockLocation(_message.Message):
     def __init__(self, offset_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class LocateBlocksResponse(_message.Message):
-    __slots__ = ("locations",)
+    __slots__ = ("locations", "lease_id")
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id", "ttl_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: int
+    ttl_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
 
 class ReserveBlocksRequest(_message.Message):
     __slots__ = ("keys", "block_bytes", "checksums", "lease_request_id", "lease_ttl_ms")

@@ -79,6 +79,11 @@ class KVPoolStub:
                 request_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/tandem.v1.KVPool/RenewLease',
+                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -152,6 +157,14 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extends a request's lease while a read of its blocks is still running, if
+        the lease LocateBlocks named (lease_id) still holds; never starts a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +212,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.ReportCorruptBlocks,
                     request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +462,33 @@ class KVPool:
             '/tandem.v1.KVPool/ReportCorruptBlocks',
             tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksRequest.SerializeToString,
             tandem_dot_v1_dot_kv__pool__pb2.ReportCorruptBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVPool/RenewLease',
+            tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__pool__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -299,3 +299,64 @@ def test_locate_leases_the_stored_prefix_only():
         store.locate([content(1)], "req-c", ttl_s=0)
     assert store.release_request("req-a") == (2, 0)
     assert_idle(store, num_stored_blocks=3)
+
+
+def test_renewing_a_lease_keeps_it_past_its_ttl_under_the_same_id():
+    store, clock, _ = make_store(capacity_blocks=4, ttl_s=10)
+    put(store, content(1), seed=1)
+    assert len(store.locate([content(1)], "reader", ttl_s=5)) == 1
+    lease_id = store.lease_id("reader")
+    assert lease_id > 0
+    clock.now_s = 4.0
+    assert store.renew_lease("reader", lease_id, ttl_s=5)  # a read still running at 4 s of 5
+    clock.now_s = 8.5  # past the first deadline (5 s), before the renewed one (9 s)
+    assert store.expire() == []
+    assert store.stats().num_leased_blocks == 1 and store.lease_id("reader") == lease_id
+    clock.now_s = 9.0
+    assert store.expire() == ["reader"]
+    assert store.stats().num_leased_blocks == 0 and store.stats().num_leases == 0
+
+
+def test_a_lapsed_lease_cannot_be_renewed_and_a_new_one_has_another_id():
+    store, clock, _ = make_store(capacity_blocks=4, ttl_s=10)
+    put(store, content(1), seed=1)
+    store.locate([content(1)], "reader", ttl_s=5)
+    old_id = store.lease_id("reader")
+    clock.now_s = 5.0
+    assert store.expire() == ["reader"]  # the read outlived its lease: the pool let go
+    assert not store.renew_lease("reader", old_id, ttl_s=5)
+    assert not store.renew_lease("reader", 0, ttl_s=5)  # "whichever it holds": it holds none
+    assert store.lease_id("reader") == 0  # a failed renewal creates nothing
+    store.locate([content(1)], "reader", ttl_s=5)  # the same request leases again
+    new_id = store.lease_id("reader")
+    assert new_id not in (0, old_id)
+    assert not store.renew_lease("reader", old_id, ttl_s=5)  # the old read still cannot prove its lease
+    assert store.renew_lease("reader", new_id, ttl_s=5) and store.renew_lease("reader", 0, ttl_s=5)
+    store.release_request("reader")
+    assert not store.renew_lease("reader", new_id, ttl_s=5)
+    assert store.stats().num_leased_blocks == 0 and store.stats().num_leases == 0
+
+
+def test_a_released_and_reused_slot_is_caught_by_the_lease_id():
+    """The danger the id guards against: the lease lapses, the slot is freed and reused by
+    another block, and a reader that located the old one would copy the new bytes."""
+    store, clock, _ = make_store(capacity_blocks=1, ttl_s=10)
+    put(store, scoped("writer"), seed=1)
+    [old] = store.locate([scoped("writer")], "writer", ttl_s=5)
+    lease_id = store.lease_id("writer")
+    clock.now_s = 10.0
+    assert store.expire() == ["writer"]  # the scoped block is freed with its request
+    put(store, content(9), seed=9)  # the only slot, reused
+    [new] = store.locate([content(9)], "other", ttl_s=5)
+    assert new.offset_bytes == old.offset_bytes
+    assert not store.renew_lease("writer", lease_id, ttl_s=5)
+    store.release_request("other")
+    assert store.stats().num_leases == 0
+
+
+def test_renew_lease_refuses_bad_input_quoting_it():
+    store, _, _ = make_store()
+    with pytest.raises(ValueError, match="request_id must not be empty"):
+        store.renew_lease("", 1, ttl_s=5)
+    with pytest.raises(ValueError, match="ttl_s must be > 0, got 0"):
+        store.renew_lease("r", 1, ttl_s=0)

@@ -297,3 +297,33 @@ def test_client_request_ids_are_checked():
     with pytest.raises(InvalidRequestError) as info:
         client_request_id("a b", "request_id", "")
     assert info.value.message == 'request_id "a b" must be printable ASCII without spaces'
+
+
+def test_a_kv_load_failure_is_the_requests_error_not_the_workers():
+    """--kv-load-failure-policy fail: the worker answers UNAVAILABLE with the reason in trailing
+    metadata; the router answers 503 kv_load_failed, marks nobody down and does not retry."""
+    trailing = grpc.aio.Metadata(("tandem-kv-load-failure", "checksum"))
+    err = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailing,
+                               details="KV load failed (checksum): block ... failed its checksum")
+    error = _router_error("decode", "decode:0", err, 5.0)
+    assert not isinstance(error, WorkerFailedError)
+    assert error.kind is ErrorKind.KV_LOAD_FAILED
+    assert (error.http_status, error.grpc_code) == (503, grpc.StatusCode.UNAVAILABLE)
+    assert error.to_openai()["error"]["code"] == "kv_load_failed"
+    assert error.message == ("decode worker could not load the KV cache (checksum): "
+                             "KV load failed (checksum): block ... failed its checksum")
+
+
+async def test_a_prefill_kv_load_failure_is_not_retried_and_marks_nobody_down(tokenizer):
+    generation, clients, view, _ = await make_generation(tokenizer)
+
+    async def failing_prefill(address, request_id, request, timeout_s):
+        clients.prefill_calls.append((address, request_id))
+        raise RouterError("prefill worker could not load the KV cache (unreachable): x", ErrorKind.KV_LOAD_FAILED)
+
+    clients.prefill = failing_prefill
+    with pytest.raises(RouterError) as info:
+        await run(generation)
+    assert info.value.kind is ErrorKind.KV_LOAD_FAILED
+    assert len(clients.prefill_calls) == 1 and clients.decode_calls == []
+    assert addresses(view, "prefill") == ["prefill:0", "prefill:1"]

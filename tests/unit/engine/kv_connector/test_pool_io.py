@@ -11,6 +11,9 @@ from core.kv_cache_spec import KVCacheSpec
 from core.kv_transfer.backend import ReadBlock, TransferBackend
 from core.kv_transfer.checksum import block_checksum
 from core.pool_ring import HashRing
+import pytest
+
+from engine.kv_connector.load_failure import CHECKSUM, UNREACHABLE, KVLoadError
 from engine.kv_connector.pool_io import PoolIO
 
 SPEC = KVCacheSpec("m", "r", "float32", 1, 1, 4, 16)
@@ -70,18 +73,22 @@ def test_blocks_spread_over_nodes_and_read_back_in_order():
     assert asyncio.run(io.fetch(ring, keys, "req")) == data
 
 
-def test_a_dead_node_cuts_the_prefix_at_its_first_block():
+def test_a_dead_node_fails_the_read_as_unreachable():
     io, ring, nodes = make_io()
     keys, data = keys_and_data(40)
     asyncio.run(io.store(ring, "req", keys, data, skip=0))
     dead = ring.address_for(keys[7])
     nodes[dead].dead = True
-    first_dead = next(i for i, k in enumerate(keys) if ring.address_for(k) == dead)
-    assert asyncio.run(io.fetch(ring, keys, "req")) == data[:first_dead]
+    with pytest.raises(KVLoadError) as failed:
+        asyncio.run(io.fetch(ring, keys, "req"))
+    assert failed.value.reason == UNREACHABLE and dead in str(failed.value)
     asyncio.run(io.store(ring, "req", keys, data, skip=0))  # the dead node's share is skipped, not fatal
+    nodes[dead].dead = False  # a read that never reaches it still succeeds
+    first_dead = next(i for i, k in enumerate(keys) if ring.address_for(k) == dead)
+    assert asyncio.run(io.fetch(ring, keys[:first_dead], "req")) == data[:first_dead]
 
 
-def test_a_corrupt_block_is_cut_and_the_rest_is_recomputed():
+def test_a_corrupt_block_fails_the_read_and_is_reported():
     io, ring, nodes = make_io(num_nodes=1)
     keys, data = keys_and_data(4)
     asyncio.run(io.store(ring, "req", keys, data, skip=0))
@@ -89,5 +96,7 @@ def test_a_corrupt_block_is_cut_and_the_rest_is_recomputed():
     node.blocks[keys[2]] = (b"x" * 64, block_checksum(data[2]))  # bytes changed after the write
     reported = []
     io.client(ring.addresses[0]).report_corrupt = reported.extend  # no real pool here
-    assert asyncio.run(io.fetch(ring, keys, "req")) == data[:2]
+    with pytest.raises(KVLoadError) as failed:
+        asyncio.run(io.fetch(ring, keys, "req"))
+    assert failed.value.reason == CHECKSUM
     assert reported == [keys[2]] and io.num_corrupt_blocks == 1
