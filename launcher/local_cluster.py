@@ -116,9 +116,12 @@ class ClusterConfig:
                      "num_routers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_routers > 1 and not (self.http_port and self.grpc_port):
+            raise ValueError(f"num_routers={self.num_routers} needs http_port and grpc_port > 0 (router i "
+                             f"listens on port + i), got {self.http_port} and {self.grpc_port}")
         http = set(range(self.http_port, self.http_port + self.num_routers))
         grpc_ports = set(range(self.grpc_port, self.grpc_port + self.num_routers))
-        if self.http_port and self.grpc_port and http & grpc_ports:
+        if self.num_routers > 1 and http & grpc_ports:
             raise ValueError(f"the routers' HTTP ports {min(http)}-{max(http)} and gRPC ports "
                              f"{min(grpc_ports)}-{max(grpc_ports)} overlap; move --http-port or --grpc-port")
         if max(http | grpc_ports) > 65535:

@@ -44,6 +44,8 @@ def test_router_port_ranges_must_not_overlap():
     with pytest.raises(ValueError, match=r"HTTP ports 8000-8002 and gRPC ports 8002-8004 overlap"):
         ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=3)
     ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=2)  # 8000-8001 and 8002-8003
+    with pytest.raises(ValueError, match=r"num_routers=2 needs http_port and grpc_port > 0"):
+        ClusterConfig(model="m", http_port=0, grpc_port=50050, num_routers=2)
 
 
 def test_a_local_cluster_lists_every_router_and_its_metrics(tmp_path):
@@ -90,3 +92,14 @@ def test_tensor_parallel_workers_split_their_threads_between_ranks():
 def test_zero_tensor_parallel_size_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         ClusterConfig(model="m", **{field: 0})
+
+
+def test_the_banner_lists_every_router(tmp_path):
+    from launcher.cli import _api_line
+    from launcher.local_cluster import LocalCluster
+
+    one = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, log_dir=tmp_path))
+    assert _api_line(one) == "OpenAI API http://127.0.0.1:8000/v1  gRPC 127.0.0.1:50050"
+    two = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, num_routers=2, log_dir=tmp_path))
+    assert _api_line(two) == ("routers: router-0 OpenAI API http://127.0.0.1:8000/v1 gRPC 127.0.0.1:50050; "
+                              "router-1 OpenAI API http://127.0.0.1:8001/v1 gRPC 127.0.0.1:50051")
