@@ -25,6 +25,7 @@ from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
 from chaos import report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
+from chaos.sampler import plot
 from chaos.reference import references
 from chaos.schedule import Campaign, load_campaign
 from core.fault_injection import ENV_VAR
@@ -110,7 +111,12 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
     data = {"seed": campaign.seed, "cluster": campaign.cluster, "workload": campaign.workload,
             "concurrency": campaign.concurrency, "scenarios": [result_json(r) for r in results]}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=str))
-    (out_dir / "results.md").write_text(report.markdown(results, with_reference))
+    text = report.markdown(results, with_reference)
+    for i, result in enumerate(results):
+        if result.samples:
+            plot(result.samples, out_dir / f"samples-{i}.png", f"{result.name}: gauges over time")
+            text += f"\n### {result.name}: gauges over time (samples-{i}.png)\n\n" + report.samples_markdown(result)
+    (out_dir / "results.md").write_text(text)
 
 
 @click.command()

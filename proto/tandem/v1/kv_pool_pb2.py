@@ -25,61 +25,53 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/kv_pool.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"?\n\rLookupRequest\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"(\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\"i\n\x13\x41\x63quireLeaseRequest\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\".\n\x14\x41\x63quireLeaseResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\"\xaf\x01\n\x10PutBlocksRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.tandem.v1.BlockKey\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x18\n\x10lease_request_id\x18\x05 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"O\n\x11PutBlocksResponse\x12\x1c\n\x14num_committed_blocks\x18\x01 \x01(\r\x12\x1c\n\x14num_duplicate_blocks\x18\x02 \x01(\r\"5\n\x10GetBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\"q\n\x11GetBlocksResponse\x12\x11\n\tkey_index\x18\x01 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"+\n\x15ReleaseRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"O\n\x16ReleaseRequestResponse\x12\x1b\n\x13num_released_leases\x18\x01 \x01(\r\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\r\"\x15\n\x13GetPoolStatsRequest\"\xd2\x04\n\x14GetPoolStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12num_writing_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_stored_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_scoped_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\x08 \x01(\x04\x12\x1d\n\x15num_lookup_hit_blocks\x18\t \x01(\x04\x12\x19\n\x11num_lookup_blocks\x18\n \x01(\x04\x12\x17\n\x0fnum_dram_blocks\x18\x0b \x01(\r\x12\x15\n\rnum_dram_hits\x18\x0c \x01(\x04\x12\x17\n\x0fnum_dram_misses\x18\r \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fnvme_used_bytes\x18\x0f \x01(\x04\x12\x17\n\x0fnum_nvme_blocks\x18\x10 \x01(\r\x12\x15\n\rnum_nvme_hits\x18\x11 \x01(\x04\x12\x17\n\x0fnum_nvme_misses\x18\x12 \x01(\x04\x12\x1a\n\x12num_nvme_evictions\x18\x13 \x01(\x04\x12\x1b\n\x13num_nvme_promotions\x18\x14 \x01(\x04\x12\x1a\n\x12num_nvme_demotions\x18\x15 \x01(\x04\x12\x1a\n\x12num_corrupt_blocks\x18\x16 \x01(\x04\"\x15\n\x13GetDataPlaneRequest\"\xa2\x01\n\x14GetDataPlaneResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fnixl_agent_name\x18\x04 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x05 \x01(\x0c\x12\x1a\n\x12nixl_arena_address\x18\x06 \x01(\x04\"\\\n\x13LocateBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"L\n\rBlockLocation\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"C\n\x14LocateBlocksResponse\x12+\n\tlocations\x18\x01 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\"\x91\x01\n\x14ReserveBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x18\n\x10lease_request_id\x18\x04 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\"P\n\rReservedBlock\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\"A\n\x15ReserveBlocksResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ReservedBlock\"=\n\x13\x43ommitBlocksRequest\x12\x17\n\x0freservation_ids\x18\x01 \x03(\x04\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"4\n\x14\x43ommitBlocksResponse\x12\x1c\n\x14num_committed_blocks\x18\x01 \x01(\r\"?\n\x1aReportCorruptBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\"9\n\x1bReportCorruptBlocksResponse\x12\x1a\n\x12num_dropped_blocks\x18\x01 \x01(\r2\xfd\x06\n\x06KVPool\x12=\n\x06Lookup\x12\x18.tandem.v1.LookupRequest\x1a\x19.tandem.v1.LookupResponse\x12O\n\x0c\x41\x63quireLease\x12\x1e.tandem.v1.AcquireLeaseRequest\x1a\x1f.tandem.v1.AcquireLeaseResponse\x12H\n\tPutBlocks\x12\x1b.tandem.v1.PutBlocksRequest\x1a\x1c.tandem.v1.PutBlocksResponse(\x01\x12H\n\tGetBlocks\x12\x1b.tandem.v1.GetBlocksRequest\x1a\x1c.tandem.v1.GetBlocksResponse0\x01\x12U\n\x0eReleaseRequest\x12 .tandem.v1.ReleaseRequestRequest\x1a!.tandem.v1.ReleaseRequestResponse\x12K\n\x08GetStats\x12\x1e.tandem.v1.GetPoolStatsRequest\x1a\x1f.tandem.v1.GetPoolStatsResponse\x12O\n\x0cGetDataPlane\x12\x1e.tandem.v1.GetDataPlaneRequest\x1a\x1f.tandem.v1.GetDataPlaneResponse\x12O\n\x0cLocateBlocks\x12\x1e.tandem.v1.LocateBlocksRequest\x1a\x1f.tandem.v1.LocateBlocksResponse\x12R\n\rReserveBlocks\x12\x1f.tandem.v1.ReserveBlocksRequest\x1a .tandem.v1.ReserveBlocksResponse\x12O\n\x0c\x43ommitBlocks\x12\x1e.tandem.v1.CommitBlocksRequest\x1a\x1f.tandem.v1.CommitBlocksResponse\x12\x64\n\x13ReportCorruptBlocks\x12%.tandem.v1.ReportCorruptBlocksRequest\x1a&.tandem.v1.ReportCorruptBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/kv_pool.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xaf\x01\n\x10PutBlocksRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.tandem.v1.BlockKey\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x18\n\x10lease_request_id\x18\x05 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"O\n\x11PutBlocksResponse\x12\x1c\n\x14num_committed_blocks\x18\x01 \x01(\r\x12\x1c\n\x14num_duplicate_blocks\x18\x02 \x01(\r\"5\n\x10GetBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\"q\n\x11GetBlocksResponse\x12\x11\n\tkey_index\x18\x01 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"+\n\x15ReleaseRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"O\n\x16ReleaseRequestResponse\x12\x1b\n\x13num_released_leases\x18\x01 \x01(\r\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\r\"\x15\n\x13GetPoolStatsRequest\"\xa4\x04\n\x14GetPoolStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12num_writing_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_stored_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_scoped_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\x08 \x01(\x04\x12\x17\n\x0fnum_dram_blocks\x18\x0b \x01(\r\x12\x15\n\rnum_dram_hits\x18\x0c \x01(\x04\x12\x17\n\x0fnum_dram_misses\x18\r \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fnvme_used_bytes\x18\x0f \x01(\x04\x12\x17\n\x0fnum_nvme_blocks\x18\x10 \x01(\r\x12\x15\n\rnum_nvme_hits\x18\x11 \x01(\x04\x12\x17\n\x0fnum_nvme_misses\x18\x12 \x01(\x04\x12\x1a\n\x12num_nvme_evictions\x18\x13 \x01(\x04\x12\x1b\n\x13num_nvme_promotions\x18\x14 \x01(\x04\x12\x1a\n\x12num_nvme_demotions\x18\x15 \x01(\x04\x12\x1a\n\x12num_corrupt_blocks\x18\x16 \x01(\x04J\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"\x15\n\x13GetDataPlaneRequest\"\xa2\x01\n\x14GetDataPlaneResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fnixl_agent_name\x18\x04 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x05 \x01(\x0c\x12\x1a\n\x12nixl_arena_address\x18\x06 \x01(\x04\"\\\n\x13LocateBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"L\n\rBlockLocation\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"C\n\x14LocateBlocksResponse\x12+\n\tlocations\x18\x01 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\"\x91\x01\n\x14ReserveBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x18\n\x10lease_request_id\x18\x04 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\"P\n\rReservedBlock\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\"A\n\x15ReserveBlocksResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ReservedBlock\"=\n\x13\x43ommitBlocksRequest\x12\x17\n\x0freservation_ids\x18\x01 \x03(\x04\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"4\n\x14\x43ommitBlocksResponse\x12\x1c\n\x14num_committed_blocks\x18\x01 \x01(\r\"?\n\x1aReportCorruptBlocksRequest\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.tandem.v1.BlockKey\"9\n\x1bReportCorruptBlocksResponse\x12\x1a\n\x12num_dropped_blocks\x18\x01 \x01(\r2\xed\x05\n\x06KVPool\x12H\n\tPutBlocks\x12\x1b.tandem.v1.PutBlocksRequest\x1a\x1c.tandem.v1.PutBlocksResponse(\x01\x12H\n\tGetBlocks\x12\x1b.tandem.v1.GetBlocksRequest\x1a\x1c.tandem.v1.GetBlocksResponse0\x01\x12U\n\x0eReleaseRequest\x12 .tandem.v1.ReleaseRequestRequest\x1a!.tandem.v1.ReleaseRequestResponse\x12K\n\x08GetStats\x12\x1e.tandem.v1.GetPoolStatsRequest\x1a\x1f.tandem.v1.GetPoolStatsResponse\x12O\n\x0cGetDataPlane\x12\x1e.tandem.v1.GetDataPlaneRequest\x1a\x1f.tandem.v1.GetDataPlaneResponse\x12O\n\x0cLocateBlocks\x12\x1e.tandem.v1.LocateBlocksRequest\x1a\x1f.tandem.v1.LocateBlocksResponse\x12R\n\rReserveBlocks\x12\x1f.tandem.v1.ReserveBlocksRequest\x1a .tandem.v1.ReserveBlocksResponse\x12O\n\x0c\x43ommitBlocks\x12\x1e.tandem.v1.CommitBlocksRequest\x1a\x1f.tandem.v1.CommitBlocksResponse\x12\x64\n\x13ReportCorruptBlocks\x12%.tandem.v1.ReportCorruptBlocksRequest\x1a&.tandem.v1.ReportCorruptBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_pool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOOKUPREQUEST']._serialized_start=62
-  _globals['_LOOKUPREQUEST']._serialized_end=125
-  _globals['_LOOKUPRESPONSE']._serialized_start=127
-  _globals['_LOOKUPRESPONSE']._serialized_end=167
-  _globals['_ACQUIRELEASEREQUEST']._serialized_start=169
-  _globals['_ACQUIRELEASEREQUEST']._serialized_end=274
-  _globals['_ACQUIRELEASERESPONSE']._serialized_start=276
-  _globals['_ACQUIRELEASERESPONSE']._serialized_end=322
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=325
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=500
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=502
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=581
-  _globals['_GETBLOCKSREQUEST']._serialized_start=583
-  _globals['_GETBLOCKSREQUEST']._serialized_end=636
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=638
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=751
-  _globals['_RELEASEREQUESTREQUEST']._serialized_start=753
-  _globals['_RELEASEREQUESTREQUEST']._serialized_end=796
-  _globals['_RELEASEREQUESTRESPONSE']._serialized_start=798
-  _globals['_RELEASEREQUESTRESPONSE']._serialized_end=877
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=879
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=900
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=903
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1497
-  _globals['_GETDATAPLANEREQUEST']._serialized_start=1499
-  _globals['_GETDATAPLANEREQUEST']._serialized_end=1520
-  _globals['_GETDATAPLANERESPONSE']._serialized_start=1523
-  _globals['_GETDATAPLANERESPONSE']._serialized_end=1685
-  _globals['_LOCATEBLOCKSREQUEST']._serialized_start=1687
-  _globals['_LOCATEBLOCKSREQUEST']._serialized_end=1779
-  _globals['_BLOCKLOCATION']._serialized_start=1781
-  _globals['_BLOCKLOCATION']._serialized_end=1857
-  _globals['_LOCATEBLOCKSRESPONSE']._serialized_start=1859
-  _globals['_LOCATEBLOCKSRESPONSE']._serialized_end=1926
-  _globals['_RESERVEBLOCKSREQUEST']._serialized_start=1929
-  _globals['_RESERVEBLOCKSREQUEST']._serialized_end=2074
-  _globals['_RESERVEDBLOCK']._serialized_start=2076
-  _globals['_RESERVEDBLOCK']._serialized_end=2156
-  _globals['_RESERVEBLOCKSRESPONSE']._serialized_start=2158
-  _globals['_RESERVEBLOCKSRESPONSE']._serialized_end=2223
-  _globals['_COMMITBLOCKSREQUEST']._serialized_start=2225
-  _globals['_COMMITBLOCKSREQUEST']._serialized_end=2286
-  _globals['_COMMITBLOCKSRESPONSE']._serialized_start=2288
-  _globals['_COMMITBLOCKSRESPONSE']._serialized_end=2340
-  _globals['_REPORTCORRUPTBLOCKSREQUEST']._serialized_start=2342
-  _globals['_REPORTCORRUPTBLOCKSREQUEST']._serialized_end=2405
-  _globals['_REPORTCORRUPTBLOCKSRESPONSE']._serialized_start=2407
-  _globals['_REPORTCORRUPTBLOCKSRESPONSE']._serialized_end=2464
-  _globals['_KVPOOL']._serialized_start=2467
-  _globals['_KVPOOL']._serialized_end=3360
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=63
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=238
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=240
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=319
+  _globals['_GETBLOCKSREQUEST']._serialized_start=321
+  _globals['_GETBLOCKSREQUEST']._serialized_end=374
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=376
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=489
+  _globals['_RELEASEREQUESTREQUEST']._serialized_start=491
+  _globals['_RELEASEREQUESTREQUEST']._serialized_end=534
+  _globals['_RELEASEREQUESTRESPONSE']._serialized_start=536
+  _globals['_RELEASEREQUESTRESPONSE']._serialized_end=615
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=617
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=638
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=641
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1189
+  _globals['_GETDATAPLANEREQUEST']._serialized_start=1191
+  _globals['_GETDATAPLANEREQUEST']._serialized_end=1212
+  _globals['_GETDATAPLANERESPONSE']._serialized_start=1215
+  _globals['_GETDATAPLANERESPONSE']._serialized_end=1377
+  _globals['_LOCATEBLOCKSREQUEST']._serialized_start=1379
+  _globals['_LOCATEBLOCKSREQUEST']._serialized_end=1471
+  _globals['_BLOCKLOCATION']._serialized_start=1473
+  _globals['_BLOCKLOCATION']._serialized_end=1549
+  _globals['_LOCATEBLOCKSRESPONSE']._serialized_start=1551
+  _globals['_LOCATEBLOCKSRESPONSE']._serialized_end=1618
+  _globals['_RESERVEBLOCKSREQUEST']._serialized_start=1621
+  _globals['_RESERVEBLOCKSREQUEST']._serialized_end=1766
+  _globals['_RESERVEDBLOCK']._serialized_start=1768
+  _globals['_RESERVEDBLOCK']._serialized_end=1848
+  _globals['_RESERVEBLOCKSRESPONSE']._serialized_start=1850
+  _globals['_RESERVEBLOCKSRESPONSE']._serialized_end=1915
+  _globals['_COMMITBLOCKSREQUEST']._serialized_start=1917
+  _globals['_COMMITBLOCKSREQUEST']._serialized_end=1978
+  _globals['_COMMITBLOCKSRESPONSE']._serialized_start=1980
+  _globals['_COMMITBLOCKSRESPONSE']._serialized_end=2032
+  _globals['_REPORTCORRUPTBLOCKSREQUEST']._serialized_start=2034
+  _globals['_REPORTCORRUPTBLOCKSREQUEST']._serialized_end=2097
+  _globals['_REPORTCORRUPTBLOCKSRESPONSE']._serialized_start=2099
+  _globals['_REPORTCORRUPTBLOCKSRESPONSE']._serialized_end=2156
+  _globals['_KVPOOL']._serialized_start=2159
+  _globals['_KVPOOL']._serialized_end=2908
 # @@protoc_insertion_point(module_scope)
