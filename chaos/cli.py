@@ -87,7 +87,7 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
         rng = random.Random(campaign.seed)
         for scenario in scenarios:
             console.print(f"scenario: {scenario.name}")
-            results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31))))
+            results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31), results[-1] if results else None)))
             _write(out_dir, campaign, results, with_reference)
     return results
 
@@ -115,7 +115,11 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
     for i, result in enumerate(results):
         if result.samples:
             plot(result.samples, out_dir / f"samples-{i}.png", f"{result.name}: gauges over time")
-            text += f"\n### {result.name}: gauges over time (samples-{i}.png)\n\n" + report.samples_markdown(result)
+            load = (f"open loop at {result.offered_rate_per_s:.3f} req/s" if result.offered_rate_per_s
+                    else f"closed loop, {campaign.concurrency} in flight")
+            text += (f"\n### {result.name}: gauges over time (samples-{i}.png)\n\n{load}; completed "
+                     f"{result.completion_rate_per_s:.3f} req/s over {result.duration_s:.0f} s\n\n"
+                     + report.samples_markdown(result))
     (out_dir / "results.md").write_text(text)
 
 

@@ -92,6 +92,10 @@ class Fault:
 class Scenario:
     name: str
     faults: tuple[Fault, ...]
+    duration_s: float | None = None  # replaces the campaign's workload.duration_s for this scenario
+    # > 0: an open loop at this fraction of the completion rate the scenario before it measured
+    # (its completed requests / its duration); 0: the campaign's closed loop
+    capacity_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -148,8 +152,19 @@ def parse_campaign(data: object) -> Campaign:
     for i, entry in enumerate(data.get("scenarios") or []):
         if not isinstance(entry, dict) or not entry.get("name"):
             raise ValueError(f"scenarios[{i}] needs a name")
+        unknown = sorted(set(entry) - {"name", "faults", "duration_s", "capacity_fraction"})
+        if unknown:
+            raise ValueError(f"scenarios[{i}]: unknown field(s) {unknown}")
         faults = tuple(_fault(f, f"scenarios[{i}].faults[{j}]") for j, f in enumerate(entry.get("faults") or []))
-        scenarios.append(Scenario(str(entry["name"]), faults))
+        duration_s = entry.get("duration_s")
+        fraction = float(entry.get("capacity_fraction", 0.0))
+        if duration_s is not None and float(duration_s) <= 0:
+            raise ValueError(f"scenarios[{i}].duration_s must be > 0, got {duration_s!r}")
+        if not 0 <= fraction <= 2:
+            raise ValueError(f"scenarios[{i}].capacity_fraction must be in [0, 2], got {fraction!r}")
+        if fraction and not scenarios:
+            raise ValueError(f"scenarios[{i}].capacity_fraction needs a scenario before it to measure capacity")
+        scenarios.append(Scenario(str(entry["name"]), faults, None if duration_s is None else float(duration_s), fraction))
     workload = dict(data.get("workload") or {})
     concurrency = int(workload.pop("concurrency", 8))
     duration_s = float(workload.pop("duration_s", 0.0))

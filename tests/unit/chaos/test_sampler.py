@@ -39,3 +39,24 @@ def test_sample_every_s_is_parsed_and_checked():
     assert parse_campaign(base).sample_every_s == 0.0
     with pytest.raises(ValueError, match="sample_every_s"):
         parse_campaign({**base, "sample_every_s": -1})
+
+
+def test_scenario_load_overrides_are_parsed_and_checked():
+    data = {"scenarios": [{"name": "capacity", "faults": [], "duration_s": 180},
+                          {"name": "soak", "faults": [], "capacity_fraction": 0.8}]}
+    capacity, soak = parse_campaign(data).scenarios
+    assert (capacity.duration_s, capacity.capacity_fraction) == (180.0, 0.0)
+    assert (soak.duration_s, soak.capacity_fraction) == (None, 0.8)
+    with pytest.raises(ValueError, match="needs a scenario before it"):
+        parse_campaign({"scenarios": [{"name": "soak", "capacity_fraction": 0.8}]})
+    with pytest.raises(ValueError, match=r"scenarios\[0\].duration_s must be > 0"):
+        parse_campaign({"scenarios": [{"name": "x", "duration_s": 0}]})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['rate'\]"):
+        parse_campaign({"scenarios": [{"name": "x", "rate": 1}]})
+
+
+def test_the_completion_rate_is_completed_over_the_run():
+    from chaos.campaign import ScenarioResult
+
+    result = ScenarioResult("capacity", [], {"completed": 45, "sent": 50}, {}, 0.0, 0, None, 180.0)
+    assert result.completion_rate_per_s == 0.25
