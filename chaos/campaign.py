@@ -38,7 +38,7 @@ WHOLE_TIMEOUT_S = 120.0
 class ScenarioResult:
     name: str
     faults: list[FaultLog]
-    counts: dict[str, int]  # sent, completed, error, lost, wrong, cancelled
+    counts: dict[str, int]  # sent, completed, retried, error, lost, wrong, cancelled
     leaked: dict[str, int]  # service.field -> count still held after idle_bound_s (empty: none)
     idle_after_s: float | None  # how long until idle once the run ended (None: never within the bound)
     rss_growth_bytes: int
@@ -78,9 +78,10 @@ def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
 
 
 def count(outcomes: list[Outcome], requests: list[BenchRequest], refs: dict[str, str] | None) -> dict[str, int]:
-    counts = {"sent": len(outcomes), "completed": 0, "error": 0, "lost": 0, "wrong": 0, "cancelled": 0}
+    counts = {"sent": len(outcomes), "completed": 0, "retried": 0, "error": 0, "lost": 0, "wrong": 0, "cancelled": 0}
     for o in outcomes:
         counts[o.status] += 1
+        counts["retried"] += o.retried
         if o.status == "completed" and refs is not None and o.text != refs[reference_key(requests[o.workload_index])]:
             counts["wrong"] += 1
     return counts
@@ -119,7 +120,8 @@ class CampaignRunner:
                 raise ValueError(f"{scenario.name}: capacity_fraction needs a scenario before it that completed requests")
             rate = scenario.capacity_fraction * previous.completion_rate_per_s
         duration_s = c.duration_s if scenario.duration_s is None else scenario.duration_s
-        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, duration_s, rate)
+        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, duration_s, rate,
+                        tuple(r.http_url for r in self.cluster.routers))
         ctx = FaultContext(self.cluster, driver, self.fault_file)
         events: list[str] = []
         supervisor = asyncio.create_task(self._supervise(ctx, events))
@@ -159,7 +161,7 @@ class CampaignRunner:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
 
     async def _wait_whole(self) -> None:
-        """Until every service runs and the router sees every worker (or WHOLE_TIMEOUT_S).
+        """Until every service runs and every router sees every worker (or WHOLE_TIMEOUT_S).
 
         Raises:
             RuntimeError: the cluster is not whole in time.
@@ -167,18 +169,23 @@ class CampaignRunner:
         deadline = time.monotonic() + WHOLE_TIMEOUT_S
         async with httpx.AsyncClient(timeout=5) as http:
             while True:
-                try:
-                    reply = await http.get(f"{self.cluster.http_url}/health")
-                    counts = reply.json().get("workers", {})
-                except (httpx.HTTPError, ValueError):
-                    counts = {}
+                seen = {r.name: await self._router_counts(http, r.http_url) for r in self.cluster.routers}
                 running = all(s.exit_code() is None for s in self.cluster.services)
-                if running and all(counts.get(role) == n for role, n in self.expected_workers.items()):
+                if running and all(counts.get(role) == n for counts in seen.values()
+                                   for role, n in self.expected_workers.items()):
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the cluster is not whole {WHOLE_TIMEOUT_S:g} s after the run: router "
-                                       f"sees {counts}, expected {self.expected_workers}")
-                await asyncio.sleep(0.5)  # polling the router, not synchronising
+                    raise RuntimeError(f"the cluster is not whole {WHOLE_TIMEOUT_S:g} s after the run: routers "
+                                       f"see {seen}, expected {self.expected_workers}")
+                await asyncio.sleep(0.5)  # polling the routers, not synchronising
+
+    @staticmethod
+    async def _router_counts(http: httpx.AsyncClient, url: str) -> dict:
+        """Workers by role as the router at ``url`` sees them ({} when it does not answer)."""
+        try:
+            return (await http.get(f"{url}/health")).json().get("workers", {})
+        except (httpx.HTTPError, ValueError):
+            return {}
 
     async def _wait_idle(self, probe: ClusterProbe) -> tuple[float | None, dict[str, int]]:
         start = time.monotonic()

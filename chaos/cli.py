@@ -30,7 +30,7 @@ from chaos.reference import references
 from chaos.schedule import Campaign, load_campaign
 from core.fault_injection import ENV_VAR
 from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.local_cluster import ClusterConfig, LocalCluster, free_port_run
 
 console = Console()
 
@@ -46,7 +46,9 @@ def cluster_config(campaign: Campaign, model: str, log_dir: Path) -> ClusterConf
     for name in ("extra_worker_args", "extra_router_args"):
         if name in values:
             values[name] = tuple(values[name])
-    return ClusterConfig(model=model, http_port=free_port(), grpc_port=free_port(), log_dir=log_dir, **values)
+    num_routers = int(values.get("num_routers", 1))  # router i on port + i: one run of free ports for all
+    first = free_port_run(2 * num_routers)
+    return ClusterConfig(model=model, http_port=first, grpc_port=first + num_routers, log_dir=log_dir, **values)
 
 
 def workload(campaign: Campaign) -> WorkloadConfig:

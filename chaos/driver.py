@@ -14,6 +14,16 @@ Outcomes (:data:`OUTCOMES`):
 - ``cancelled``: the client itself went away (a planned disconnect or abort).
 
 ``wrong`` is decided later, against the reference text (chaos.campaign).
+
+Several routers (``router_urls``): request ``i`` goes to router ``i % n`` first, as a
+Kubernetes Service spreads connections. When that router dies under it the client does what a
+client behind the Service must (docs/failover.md, "Several routers"): it sends the whole request
+again to the next router, at once, at most ``MAX_ATTEMPTS`` times in all. A router died when the
+connection is refused, reset or closed before the response ended (a transport error, or a stream
+that ends without a finish reason and ``[DONE]``), or when it answers 503 ``shutting_down``;
+any other answer (a 4xx, a 503 ``no_worker``, an SSE error event) is the cluster's and is kept.
+Text received before the cut is dropped: the retried answer is the request's. A request sent more
+than once is ``retried``; it still counts as completed when its final answer is.
 """
 
 from __future__ import annotations
@@ -30,6 +40,11 @@ from bench.client import ClientConfig, request_body
 from bench.workloads import BenchRequest
 
 OUTCOMES = ("completed", "error", "lost", "cancelled")
+MAX_ATTEMPTS = 3  # with several routers: the first try and two retries, each on the next router
+
+
+class RouterDied(Exception):
+    """The router under a request went away (refused, reset, cut, shutting down): retry elsewhere."""
 
 
 @dataclass
@@ -42,8 +57,14 @@ class Outcome:
     text: str = ""
     finish_reason: str = ""
     error: str = ""
-    num_tokens: int = 0  # content chunks received
+    num_tokens: int = 0  # content chunks received (by its last attempt)
     disconnect_stage: str = ""  # the planned client disconnect, if any
+    num_attempts: int = 0  # routers it was sent to (more than 1: retried after a router died)
+    router_index: int = 0  # the router of its last attempt
+
+    @property
+    def retried(self) -> bool:
+        return self.num_attempts > 1
 
 
 @dataclass
@@ -75,11 +96,16 @@ class Driver:
     """One run of ``requests`` against ``client.url``; see the module docstring."""
 
     def __init__(self, requests: list[BenchRequest], client: ClientConfig, concurrency: int, deadline_s: float,
-                 seed: int, duration_s: float = 0.0, rate_per_s: float = 0.0):
+                 seed: int, duration_s: float = 0.0, rate_per_s: float = 0.0, router_urls: tuple[str, ...] = (),
+                 transport: httpx.AsyncBaseTransport | None = None):
         """``duration_s`` > 0: keep sending (cycling ``requests``) until then; else each once.
         ``rate_per_s`` > 0: an open loop instead of ``concurrency`` in flight: requests start at
-        Poisson arrival times of that rate (seeded), however many are in flight."""
+        Poisson arrival times of that rate (seeded), however many are in flight.
+        ``router_urls``: the routers to spread requests over and retry on (empty: ``client.url``
+        alone, never retried). ``transport``: httpx's (tests pass a mock; None: the network)."""
+        self.transport = transport
         self.requests, self.client, self.concurrency, self.deadline_s = requests, client, concurrency, deadline_s
+        self.router_urls = tuple(router_urls) or (client.url,)
         self.duration_s, self.rate_per_s = duration_s, rate_per_s
         self.rng = random.Random(seed)
         self.progress = Progress()
@@ -93,7 +119,7 @@ class Driver:
     async def run(self) -> list[Outcome]:
         """Sends every workload request (and any burst); returns when all have ended."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(limits=limits, timeout=self.deadline_s) as self._http:
+        async with httpx.AsyncClient(limits=limits, timeout=self.deadline_s, transport=self.transport) as self._http:
             workers = [asyncio.create_task(self._open_loop())] if self.rate_per_s > 0 else [
                 asyncio.create_task(self._loop()) for _ in range(self.concurrency)]
             await asyncio.gather(*workers)
@@ -164,13 +190,36 @@ class Driver:
         self.progress.changed.set()  # a token-count trigger re-checks (and sees the run end)
 
     async def _stream(self, outcome: Outcome) -> None:
+        """Sends the request, again on the next router while the one under it died (several
+        routers only; a lone router's death is the request's end: see :meth:`_attempt`)."""
+        num_routers = len(self.router_urls)
+        for attempt in range(MAX_ATTEMPTS if num_routers > 1 else 1):
+            outcome.router_index = (outcome.index + attempt) % num_routers
+            outcome.num_attempts += 1
+            outcome.text, outcome.finish_reason, outcome.error, outcome.status = "", "", "", "lost"
+            outcome.num_tokens = 0
+            try:
+                await self._attempt(outcome, self.router_urls[outcome.router_index])
+                return
+            except RouterDied as died:
+                outcome.error = f"router {outcome.router_index} died: {died}"
+        outcome.error += f" (after {outcome.num_attempts} attempts)" if num_routers > 1 else ""
+
+    async def _attempt(self, outcome: Outcome, url: str) -> None:
+        """One try on the router at ``url``; sets ``outcome``'s status. Raises RouterDied when
+        it died under the request with other routers to retry on (else: refused is an
+        ``error``, a cut stream ``lost``, as the module docstring says)."""
         path, body = request_body(self.requests[outcome.workload_index], self.client)
         stage = outcome.disconnect_stage
+        retry = len(self.router_urls) > 1
         try:
-            async with self._http.stream("POST", self.client.url.rstrip("/") + path, json=body) as response:
+            async with self._http.stream("POST", url.rstrip("/") + path, json=body) as response:
                 if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    if retry and response.status_code == 503 and '"shutting_down"' in text:
+                        raise RouterDied("HTTP 503 shutting_down")
                     outcome.status = "error"
-                    outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                    outcome.error = f"HTTP {response.status_code}: {text[:300]}"
                     return
                 if stage == "before_first_token":
                     outcome.status = "cancelled"
@@ -183,12 +232,21 @@ class Driver:
                         outcome.status = "cancelled"
                         return
         except httpx.ConnectError as err:
+            if retry:
+                raise RouterDied(f"connection refused: {err}") from None
             outcome.status, outcome.error = "error", f"connection refused: {err}"
             return
-        except (httpx.HTTPError, OSError, json.JSONDecodeError) as err:
+        except (httpx.NetworkError, httpx.RemoteProtocolError, OSError) as err:  # reset, closed mid-response
+            if retry:
+                raise RouterDied(f"{type(err).__name__}: {err}") from None
+            outcome.status, outcome.error = "lost", f"{type(err).__name__}: {err}"
+            return
+        except (httpx.HTTPError, json.JSONDecodeError) as err:
             outcome.status, outcome.error = "lost", f"{type(err).__name__}: {err}"
             return
         if outcome.status != "cancelled":
+            if retry and outcome.status != "error":
+                raise RouterDied("stream ended without a finish_reason")
             outcome.status = "lost"
             outcome.error = outcome.error or "stream ended without a finish_reason"
 

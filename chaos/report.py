@@ -6,7 +6,7 @@ from chaos.campaign import ScenarioResult
 from chaos.sampler import summary
 
 MIB = 1024 * 1024
-COLUMNS = ("scenario", "faults", "sent", "completed", "explicit errors", "lost", "wrong", "client cancels",
+COLUMNS = ("scenario", "faults", "sent", "completed", "retried", "explicit errors", "lost", "wrong", "client cancels",
            "leaked", "idle after (s)", "RSS growth (MiB)", "recovery (s)")
 
 
@@ -19,7 +19,7 @@ def row(result: ScenarioResult, with_reference: bool) -> list[str]:
     faults = "; ".join(f"{f.fault.label}" + ("" if f.note != "not triggered" else " (not triggered)")
                        for f in result.faults) or "none"
     leaked = sum(result.leaked.values())
-    return [result.name, faults, str(c["sent"]), str(c["completed"]), str(c["error"]), str(c["lost"]),
+    return [result.name, faults, str(c["sent"]), str(c["completed"]), str(c["retried"]), str(c["error"]), str(c["lost"]),
             str(c["wrong"]) if with_reference else "n/a", str(c["cancelled"]),
             str(leaked) if not leaked else f"{leaked} ({', '.join(f'{k}={v}' for k, v in result.leaked.items())})",
             _num(result.idle_after_s), _num(result.rss_growth_bytes / MIB), _num(result.recovery_s)]

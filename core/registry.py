@@ -128,6 +128,16 @@ class WorkerRegistry:
                 log.error("skipping a worker entry: %s", err)
         return sorted(workers, key=lambda w: w.worker_id)
 
+    async def server_id(self) -> str:
+        """The Redis server's ``run_id``: a new one each time a server starts (a restarted or
+        failed-over Redis may have lost every entry); "" where INFO is refused (some managed
+        Redis services disable it). Raises redis connection errors."""
+        try:
+            info = await self.redis.info("server")
+        except aioredis.ResponseError:
+            return ""
+        return str(info.get("run_id", ""))
+
     async def close(self) -> None:
         await self.redis.aclose()
 

@@ -92,6 +92,10 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
 @click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
 @click.option("--num-prefill-workers", default=1, show_default=True, type=int, help="Prefill worker processes.")
 @click.option("--num-decode-workers", default=1, show_default=True, type=int, help="Decode worker processes.")
+@click.option("--num-routers", default=1, show_default=True, type=int,
+              help="Router processes serving the same cluster (the chart's router.replicas); router i listens on "
+                   "--http-port + i and --grpc-port + i. With several, one that exits is restarted like a worker "
+                   "while the others serve (clients retry on them: docs/failover.md).")
 @click.option("--prefill-tp", default=1, show_default=True, type=int,
               help="Tensor-parallel ranks of each prefill worker (one GPU each on CUDA; threads split on the CPU).")
 @click.option("--decode-tp", default=1, show_default=True, type=int,
@@ -174,6 +178,8 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
                                          autoscale_cooldown_s) if autoscale else None
     if use_ray and (kwargs["num_prefill_workers"] > 1 or kwargs["num_decode_workers"] > 1):
         raise click.UsageError("--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher")
+    if use_ray and kwargs["num_routers"] > 1:
+        raise click.UsageError("--ray starts one router; --num-routers > 1 needs the local launcher")
     if use_ray and kwargs["num_pool_nodes"] > 1:
         raise click.UsageError("--ray starts one pool node; --num-pool-nodes > 1 needs the local launcher")
     if kwargs["colocated"] and _given("num_prefill_workers"):
@@ -211,7 +217,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
             # A pipe or a log file gets no spinner: one line per step instead.
             cluster.start(on_progress=status.update if console.is_terminal else console.print)
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
-        console.print(f"[green]Tandem is up[/]: OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}  "
+        console.print(f"[green]Tandem is up[/]: {_api_line(cluster)}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
         _print_metrics(getattr(cluster, "metrics_urls", None) or {"router": f"{cluster.http_url}/metrics"})
         if demo:
@@ -236,6 +242,14 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print("stopped")
 
 
+
+
+def _api_line(cluster) -> str:
+    """Where clients connect: the router's OpenAI API and gRPC, or each of several routers'."""
+    routers = getattr(cluster, "routers", None) or []
+    if len(routers) <= 1:
+        return f"OpenAI API {cluster.http_url}/v1  gRPC {cluster.grpc_address}"
+    return "routers: " + "; ".join(f"{r.name} OpenAI API {r.http_url}/v1 gRPC {r.grpc_address}" for r in routers)
 
 
 def _autoscale_config(kwargs: dict, max_prefill: int, max_decode: int, cooldown_s: float):
@@ -316,7 +330,7 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
     try:
         kwargs["api_keys"] = load_api_keys(kwargs.pop("api_keys"), kwargs.pop("api_key_file"))
         if check_ports:
-            check_ports_free(kwargs["host"], {"--http-port": kwargs["http_port"], "--grpc-port": kwargs["grpc_port"]})
+            check_ports_free(kwargs["host"], _router_ports(kwargs))
         check_engine_sizes(*(kwargs[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len")))
         RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
@@ -330,6 +344,16 @@ def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts
     except (ValueError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from None
     return config, source, prompts
+
+
+def _router_ports(kwargs: dict) -> dict[str, int]:
+    """Every router's ports by the flag that sets them (router i: ``--http-port`` + i)."""
+    ports = {}
+    for i in range(max(1, kwargs["num_routers"])):
+        suffix = f" + {i}" if i else ""
+        ports[f"--http-port{suffix}"] = kwargs["http_port"] + i if kwargs["http_port"] else 0
+        ports[f"--grpc-port{suffix}"] = kwargs["grpc_port"] + i if kwargs["grpc_port"] else 0
+    return ports
 
 
 def _demo_prompts(path: Path | None, num_prompts: int) -> list[str]:

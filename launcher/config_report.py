@@ -37,7 +37,9 @@ def config_report(config: ClusterConfig, given: dict[str, tuple[Any, str]]) -> s
     for name, role in config.worker_names:
         services[name] = service_argv(config, role, "python", config.host, 0, redis, pool_address=pools,
                                       num_threads=threads[role])
-    services["router"] = service_argv(config, "router", "python", config.host, config.grpc_port, redis)
+    for name in config.router_names:
+        http_port, grpc_port = config.router_ports(name)
+        services[name] = service_argv(config, "router", "python", config.host, grpc_port, redis, http_port=http_port)
     for argv in services.values():
         for i, arg in enumerate(argv):
             if arg == "--port" and argv[i + 1] == "0":

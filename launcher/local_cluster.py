@@ -1,15 +1,16 @@
 """LocalCluster: every Tandem service as its own process on this machine (DESIGN.md §9).
 
-Start order: Redis → KV pool → prefill workers → decode workers → router; stop order is the
+Start order: Redis → KV pool → prefill workers → decode workers → routers; stop order is the
 reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
 behind even when the launcher is killed. A start-up whose ``interrupted()`` turns true (Ctrl-C
 at ``tandem up``) starts nothing more and raises StartInterrupted. While it runs,
-:meth:`LocalCluster.supervise` restarts a worker or KV pool process that exited
-(launcher.supervisor).
+:meth:`LocalCluster.supervise` restarts a worker, KV pool or (one of several) router process
+that exited (launcher.supervisor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -36,6 +37,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(num_ports: int, attempts: int = 100) -> int:
+    """The first of ``num_ports`` consecutive ports that are free on 127.0.0.1 now (for several
+    routers on ``port + i``). Raises RuntimeError when no such run is found in ``attempts`` tries."""
+    for _ in range(attempts):
+        first = free_port()
+        if first + num_ports - 1 > 65535:
+            continue
+        with contextlib.ExitStack() as held:  # hold each port while checking the next
+            try:
+                for port in range(first, first + num_ports):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {num_ports} consecutive free ports found in {attempts} tries")
 
 
 def _die_with_parent() -> None:
@@ -86,13 +105,40 @@ class ClusterConfig:
     num_pool_nodes: int = 1
     # KV pool flags beyond capacity (lease TTL, NVMe tier: python -m kv_pool --help).
     extra_pool_args: tuple[str, ...] = ()
+    # Router processes serving the same cluster (the chart's router.replicas); router i listens
+    # on http_port + i and grpc_port + i. Several routers are supervised like workers.
+    num_routers: int = 1
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        for name in ("num_prefill_workers", "num_decode_workers", "num_pool_nodes", "prefill_tp", "decode_tp"):
+        for name in ("num_prefill_workers", "num_decode_workers", "num_pool_nodes", "prefill_tp", "decode_tp",
+                     "num_routers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_routers > 1 and not (self.http_port and self.grpc_port):
+            raise ValueError(f"num_routers={self.num_routers} needs http_port and grpc_port > 0 (router i "
+                             f"listens on port + i), got {self.http_port} and {self.grpc_port}")
+        http = set(range(self.http_port, self.http_port + self.num_routers))
+        grpc_ports = set(range(self.grpc_port, self.grpc_port + self.num_routers))
+        if self.num_routers > 1 and http & grpc_ports:
+            raise ValueError(f"the routers' HTTP ports {min(http)}-{max(http)} and gRPC ports "
+                             f"{min(grpc_ports)}-{max(grpc_ports)} overlap; move --http-port or --grpc-port")
+        if max(http | grpc_ports) > 65535:
+            raise ValueError(f"router ports run past 65535 with num_routers={self.num_routers}")
+
+    @property
+    def router_names(self) -> tuple[str, ...]:
+        """Service names of the routers: ``router`` alone, else ``router-0``, ``router-1``, ..."""
+        return ("router",) if self.num_routers == 1 else tuple(f"router-{i}" for i in range(self.num_routers))
+
+    def router_ports(self, name: str) -> tuple[int, int]:
+        """(HTTP port, gRPC port) of router ``name``: ``http_port + i``, ``grpc_port + i``.
+        Raises ValueError for a name that is not one of :attr:`router_names`."""
+        if name not in self.router_names:
+            raise ValueError(f"no router {name!r}; routers: {self.router_names}")
+        i = self.router_names.index(name)
+        return self.http_port + i, self.grpc_port + i
 
     def tensor_parallel_size(self, role: str) -> int:
         """Ranks of one ``role`` worker (prefill or decode)."""
@@ -156,6 +202,15 @@ class Service:
         Mutates: ``process``. Must run on the thread that started the cluster: children get
         SIGTERM when the thread that forked them ends (PR_SET_PDEATHSIG)."""
         self.process = _popen(self.argv, self.env, self.log_path, note)
+
+
+@dataclass(frozen=True)
+class RouterEndpoint:
+    """Where one router of the cluster serves clients."""
+
+    name: str  # service name: router, or router-0, router-1, ...
+    http_url: str  # http://host:port (the OpenAI API under /v1)
+    grpc_address: str  # host:port of tandem.v1.Router
 
 
 def _grpc_ready(address: str) -> Callable[[], bool]:
@@ -222,10 +277,10 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
 
 
 def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,
-                 pool_address: str = "", num_threads: int = 1, metrics_port: int = 0) -> list[str]:
+                 pool_address: str = "", num_threads: int = 1, metrics_port: int = 0, http_port: int = 0) -> list[str]:
     """``python -m <package> <flags>`` of one service (role: kv_pool, prefill, decode, router).
 
-    ``port`` is the gRPC port (the router's HTTP port is ``c.http_port``); ``metrics_port``: where
+    ``port`` is the gRPC port (a router's HTTP port is ``http_port``, 0: ``c.http_port``); ``metrics_port``: where
     a pool or worker serves ``/metrics`` (0: off; the router serves it on its HTTP port). Shared
     by the local and the Ray launcher, so both start the services with the same flags.
     ``num_threads``: the whole worker's; a tensor-parallel worker's ranks split it
@@ -237,7 +292,7 @@ def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int,
     if role == "kv_pool":
         return [*common, "--port", str(port), "--capacity-bytes", str(c.pool_capacity_bytes), *c.extra_pool_args]
     if role == "router":
-        return [*common, "--http-port", str(c.http_port), "--grpc-port", str(port),
+        return [*common, "--http-port", str(http_port or c.http_port), "--grpc-port", str(port),
                 "--model", c.model, "--max-model-len", str(c.max_model_len), *c.extra_router_args]
     if role not in ("prefill", "decode"):
         raise ValueError(f"unknown service role {role!r}")
@@ -284,13 +339,17 @@ class LocalCluster:
         self.interrupted = interrupted
         self.services: list[Service] = []
         self.redis_url = config.redis_url
-        self.http_url = f"http://{config.host}:{config.http_port}"
-        self.grpc_address = f"{config.host}:{config.grpc_port}"
-        # gRPC address of each started service, by name (kv_pool, prefill, decode, prefill-1, ...).
+        self.routers = [RouterEndpoint(name, f"http://{config.host}:{http}", f"{config.host}:{grpc_port}")
+                        for name in config.router_names for http, grpc_port in [config.router_ports(name)]]
+        self.http_url = self.routers[0].http_url  # the first router's (every router serves the whole cluster)
+        self.grpc_address = self.routers[0].grpc_address
+        # gRPC address of each started pool node and worker, by name (kv_pool, prefill, decode, prefill-1, ...).
         self.addresses: dict[str, str] = {}
-        # Where each service serves Prometheus metrics, by name; the router's has the cluster view.
-        self.metrics_urls: dict[str, str] = {"router": f"{self.http_url}/metrics"}
-        self._supervisor = Supervisor(config.restart)
+        # Where each service serves Prometheus metrics, by name; a router's has the cluster view.
+        self.metrics_urls: dict[str, str] = {r.name: f"{r.http_url}/metrics" for r in self.routers}
+        # A lone router is critical (nothing serves without it); one of several is restarted like a worker.
+        self._supervisor = Supervisor(config.restart, critical=frozenset(config.router_names)
+                                      if config.num_routers == 1 else frozenset())
         self._threads: dict[str, int] = {}  # torch threads of each role's workers
         self._pool_address = ""  # every pool node's gRPC address, comma-separated (the workers' --pool-address)
         self._metrics_ports: dict[str, int] = {}  # /metrics port of each pool and worker process
@@ -300,7 +359,7 @@ class LocalCluster:
         self._stop_if_interrupted(name)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        role = "router" if name == "router" else "kv_pool" if name.startswith("kv_pool") else "worker"
+        role = "router" if name.startswith("router") else "kv_pool" if name.startswith("kv_pool") else "worker"
         env = {**service_env(self.config, role), **(env or {})} if name != "redis" else (env or {})
         service = Service(name, _popen(argv, env, log_path), ready, log_path, argv, env)
         self.services.append(service)
@@ -349,9 +408,11 @@ class LocalCluster:
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
-        router = self._spawn("router", service_argv(c, "router", py, c.host, c.grpc_port, self.redis_url),
-                             _http_ready(f"{self.http_url}/health"))
-        self._wait(router, on_progress, timeout_s)
+        routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1], self.redis_url,
+                                                    http_port=c.router_ports(r.name)[0]),
+                               _http_ready(f"{r.http_url}/health")) for r in self.routers]
+        for router in routers:
+            self._wait(router, on_progress, timeout_s)
 
     def _spawn_worker(self, name: str, role: str) -> Service:
         c, threads = self.config, self._threads[role]

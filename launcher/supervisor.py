@@ -7,8 +7,10 @@ restarted with the same arguments and port (its log appended to) after a backoff
 next exit stops the cluster with an error naming the service and its log. A restarted Redis is
 empty (it never persists): the workers re-register with their next heartbeat and each pool node
 re-publishes its block index (kv_pool.index_mirror), while the routers keep their view (issue 16).
-The router is never restarted: without it no request can be served, so its exit stops the
-cluster; so does any exit when ``max_restarts`` is 0 (``tandem up --no-restart``: fail fast, for CI).
+A lone router is never restarted: without it no request can be served, so its exit stops the
+cluster; one of several routers (``tandem up --num-routers N``) is restarted like a worker while
+the others serve (clients retry on them, docs/failover.md). Any exit stops the cluster when
+``max_restarts`` is 0 (``tandem up --no-restart``: fail fast, for CI).
 
 The router rides out the gap (docs/failover.md): it marks the dead worker down, retries prefill
 elsewhere or colocated, migrates decode streams, and takes the restarted worker back once it
@@ -102,8 +104,10 @@ class Supervised(Protocol):
 class Supervisor:
     """Decides, on each :meth:`poll`, what to do about services that exited."""
 
-    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic):
-        self.policy, self.clock = policy, clock
+    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic,
+                 critical: frozenset[str] = CRITICAL_SERVICES):
+        """``critical``: names of services whose exit stops the cluster (a lone router)."""
+        self.policy, self.clock, self.critical = policy, clock, critical
         self._budgets: dict[str, RestartBudget] = {}
         self._due_s: dict[str, float] = {}  # exited services -> when to restart them
         self._starting: set[str] = set()  # restarted, not healthy yet
@@ -113,7 +117,7 @@ class Supervisor:
         restarted services that became healthy. Returns one line per thing that happened.
 
         Raises:
-            ServiceExited: the router exited, restarts are off, or a service spent its
+            ServiceExited: a critical service (a lone router) exited, restarts are off, or a service spent its
                 restart budget; the message names it, its exit code and its log.
         """
         now_s, events = self.clock(), []
@@ -136,7 +140,7 @@ class Supervisor:
     def _exited(self, service: Supervised, code: int, now_s: float) -> str:
         name, policy = service.name, self.policy
         where = f"see {service.log_location}"
-        if name in CRITICAL_SERVICES:
+        if name in self.critical:
             raise ServiceExited(f"{name} exited ({code}); the cluster cannot run without it; {where}")
         if policy.max_restarts == 0:
             raise ServiceExited(f"{name} exited ({code}); restarts are off (--no-restart); {where}")

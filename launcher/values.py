@@ -133,6 +133,7 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "request_timeout_s": lambda v: float(v["routing"]["requestTimeoutS"]),
     "http_port": lambda v: v["router"]["httpPort"],
     "grpc_port": lambda v: v["router"]["grpcPort"],
+    "num_routers": lambda v: v["router"]["replicas"],  # the Deployment's replicas (the HPA's start)
     "colocated": lambda v: v["prefill"]["replicas"] == 0 or None,
     "num_prefill_workers": lambda v: v["prefill"]["replicas"] or None,
     "num_decode_workers": lambda v: v["decode"]["replicas"],

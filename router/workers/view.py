@@ -10,12 +10,18 @@ disappears from the registry is forgotten (a restarted worker registers afresh) 
 heartbeat is older than the loss bound.
 
 Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
-and that does not answer a health check with SERVING is **lost** (router.workers.loss): marked down, and the calls still waiting on it fail over. When
-every entry vanished at once (Redis restarted, its data lost) the workers known before stay in
-the view for ``WIPE_GRACE_S`` while they re-register, so a Redis restart does not empty it; a
-single worker gone from the registry (deregistered, expired) leaves the view at once, though its
-calls still fail over only once it is lost. While Redis cannot be read at all, the view is kept as
-long as the health sweeps keep confirming it.
+and that does not answer a health check with SERVING is **lost** (router.workers.loss): marked down, and the calls still waiting on it fail over.
+
+When the registry may have lost entries without their workers leaving, the workers known before
+stay in the view for ``WIPE_GRACE_S`` while they re-register (:meth:`WorkerView._registry_reset`):
+every entry vanished at once, the read is the first good one after failed ones (Redis was down:
+it comes back empty, or the keys expired meanwhile), or Redis answers with another ``run_id``
+(it restarted between two reads). The workers re-register one heartbeat at a time, so the first
+read after Redis returns typically lists only some of them: before this rule, the missing ones
+left the view and requests got 503 ``no_worker`` for that half second (the campaign's "Redis
+down 8 s" row). Otherwise a single worker gone from the registry (deregistered, expired) leaves
+the view at once, though its calls still fail over only once it is lost. While Redis cannot be
+read at all, the view is kept as long as the health sweeps keep confirming it.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ class Health(enum.Enum):
 
 HealthProbe = Callable[[str], Awaitable[Health]]  # address -> its health
 PROBED_ROLES = ("prefill", "decode")
-# After a registry read finds every entry gone (Redis restarted, its data lost), the workers known
-# before stay in the view this long, or until lost, while they re-register.
+# After a registry read that may have lost entries (Redis restarted or came back: see
+# WorkerView._registry_reset), the workers known before stay in the view this long, or until
+# lost, while they re-register.
 WIPE_GRACE_S = 10.0
 
 
@@ -75,7 +82,9 @@ class WorkerView:
         self._checked_at_s = 0.0  # time.monotonic() of the last health sweep
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refreshed_at_s = 0.0  # time.monotonic() of the last successful refresh
-        self._wiped_at_s = float("-inf")  # time.monotonic() when the registry last read empty
+        self._wiped_at_s = float("-inf")  # time.monotonic() when the registry last read reset
+        self._read_failed = False  # the last registry read failed
+        self._server_id = ""  # the Redis run_id of the last good read ("" unknown)
         self._down: dict[str, _Down] = {}  # by address
         self._task: asyncio.Task | None = None
 
@@ -102,7 +111,9 @@ class WorkerView:
         Raises redis errors (the loop logs them) after a health sweep of the last view."""
         try:
             fresh = {role: await self.registry.list_workers(role) for role in ROLES}
+            server_id = await self.registry.server_id()
         except Exception:
+            self._read_failed = True
             self.loss.unreadable()
             if await self._sweep_due():  # probes confirmed the last view
                 self._refreshed_at_s = time.monotonic()
@@ -112,8 +123,8 @@ class WorkerView:
             await self._lose_unless_serving(info)
         known = {role: self.loss.known(role) for role in ROLES}
         by_address = {w.address: w for ws in known.values() for w in ws}
-        if not any(fresh.values()) and any(self._workers.values()):
-            self._wiped_at_s = time.monotonic()  # every entry gone at once: Redis lost its data
+        if self._registry_reset(fresh, server_id) and any(self._workers.values()):
+            self._wiped_at_s = time.monotonic()
         wiped = time.monotonic() - self._wiped_at_s < WIPE_GRACE_S
         present = by_address.keys() if wiped else {w.address for ws in fresh.values() for w in ws}
         for address in [a for a in self._down if a not in present]:
@@ -130,6 +141,19 @@ class WorkerView:
             self._workers = {role: [w for w in fresh[role] if w.address in by_address] for role in ROLES}
         await self._sweep_due()
         self._refreshed_at_s = time.monotonic()
+
+    def _registry_reset(self, fresh: dict[str, list[WorkerInfo]], server_id: str) -> bool:
+        """Whether this good read may miss entries whose workers never left: every entry gone
+        at once, the first good read after failed ones, or another Redis server (``run_id``)
+        than the last good read. Mutates: the last read's failure flag and server id."""
+        restarted = bool(self._server_id and server_id and server_id != self._server_id)
+        reason = ("another Redis run_id" if restarted else "first good read after failed ones" if self._read_failed
+                  else "every entry gone" if not any(fresh.values()) else "")
+        self._read_failed, self._server_id = False, server_id or self._server_id
+        if reason and any(self._workers.values()):
+            log.info("the registry may have lost entries (%s); keeping the known workers %g s while they re-register",
+                     reason, WIPE_GRACE_S)
+        return bool(reason)
 
     async def _lose_unless_serving(self, info: WorkerInfo) -> None:
         """A worker whose heartbeat stood still past its bound: lost, unless it answers a health

@@ -84,7 +84,9 @@ def local_commands(args: list[str]) -> tuple[object, dict[str, list[dict[str, st
         params.pop(name)
     config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
     commands = {"kv_pool": [argv_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
-                "router": [argv_flags(service_argv(config, "router", "python", "h", config.grpc_port, "r"))]}
+                "router": [argv_flags(service_argv(config, "router", "python", "h", config.router_ports(name)[1], "r",
+                                                   http_port=config.router_ports(name)[0]))
+                           for name in config.router_names]}
     for _, role in config.worker_names:
         commands.setdefault(f"{role}_worker", []).append(argv_flags(service_argv(config, role, "python", "h", 1, "r")))
     return config, commands
@@ -125,3 +127,13 @@ def test_pool_nodes_nvme_and_colocated_from_the_file(tmp_path: Path) -> None:
     assert config.colocated and config.worker_roles == ("decode",)
     assert [p["capacity-bytes"] for p in local["kv_pool"]] == [str(2**30 // 100 * 50)] * 2
     assert local["kv_pool"][0]["nvme-path"] == "/mnt/nvme" and local["kv_pool"][0]["nvme-capacity-bytes"] == str(5 * 2**30)
+
+
+def test_router_replicas_start_as_many_routers_on_consecutive_ports(tmp_path: Path) -> None:
+    values = tmp_path / "v.yaml"
+    values.write_text("router: {replicas: 2, httpPort: 9000, grpcPort: 51000}\n")
+    config, local = local_commands(["-f", str(values)])
+    assert config.num_routers == 2 and config.router_names == ("router-0", "router-1")
+    assert [(p["http-port"], p["grpc-port"]) for p in local["router"]] == [("9000", "51000"), ("9001", "51001")]
+    config, local = local_commands(["-f", str(values), "--num-routers", "3"])
+    assert [p["http-port"] for p in local["router"]] == ["9000", "9001", "9002"]

@@ -1,10 +1,11 @@
 """The small fault campaign CI runs (issue 16): chaos/campaigns/ci.yaml through ``tandem chaos``'s
-own code on a real local cluster (1 prefill + 2 decode workers, the real model).
+own code on a real local cluster (2 routers, 1 prefill + 2 decode workers, the real model).
 
 Every scenario must end with nothing lost, nothing wrong (greedy text equal to Hugging Face's) and
 nothing leaked (workers and pool idle within the campaign's idle bound), and the faults must have
 done what they say: the hung decode worker's streams migrated, Redis came back empty and the pool
-re-published its index, the disconnects and the storm cancelled requests.
+re-published its index, the disconnects and the storm cancelled requests, and the requests
+cut by the killed router were answered by the other (retried), its restart supervised.
 """
 
 from __future__ import annotations
@@ -22,15 +23,19 @@ CAMPAIGN = Path(__file__).resolve().parents[2] / "chaos" / "campaigns" / "ci.yam
 
 def test_the_ci_campaign_loses_nothing(tmp_path):
     results = {r.name: r for r in run_campaign(load_campaign(CAMPAIGN), tmp_path)}
-    assert list(results) == ["decode worker hangs", "redis restart", "client disconnects", "abort storm"]
+    assert list(results) == ["decode worker hangs", "redis restart", "client disconnects", "abort storm",
+                             "router killed"]
     for name, result in results.items():
         c = result.counts
         assert (c["lost"], c["wrong"], result.leaked) == (0, 0, {}), (name, c, result.leaked, result.examples)
         assert c["completed"] + c["error"] + c["cancelled"] == c["sent"] >= 12, (name, c)
         assert all(f.note != "not triggered" for f in result.faults), (name, result.faults)
-    for name in ("decode worker hangs", "redis restart"):
+    for name in ("decode worker hangs", "redis restart", "router killed"):
         assert results[name].counts["completed"] == results[name].counts["sent"], results[name].examples
-    router_log = (tmp_path / "logs" / "router.log").read_text()
+    killed = results["router killed"]
+    assert killed.counts["retried"] >= 1 and "router-1 restarted" in killed.supervision, (killed.counts, killed.supervision)
+    assert all(r.counts["retried"] == 0 for name, r in results.items() if name != "router killed")
+    router_log = "".join((tmp_path / "logs" / f"router-{i}.log").read_text() for i in range(2))
     assert "lost: no heartbeat for 5 s" in router_log and "resuming on another decode worker" in router_log
     assert "redis restarted" in results["redis restart"].supervision
     assert "re-publishing" in (tmp_path / "logs" / "kv_pool.log").read_text()

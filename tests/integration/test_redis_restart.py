@@ -123,3 +123,28 @@ async def test_a_heartbeat_re_registers_in_a_restarted_redis(redis_server):
     finally:
         await heartbeat.stop()
         await registry.close()
+
+
+async def test_a_restarted_redis_has_another_server_id(redis_server):
+    """What the router's view reads to tell a Redis restart between two reads (router.workers.view)."""
+    registry = WorkerRegistry(redis_server.url)
+    try:
+        before = await registry.server_id()
+        assert len(before) == 40 and before == await registry.server_id()  # INFO's run_id: 40 hex digits
+        redis_server.kill()
+        redis_server.start()
+        after = await poll_server_id(registry)
+        assert len(after) == 40 and after != before
+    finally:
+        await registry.close()
+
+
+async def poll_server_id(registry: WorkerRegistry) -> str:
+    """The server id once the restarted Redis answers (the pool's old connection fails first)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            return await registry.server_id()
+        except redis.ConnectionError:
+            assert asyncio.get_running_loop().time() < deadline, "restarted redis does not answer"
+            await asyncio.sleep(0.05)  # polling Redis, not synchronising

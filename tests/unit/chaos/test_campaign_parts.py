@@ -58,11 +58,12 @@ def test_a_campaign_without_scenarios_or_with_unknown_keys_is_refused():
 def test_outcomes_are_counted_and_wrong_answers_found():
     requests = [BenchRequest("a", 4), BenchRequest("b", 4)]
     refs = {reference_key(requests[0]): "alpha", reference_key(requests[1]): "beta"}
-    outcomes = [Outcome(0, 0, 0.0, status="completed", text="alpha"), Outcome(1, 1, 0.0, status="completed", text="bet"),
+    outcomes = [Outcome(0, 0, 0.0, status="completed", text="alpha", num_attempts=2),  # retried on another router
+                Outcome(1, 1, 0.0, status="completed", text="bet", num_attempts=1),
                 Outcome(2, 0, 0.0, status="error"), Outcome(3, 1, 0.0, status="lost"),
                 Outcome(4, 0, 0.0, status="cancelled", text="al")]
-    assert count(outcomes, requests, refs) == {"sent": 5, "completed": 2, "error": 1, "lost": 1, "wrong": 1,
-                                               "cancelled": 1}
+    assert count(outcomes, requests, refs) == {"sent": 5, "completed": 2, "retried": 1, "error": 1, "lost": 1,
+                                               "wrong": 1, "cancelled": 1}
     assert count(outcomes, requests, None)["wrong"] == 0
 
 
@@ -83,9 +84,10 @@ def test_recovery_is_the_time_until_half_the_rate_before_the_fault():
 
 def test_the_markdown_row_and_missed_targets():
     result = ScenarioResult("hang", [FaultLog(Fault("sigstop", at_s=1, service="decode"), 1.0, 1.0, "")],
-                            {"sent": 4, "completed": 3, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
+                            {"sent": 4, "completed": 3, "retried": 2, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
                             {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024, 1.25, 10.0)
     table = markdown([result])
-    assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
+    assert table.splitlines()[0].startswith("| scenario | faults | sent | completed | retried | explicit errors |")
+    assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 2 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
                                      "| n/a | 3.0 | 1.2 |")
     assert failed([result]) == ["hang: {'leaked': 2}"]

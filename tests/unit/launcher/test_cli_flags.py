@@ -18,6 +18,7 @@ import launcher.cli
         (["--ray", "--num-decode-workers", "2"],
          "--ray starts one worker per role; --num-prefill/decode-workers > 1 need the local launcher"),
         (["--address", "auto"], "--address needs --ray"),
+        (["--ray", "--num-routers", "2"], "--ray starts one router; --num-routers > 1 needs the local launcher"),
     ],
 )
 def test_contradictory_flags_are_a_usage_error(flags: list[str], message: str) -> None:

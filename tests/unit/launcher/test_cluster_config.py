@@ -31,7 +31,45 @@ def test_small_machine_gives_decode_every_core_and_prefill_one_thread():
     assert worker_threads(2, share_cores=False) == {"prefill": 1, "decode": 1}  # Ray reserves CPUs
 
 
-@pytest.mark.parametrize("field", ["num_prefill_workers", "num_decode_workers"])
+def test_routers_are_named_and_given_consecutive_ports():
+    assert ClusterConfig(model="m").router_names == ("router",)
+    config = ClusterConfig(model="m", http_port=8000, grpc_port=50050, num_routers=2)
+    assert config.router_names == ("router-0", "router-1")
+    assert [config.router_ports(n) for n in config.router_names] == [(8000, 50050), (8001, 50051)]
+    with pytest.raises(ValueError, match="no router 'router'"):
+        config.router_ports("router")
+
+
+def test_router_port_ranges_must_not_overlap():
+    with pytest.raises(ValueError, match=r"HTTP ports 8000-8002 and gRPC ports 8002-8004 overlap"):
+        ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=3)
+    ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=2)  # 8000-8001 and 8002-8003
+    with pytest.raises(ValueError, match=r"num_routers=2 needs http_port and grpc_port > 0"):
+        ClusterConfig(model="m", http_port=0, grpc_port=50050, num_routers=2)
+
+
+def test_a_local_cluster_lists_every_router_and_its_metrics(tmp_path):
+    from launcher.local_cluster import LocalCluster
+
+    cluster = LocalCluster(ClusterConfig(model="m", http_port=9000, grpc_port=51000, num_routers=2, log_dir=tmp_path))
+    assert [(r.name, r.http_url, r.grpc_address) for r in cluster.routers] == [
+        ("router-0", "http://127.0.0.1:9000", "127.0.0.1:51000"), ("router-1", "http://127.0.0.1:9001", "127.0.0.1:51001")]
+    assert cluster.http_url == "http://127.0.0.1:9000"
+    assert cluster.metrics_urls == {"router-0": "http://127.0.0.1:9000/metrics", "router-1": "http://127.0.0.1:9001/metrics"}
+
+
+def test_free_port_run_finds_consecutive_free_ports():
+    import socket
+
+    from launcher.local_cluster import free_port_run
+
+    first = free_port_run(3)
+    for port in range(first, first + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("field", ["num_prefill_workers", "num_decode_workers", "num_routers"])
 def test_zero_workers_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         ClusterConfig(model="m", **{field: 0})
@@ -54,3 +92,14 @@ def test_tensor_parallel_workers_split_their_threads_between_ranks():
 def test_zero_tensor_parallel_size_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         ClusterConfig(model="m", **{field: 0})
+
+
+def test_the_banner_lists_every_router(tmp_path):
+    from launcher.cli import _api_line
+    from launcher.local_cluster import LocalCluster
+
+    one = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, log_dir=tmp_path))
+    assert _api_line(one) == "OpenAI API http://127.0.0.1:8000/v1  gRPC 127.0.0.1:50050"
+    two = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, num_routers=2, log_dir=tmp_path))
+    assert _api_line(two) == ("routers: router-0 OpenAI API http://127.0.0.1:8000/v1 gRPC 127.0.0.1:50050; "
+                              "router-1 OpenAI API http://127.0.0.1:8001/v1 gRPC 127.0.0.1:50051")

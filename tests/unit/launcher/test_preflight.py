@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.cli import main
-from launcher.local_cluster import free_port
+from launcher.local_cluster import free_port, free_port_run
 from launcher.preflight import (
     PreflightError,
     check_max_model_len,
@@ -47,6 +47,17 @@ def test_tandem_up_on_a_taken_port_fails_before_touching_the_logs(listening: int
         1, f"Error: port {listening} is in use (another tandem up?); pass --http-port\n")
     assert [p.name for p in log_dir.iterdir()] == ["router.log"]
     assert (log_dir / "router.log").read_text() == "the running cluster's log\n"
+
+
+def test_a_second_routers_port_in_use_names_its_flag() -> None:
+    """--num-routers 2: router 1 listens on --http-port + 1, checked before anything starts."""
+    first = free_port_run(4)  # HTTP first, first + 1; gRPC first + 2, first + 3
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + 1))
+        taken.listen()
+        result = up("--num-routers", "2", "--http-port", str(first), "--grpc-port", str(first + 2))
+    assert (result.exit_code, result.output) == (
+        1, f"Error: port {first + 1} is in use (another tandem up?); pass --http-port + 1\n")
 
 
 @pytest.mark.parametrize(

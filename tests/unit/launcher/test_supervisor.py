@@ -107,6 +107,18 @@ def test_the_router_exiting_stops_the_cluster():
         Supervisor(RestartPolicy()).poll([FakeService("decode"), FakeService("router", code=0)])
 
 
+def test_one_of_several_routers_is_restarted_like_a_worker():
+    """tandem up --num-routers 2: no router is critical; the other keeps serving meanwhile."""
+    clock = Clock()
+    supervisor = Supervisor(RestartPolicy(), clock, critical=frozenset())
+    router = FakeService("router-1", code=-9)
+    assert supervisor.poll([FakeService("router-0"), router]) == [
+        "router-1 exited (-9); restarting it in 0.5 s (restart 1 of at most 5 in 60 s); see /logs/router-1.log"]
+    clock.now_s += 0.5
+    assert supervisor.poll([FakeService("router-0"), router]) == ["router-1 restarted"]
+    assert router.notes == ["--- tandem up: restarting router-1 (restart 1 in 60 s) ---\n"]
+
+
 def test_redis_exiting_is_restarted_like_a_worker():
     redis = FakeService("redis", code=-9)
     events = Supervisor(RestartPolicy()).poll([FakeService("decode"), redis])

@@ -40,9 +40,13 @@ CLIENT_ID = "client-7"
 class FakeRegistry:
     def __init__(self, workers: list[WorkerInfo]):
         self.workers = workers
+        self.run_id = "redis-1"  # the Redis server's run_id (a restart changes it)
 
     async def list_workers(self, role: str) -> list[WorkerInfo]:
         return sorted((w for w in self.workers if w.role == role), key=lambda w: w.worker_id)
+
+    async def server_id(self) -> str:
+        return self.run_id
 
 
 class FakeStream:

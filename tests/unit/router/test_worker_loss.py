@@ -17,7 +17,7 @@ from router.workers.clients import DecodeTokens
 from router.workers.loss import LossWatch, stream_unless_lost, unless_lost
 from router.workers.clients import WorkerFailedError
 from router.workers.view import Health, WorkerView
-from tests.unit.router.test_failover import FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
+from tests.unit.router.test_failover import POOL, FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
 
 
 class Clock:
@@ -74,6 +74,62 @@ async def test_a_worker_that_vanished_from_the_registry_stays_until_the_bound():
     clock.now_s += 4.5
     await view.refresh()
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
+
+
+def reregistered(listed: list[WorkerInfo], addresses: set[str]) -> list[WorkerInfo]:
+    """The registry right after Redis came back empty: only the workers in ``addresses`` beat again."""
+    out = [w for w in listed if w.address in addresses]
+    for w in out:
+        w.heartbeat_time_s += 1.0
+    return out
+
+
+async def test_the_first_read_after_redis_was_down_keeps_workers_not_yet_reregistered():
+    """The campaign's "Redis down 8 s" 503s: Redis came back empty and the first good read found
+    the pool and a prefill worker re-registered but neither decode worker yet; they left the view
+    and requests got 503 no_worker until their next heartbeats."""
+    view, registry, clock = await view_with_clock()
+    listed = registry.workers
+
+    async def refused(role):
+        raise ConnectionError("Error 111 connecting to redis")
+
+    registry.list_workers, readable = refused, registry.list_workers
+    for _ in range(3):
+        clock.now_s += 0.5
+        with pytest.raises(ConnectionError):
+            await view.refresh()
+    registry.list_workers, registry.run_id = readable, "redis-2"
+    registry.workers = reregistered(listed, {"prefill:0", POOL})
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:0", "decode:1"] and addresses(view, "prefill") == ["prefill:0"]
+    registry.workers = listed  # the rest beat too
+    for w in listed:
+        w.heartbeat_time_s += 1.0
+    clock.now_s += 1.0
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:0", "decode:1"]
+
+
+async def test_a_redis_restart_between_two_reads_is_told_by_its_run_id():
+    """No read failed (Redis restarted within one refresh interval), but another run_id says its
+    data may be gone: the decode worker that has not beaten yet stays."""
+    view, registry, clock = await view_with_clock()
+    listed = registry.workers
+    registry.run_id = "redis-2"
+    registry.workers = reregistered(listed, {"prefill:0", "decode:1", POOL})
+    clock.now_s += 0.5
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:0", "decode:1"]
+
+
+async def test_a_worker_gone_from_an_unchanged_redis_leaves_at_once():
+    """Same Redis, no failed read: a missing entry is a worker that deregistered (drained)."""
+    view, registry, clock = await view_with_clock()
+    registry.workers = [w for w in registry.workers if w.address != "decode:0"]
+    clock.now_s += 0.5
+    await view.refresh()
+    assert addresses(view, "decode") == ["decode:1"]
 
 
 async def test_an_unreadable_registry_pauses_the_loss_clock():
