@@ -104,7 +104,8 @@ def measure(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, ar
     num_prefill, num_decode = CONFIGS[name]
     config = ClusterConfig(model=MODEL, http_port=free_port(), grpc_port=free_port(), num_threads=args.num_threads,
                            colocated=num_prefill == 0, num_prefill_workers=max(1, num_prefill),
-                           num_decode_workers=num_decode, log_dir=args.log_dir / name, **ENGINE)
+                           num_decode_workers=num_decode, log_dir=args.log_dir / name,
+                           extra_worker_args=("--log-level", args.worker_log_level), **ENGINE)
     with LocalCluster(config) as cluster:
         cluster.start()
         wait_for_cost_models(cluster.redis_url, num_prefill + num_decode)
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second (low: the 2-core machine)")
     parser.add_argument("--num-threads", type=int, default=2, help="CPU threads shared by the workers")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/logs/sim-validation"))
+    parser.add_argument("--worker-log-level", default="INFO", help="DEBUG logs every pass's timing (engine.engine)")
     parser.add_argument("--out", type=Path, default=Path(".cache/sim-validation.json"))
     args = parser.parse_args()
     names = args.configs.split(",")
