@@ -184,12 +184,34 @@ def sharing_of(name: str, num_threads: int) -> CoreSharing:
     return CoreSharing(cores, threads.get("prefill", 1), threads["decode"])
 
 
-def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, loads: dict, overhead_s: float,
-             sharing: CoreSharing | None) -> dict:
+def role_models(loads: dict) -> dict[str, CostModel]:
+    """role -> role_model of the workers' published fits (a colocated cluster's prefill: decode's)."""
+    decode = role_model(loads["decode"])
+    return {"prefill": role_model(loads["prefill"]) if loads["prefill"] else decode, "decode": decode}
+
+
+def uncontended_models(published: dict[str, CostModel], timeline: dict) -> dict[str, CostModel]:
+    """The role models refitted on each worker's uncontended passes (step_timeline: those that
+    ran while the busy threads fitted the cores; the workers' own timings), the median over the
+    role's workers, with the published budget and pool bandwidth. A worker's published fit mixes
+    passes slowed by its neighbours with the rest, which CoreSharing would count a second time."""
+    models = {}
+    for role, cost in published.items():
+        fits = [t["fit_on_alone_passes"] for w, t in timeline.items() if w.split("-")[0] == role]
+        if not fits:
+            models[role] = models.get("decode", cost) if role == "prefill" else cost
+            continue
+        med = lambda key: statistics.median(f[key] for f in fits)  # noqa: E731
+        models[role] = dataclasses.replace(cost, base_s=med("base_ms") / 1e3, per_token_s=med("per_token_us") / 1e6,
+                                           per_seq_s=med("per_seq_us") / 1e6, per_attn_s=med("per_attn_us") / 1e6)
+    return models
+
+
+def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, models: dict[str, CostModel],
+             overhead_s: float, sharing: CoreSharing | None) -> dict:
     num_prefill, num_decode = CONFIGS[name]
     engine = EngineConfig(**ENGINE)
-    decode_cost = role_model(loads["decode"])
-    prefill_cost = role_model(loads["prefill"]) if num_prefill else decode_cost
+    decode_cost, prefill_cost = models["decode"], models["prefill"]
     decode = fitted_worker(decode_cost, engine, decode_cost.kv_bytes_per_token)
     prefill = fitted_worker(prefill_cost, engine, prefill_cost.kv_bytes_per_token)
     times = send_times_s(arrivals, [r.arrival_s for r in requests])
@@ -214,11 +236,17 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
     started = time.monotonic()
     m = measure(name, requests, arrivals, args)
     sharing = sharing_of(name, args.num_threads)
+    threads = {"prefill": sharing.prefill_threads, "decode": sharing.decode_threads}
+    timeline = analyze_dir(args.log_dir / name, m.since_s, threads, sharing.num_cores)
+    published = role_models(m.loads)
+    fitted = uncontended_models(published, timeline)  # = published without DEBUG pass logs
     variants = {
-        "simulated": (m.loads, m.request_overhead_s, sharing),
-        "calibration fits only": (m.calibration_loads, m.request_overhead_s, sharing),
-        "no core sharing": (m.loads, m.request_overhead_s, None),
-        "no router overhead": (m.loads, 0.0, sharing),
+        "simulated": (fitted, m.request_overhead_s, sharing),
+        "published fits": (published, m.request_overhead_s, sharing),
+        "published fits, no core sharing": (published, m.request_overhead_s, None),
+        "calibration fits only": (role_models(m.calibration_loads), m.request_overhead_s, sharing),
+        "no core sharing": (fitted, m.request_overhead_s, None),
+        "no router overhead": (fitted, 0.0, sharing),
     }
     sims = {label: simulate(name, requests, arrivals, *v) for label, v in variants.items()}
     cost = lambda ls: {role: [{k: v for k, v in load.items() if k.startswith("cost_")} for load in loads]  # noqa: E731
@@ -228,7 +256,8 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
             "request_overhead_ms": m.request_overhead_s * 1e3, "probe_ttft_ms": [t * 1e3 for t in m.probe_ttfts_s],
             "core_sharing": dataclasses.asdict(sharing), "load_average_before_after": m.load_average,
             "cost_models": cost(m.loads), "calibration_cost_models": cost(m.calibration_loads),
-            "step_timeline": analyze_dir(args.log_dir / name, m.since_s), "wall_s": time.monotonic() - started}
+            "simulated_cost_models": {role: dataclasses.asdict(c) for role, c in fitted.items()},
+            "step_timeline": timeline, "wall_s": time.monotonic() - started}
 
 
 def row(name: str, errs: dict) -> str:
@@ -259,10 +288,11 @@ def main() -> None:
     for name in names:
         rows[name] = result = validate(name, requests, arrivals, args)
         before, after = result["load_average_before_after"]
-        timeline = {w: round(t.get("measured_slowdown_p50", float("nan")), 2) for w, t in result["step_timeline"].items()}
+        timeline = {w: (round(t.get("measured_slowdown_p50", float("nan")), 2), round(t.get("modelled_slowdown_p50", 1.0), 2),
+                        round(t["host_share_p50"], 3)) for w, t in result["step_timeline"].items()}
         print(f"{name}: {result['wall_s']:.0f} s, load average {before[0]:.1f} -> {after[0]:.1f}, router overhead "
-              f"{result['request_overhead_ms']:.1f} ms, cores {result['core_sharing']}, measured sharing slowdown "
-              f"(p50, pass beside another worker's / alone) {timeline}", flush=True)
+              f"{result['request_overhead_ms']:.1f} ms, cores {result['core_sharing']}; per worker (contended pass "
+              f"slowdown measured, modelled; host share of a pass), p50: {timeline}", flush=True)
     header = "| config | TTFT p50 meas / sim (err) | TTFT p90 | TBT p50 | TBT p90 |\n|---|---|---|---|---|"
     print(f"\n{len(requests)} requests at {args.rate} req/s; times in ms\n{header}")
     for name, result in rows.items():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import sim_validation
-from benchmarks.step_timeline import Pass, analyze, overlap_fraction, read_passes
+from benchmarks.step_timeline import Pass, analyze, contention, overlap_fraction, read_passes
 from core.cost_model import CostModel, StepSample
 
 
@@ -22,6 +22,12 @@ def test_overlap_fraction_merges_the_neighbours_passes():
     others = [decode_pass("prefill", 9.3, 0.5), decode_pass("prefill", 9.5, 0.3), decode_pass("prefill", 12.0, 1.0)]
     assert overlap_fraction(p, others) == pytest.approx(0.5)
     assert overlap_fraction(p, []) == 0.0
+    # 2 decode threads + 1 prefill thread on 2 cores: contended while a prefill pass runs, at
+    # processor sharing's 3 / 2; the two prefill passes overlap in [9.2, 9.3): 4 threads, 2x.
+    contended, modelled = contention(p, others, {"decode": 2, "prefill": 1}, num_cores=2)
+    assert contended == pytest.approx(0.5)
+    assert modelled == pytest.approx(0.4 * 1.5 + 0.1 * 2.0 + 0.5 * 1.0)
+    assert contention(p, others, {"decode": 1, "prefill": 1}, num_cores=2) == pytest.approx((0.1, 0.1 * 1.5 + 0.9))
 
 
 def test_analyze_measures_the_slowdown_of_passes_beside_another_worker():
@@ -74,3 +80,16 @@ def test_the_cores_are_shared_as_the_launcher_splits_them():
     two_two = sim_validation.sharing_of("2P+2D", 2)
     assert (two_two.prefill_threads, two_two.decode_threads) == (1, 1)
     assert sim_validation.sharing_of("colocated-2", 2).decode_threads == 1
+
+
+def test_the_simulated_roles_take_the_fits_of_their_uncontended_passes():
+    published = {"prefill": CostModel(0.5, 0.01, 0.0, 0.0, 20, 2048, 2e9, 46080.0),
+                 "decode": CostModel(0.05, 0.002, 0.001, 0.0, 30, 2048, 1e9, 46080.0)}
+    fit = lambda base_ms: {"base_ms": base_ms, "per_token_us": 2000.0, "per_seq_us": 500.0, "per_attn_us": 1.0}  # noqa: E731
+    timeline = {"prefill": {"fit_on_alone_passes": fit(40.0)}, "decode": {"fit_on_alone_passes": fit(20.0)},
+                "decode-1": {"fit_on_alone_passes": fit(30.0)}}
+    models = sim_validation.uncontended_models(published, timeline)
+    assert models["prefill"] == CostModel(0.040, 0.002, 0.0005, 1e-6, 20, 2048, 2e9, 46080.0)
+    assert models["decode"].base_s == pytest.approx(0.025)  # the median of the two decode workers
+    assert models["decode"].kv_load_bytes_per_s == 1e9  # bandwidth and budget stay the published ones
+    assert sim_validation.uncontended_models(published, {}) == published  # no pass logs: the published fits
