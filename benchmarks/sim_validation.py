@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -207,6 +208,15 @@ def uncontended_models(published: dict[str, CostModel], timeline: dict) -> dict[
     return models
 
 
+def measured_exponent(timeline: dict) -> float:
+    """CoreSharing.exponent from the pass logs: over the workers with contended passes, the median
+    of log(measured slowdown) / log(processor sharing's slowdown) of those passes, in [0, 4]; 1
+    (processor sharing) when no pass was contended."""
+    exponents = [math.log(max(t["measured_slowdown_p50"], 1.0)) / math.log(t["modelled_slowdown_p50"])
+                 for t in timeline.values() if t.get("modelled_slowdown_p50", 1.0) > 1.05 and "measured_slowdown_p50" in t]
+    return min(4.0, max(0.0, statistics.median(exponents))) if exponents else 1.0
+
+
 def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, models: dict[str, CostModel],
              overhead_s: float, sharing: CoreSharing | None) -> dict:
     num_prefill, num_decode = CONFIGS[name]
@@ -231,17 +241,32 @@ def errors(measured: dict, simulated: dict) -> dict:
     return out
 
 
-def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, args) -> dict:
-    """Measures one configuration, then simulates it with every modelled term and without each."""
+def stored_measurement(result: dict, log_dir: Path) -> Measured:
+    """A Measured back from a result this script wrote (--resimulate): the replay's summary, the
+    workers' published fits, the router overhead; the passes come from ``log_dir`` again."""
+    wire = lambda ls: {role: [dict(load) for load in loads] for role, loads in ls.items()}  # noqa: E731
+    since_s = result.get("since_s") or min(
+        (json.loads(line)["ts"] for log in log_dir.glob("*.log") for line in log.read_text().splitlines()
+         if '"serving ' in line), default=0.0)
+    return Measured(result["measured"], wire(result["calibration_cost_models"]), wire(result["cost_models"]),
+                    result["request_overhead_ms"] / 1e3, [t / 1e3 for t in result.get("probe_ttft_ms", [])],
+                    tuple(result.get("load_average_before_after", ())), since_s)
+
+
+def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, args, stored: dict | None = None) -> dict:
+    """Measures one configuration (or takes ``stored``, a result of an earlier run), then
+    simulates it with every modelled term and without each."""
     started = time.monotonic()
-    m = measure(name, requests, arrivals, args)
+    m = measure(name, requests, arrivals, args) if stored is None else stored_measurement(stored, args.log_dir / name)
     sharing = sharing_of(name, args.num_threads)
     threads = {"prefill": sharing.prefill_threads, "decode": sharing.decode_threads}
     timeline = analyze_dir(args.log_dir / name, m.since_s, threads, sharing.num_cores)
     published = role_models(m.loads)
     fitted = uncontended_models(published, timeline)  # = published without DEBUG pass logs
+    processor_sharing, sharing = sharing, dataclasses.replace(sharing, exponent=measured_exponent(timeline))
     variants = {
         "simulated": (fitted, m.request_overhead_s, sharing),
+        "processor sharing (exponent 1)": (fitted, m.request_overhead_s, processor_sharing),
         "published fits": (published, m.request_overhead_s, sharing),
         "published fits, no core sharing": (published, m.request_overhead_s, None),
         "calibration fits only": (role_models(m.calibration_loads), m.request_overhead_s, sharing),
@@ -256,8 +281,8 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
             "request_overhead_ms": m.request_overhead_s * 1e3, "probe_ttft_ms": [t * 1e3 for t in m.probe_ttfts_s],
             "core_sharing": dataclasses.asdict(sharing), "load_average_before_after": m.load_average,
             "cost_models": cost(m.loads), "calibration_cost_models": cost(m.calibration_loads),
-            "simulated_cost_models": {role: dataclasses.asdict(c) for role, c in fitted.items()},
-            "step_timeline": timeline, "wall_s": time.monotonic() - started}
+            "simulated_cost_models": {role: dataclasses.asdict(c) for role, c in fitted.items()}, "since_s": m.since_s,
+            "step_timeline": timeline, "wall_s": stored["wall_s"] if stored else time.monotonic() - started}
 
 
 def row(name: str, errs: dict) -> str:
@@ -277,6 +302,8 @@ def main() -> None:
     parser.add_argument("--worker-log-level", default="DEBUG", help="DEBUG: the workers log every pass (step_timeline)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/logs/sim-validation"))
     parser.add_argument("--out", type=Path, default=Path(".cache/sim-validation.json"))
+    parser.add_argument("--resimulate", type=Path, help="a JSON this script wrote: simulate its measurements again "
+                                                        "(with the same --log-dir and workload flags), start no cluster")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -284,9 +311,13 @@ def main() -> None:
         parser.error(f"unknown configurations {unknown}; expected some of {list(CONFIGS)}")
     requests = workload(args)
     arrivals = ArrivalConfig("poisson", rate_per_s=args.rate, seed=0)
+    stored = json.loads(args.resimulate.read_text())["results"] if args.resimulate else {}
     rows = {}
     for name in names:
-        rows[name] = result = validate(name, requests, arrivals, args)
+        if args.resimulate and name not in stored:
+            continue
+        rows[name] = result = validate(name, requests, arrivals, args, stored.get(name))
+        save(args, rows)  # after each configuration: a later one that fails loses nothing
         before, after = result["load_average_before_after"]
         timeline = {w: (round(t.get("measured_slowdown_p50", float("nan")), 2), round(t.get("modelled_slowdown_p50", 1.0), 2),
                         round(t["host_share_p50"], 3)) for w, t in result["step_timeline"].items()}
@@ -304,9 +335,12 @@ def main() -> None:
                 print(row(f"{name}, {label}", errs))
     worst = max(abs(e["error"]) for r in rows.values() for e in r["errors"]["simulated"].values())
     print(f"\nworst error {worst:.0%} (target {TARGET_ERROR:.0%})")
+    print(f"wrote {args.out}")
+
+
+def save(args, rows: dict) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=1))
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

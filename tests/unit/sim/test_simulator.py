@@ -180,3 +180,7 @@ def test_core_sharing_is_processor_sharing_of_the_busy_threads():
     assert [sharing.slowdown(n) for n in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
     with pytest.raises(ValueError, match="num_cores must be >= 1, got 0"):
         CoreSharing(0, 1, 1)
+    measured = CoreSharing(num_cores=2, prefill_threads=1, decode_threads=1, exponent=0.5)
+    assert [measured.slowdown(n) for n in (2, 4, 8)] == pytest.approx([1.0, 2 ** 0.5, 2.0])
+    with pytest.raises(ValueError, match="exponent must be in"):
+        CoreSharing(2, 1, 1, exponent=-1)
