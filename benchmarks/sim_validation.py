@@ -132,23 +132,28 @@ def probe_requests(num: int, seed: int) -> list[BenchRequest]:
             for _ in range(num)]
 
 
-def request_overhead_s(ttfts_s: list[float], passes_s: list[float], first_role: CostModel) -> float:
+def request_overhead_s(ttfts_s: list[float], passes: list[tuple[str, float]], models: dict[str, CostModel]) -> float:
     """The router's own time per request: the probes' median client TTFT minus the time the worker
-    that computes the first token spent on it (plus its KV store to the pool on a prefill worker).
-    ``passes_s``: that worker's own timing of each probe's pass (its DEBUG log), in probe order;
-    without them (other log levels), the pass its fitted cost model predicts. Never negative."""
-    if len(passes_s) != len(ttfts_s):
-        passes_s = [first_role.step_s(PROBE_PROMPT_TOKENS, 1, prefill_attn_pairs(PROBE_PROMPT_TOKENS, 0))] * len(ttfts_s)
-    store_s = first_role.kv_load_s(PROBE_PROMPT_TOKENS)
-    return max(0.0, statistics.median(t - p - store_s for t, p in zip(ttfts_s, passes_s)))
+    that computed the first token spent on it (plus the KV store to the pool on a prefill worker).
+    ``passes``: (role, seconds) of each probe's pass as that worker logged it, in probe order;
+    without them (other log levels), the pass the first role's fitted cost model predicts (the
+    prefill worker's where there is one). Never negative."""
+    if len(passes) != len(ttfts_s):
+        role = "prefill" if "prefill" in models else "decode"
+        pass_s = models[role].step_s(PROBE_PROMPT_TOKENS, 1, prefill_attn_pairs(PROBE_PROMPT_TOKENS, 0))
+        passes = [(role, pass_s)] * len(ttfts_s)
+    worker_s = [s + (models[r].kv_load_s(PROBE_PROMPT_TOKENS) if r == "prefill" else 0.0) for r, s in passes]
+    return max(0.0, statistics.median(t - w for t, w in zip(ttfts_s, worker_s)))
 
 
-def probe_passes_s(log_dir: Path, role: str, since_s: float, until_s: float) -> list[float]:
-    """The probe prompts' passes (PROBE_PROMPT_TOKENS tokens, one sequence) that ``role``'s
-    workers logged between ``since_s`` and ``until_s`` (wall clock), in time order."""
-    passes = [p for log in sorted(log_dir.glob(f"{role}*.log")) for p in read_passes(log, since_s)
+def probe_passes(log_dir: Path, since_s: float, until_s: float) -> list[tuple[str, float]]:
+    """(role, seconds) of the probe prompts' passes (PROBE_PROMPT_TOKENS tokens, one sequence)
+    that any worker logged between ``since_s`` and ``until_s`` (wall clock), in time order: the
+    router may prefill a short prompt on the decode worker (conditional disaggregation)."""
+    logs = sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")])
+    passes = [p for log in logs for p in read_passes(log, since_s)
               if p.end_s <= until_s and (p.sample.num_new_tokens, p.sample.num_seqs) == (PROBE_PROMPT_TOKENS, 1)]
-    return [p.sample.duration_s for p in sorted(passes, key=lambda p: p.end_s)]
+    return [(p.worker.split("-")[0], p.sample.duration_s) for p in sorted(passes, key=lambda p: p.end_s)]
 
 
 def measure(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, args) -> Measured:
@@ -170,9 +175,8 @@ def measure(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, ar
         result = asyncio.run(run(requests, arrivals, client, show_progress=False, label=name))
         after = os.getloadavg()
         loads = worker_loads(cluster.redis_url)  # the fits after the run: calibration + the run's passes
-    first_role = "prefill" if num_prefill else "decode"
-    passes = probe_passes_s(args.log_dir / name, first_role, probe_started_s, since_s)
-    overhead_s = request_overhead_s(ttfts, passes, role_model(loads[first_role]))
+    models = {role: role_model(ls) for role, ls in loads.items() if ls}
+    overhead_s = request_overhead_s(ttfts, probe_passes(args.log_dir / name, probe_started_s, since_s), models)
     return Measured(summarize(result.records, result.duration_s, SLO()), calibration_loads, loads, overhead_s, ttfts,
                     (before, after), since_s)
 

@@ -64,13 +64,16 @@ def test_read_passes_parses_the_engines_debug_lines(tmp_path):
 
 
 def test_the_router_overhead_is_the_probes_ttft_beyond_their_own_passes():
-    cost = CostModel(base_s=0.030, per_token_s=0.001, num_samples=1, kv_load_bytes_per_s=1e6, kv_bytes_per_token=1000)
-    # client TTFTs 60, 70, 80 ms; the worker timed the probes' passes 45, 46, 47 ms; the 16-token
-    # store to the pool takes 16 ms at 1 MB/s: overheads -1, 8, 17 ms -> median 8 ms.
-    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], [0.045, 0.046, 0.047], cost) == pytest.approx(0.008)
-    # no pass timings: the fit's 30 + 16 = 46 ms pass instead -> 70 - 46 - 16 = 8 ms
-    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], [], cost) == pytest.approx(0.008)
-    assert sim_validation.request_overhead_s([0.010], [0.045], cost) == 0.0
+    prefill = CostModel(base_s=0.030, per_token_s=0.001, num_samples=1, kv_load_bytes_per_s=1e6, kv_bytes_per_token=1000)
+    models = {"prefill": prefill, "decode": CostModel(base_s=0.5, num_samples=1)}
+    # client TTFTs 60, 70, 80 ms; the workers timed the probes' passes 45, 46 ms on the prefill
+    # worker (+ 16 ms to store 16 tokens' KV at 1 MB/s) and 47 ms on the decode worker (no store):
+    # overheads -1, 8, 33 ms -> median 8 ms.
+    passes = [("prefill", 0.045), ("prefill", 0.046), ("decode", 0.047)]
+    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], passes, models) == pytest.approx(0.008)
+    # no pass timings: the prefill fit's 30 + 16 = 46 ms pass and the store: 70 - 46 - 16 = 8 ms
+    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], [], models) == pytest.approx(0.008)
+    assert sim_validation.request_overhead_s([0.010], [("decode", 0.045)], models) == 0.0
 
 
 def test_the_cores_are_shared_as_the_launcher_splits_them():
