@@ -101,8 +101,9 @@ def analyze(passes_by_worker: dict[str, list[Pass]], threads: dict[str, int] | N
         alone = [p.sample for p, (f, _) in zip(passes, shares) if f < ALONE]
         shared = [p.sample for p, (f, _) in zip(passes, shares) if f > SHARED]
         modelled = [m for f, m in shares if f > SHARED]
+        fitted = alone if len(alone) >= MIN_FIT_PASSES else [p.sample for p in passes]
         fit = StepTimeFit(window=4096)
-        for s in alone if len(alone) >= MIN_FIT_PASSES else [p.sample for p in passes]:
+        for s in fitted:
             fit.add(s)
         model = fit.model()
         ratio = lambda ss: [s.duration_s / model.step_s(s.num_new_tokens, s.num_seqs, s.attn_pairs)  # noqa: E731
@@ -115,6 +116,7 @@ def analyze(passes_by_worker: dict[str, list[Pass]], threads: dict[str, int] | N
             "fit_on_alone_passes": {"base_ms": model.base_s * 1e3, "per_token_us": model.per_token_s * 1e6,
                                     "per_seq_us": model.per_seq_s * 1e6, "per_attn_us": model.per_attn_s * 1e6},
             "alone_pass_over_fit_p10_p50_p90": quantiles(ratio(alone)),
+            "fitted_pass_over_fit_p10_p50_p90": quantiles(ratio(fitted)),  # over the passes the fit was made on
         }
         if shared:
             row["shared_pass_over_fit_p10_p50_p90"] = quantiles(ratio(shared))

@@ -46,6 +46,7 @@ def test_analyze_measures_the_slowdown_of_passes_beside_another_worker():
     row = result["decode"]
     assert row["num_passes"] == 40 and row["num_shared"] > 0 and row["num_alone"] > 0
     assert row["alone_pass_over_fit_p10_p50_p90"] == pytest.approx([1.0, 1.0, 1.0], abs=0.02)
+    assert row["fitted_pass_over_fit_p10_p50_p90"] == row["alone_pass_over_fit_p10_p50_p90"]  # fitted on those
     assert row["measured_slowdown_p50"] == pytest.approx(2.0, rel=0.02)
     assert row["host_ms_p10_p50_p90"] == pytest.approx([1.0, 1.0, 1.0])
     assert "prefill" in result  # 10 passes: analysed too
@@ -89,10 +90,17 @@ def test_the_simulated_roles_take_the_fits_of_their_uncontended_passes():
     published = {"prefill": CostModel(0.5, 0.01, 0.0, 0.0, 20, 2048, 2e9, 46080.0),
                  "decode": CostModel(0.05, 0.002, 0.001, 0.0, 30, 2048, 1e9, 46080.0)}
     fit = lambda base_ms: {"base_ms": base_ms, "per_token_us": 2000.0, "per_seq_us": 500.0, "per_attn_us": 1.0}  # noqa: E731
-    timeline = {"prefill": {"fit_on_alone_passes": fit(40.0)}, "decode": {"fit_on_alone_passes": fit(20.0)},
-                "decode-1": {"fit_on_alone_passes": fit(30.0)}}
+    row = lambda base_ms, median=1.0: {"fit_on_alone_passes": fit(base_ms),  # noqa: E731
+                                       "fitted_pass_over_fit_p10_p50_p90": [0.9, median, 2.0]}
+    timeline = {"prefill": row(40.0), "decode": row(20.0), "decode-1": row(30.0)}
     models = sim_validation.uncontended_models(published, timeline)
     assert models["prefill"] == CostModel(0.040, 0.002, 0.0005, 1e-6, 20, 2048, 2e9, 46080.0)
     assert models["decode"].base_s == pytest.approx(0.025)  # the median of the two decode workers
     assert models["decode"].kv_load_bytes_per_s == 1e9  # bandwidth and budget stay the published ones
     assert sim_validation.uncontended_models(published, {}) == published  # no pass logs: the published fits
+    # a fit whose passes ran 1.2x it at the median is scaled up by 1.2 (the prefill one here)
+    timeline["prefill"] = row(40.0, median=1.2)
+    scaled = sim_validation.uncontended_models(published, timeline)["prefill"]
+    assert (scaled.base_s, scaled.per_token_s, scaled.per_seq_s) == pytest.approx((0.048, 0.0024, 0.0006))
+    unscaled = sim_validation.uncontended_models(published, timeline, median_scaled=False)["prefill"]
+    assert unscaled.base_s == pytest.approx(0.040)
