@@ -6,6 +6,8 @@ Events sit in one heap ordered by (time, sequence); a worker's step is two event
 its start, applied at its end), so requests that arrive meanwhile join at the next step, as on a
 real worker. Heartbeats are not events: a worker's ``WorkerInfo.load`` is refreshed from its
 scheduler when a placement reads it and the last refresh is ``heartbeat_interval_s`` old.
+A request reaches the workers ``RouterSpec.request_overhead_s`` after it arrives; workers that
+share CPU cores (``ClusterSpec.sharing``) stretch each other's steps (``_slowdown``).
 """
 
 from __future__ import annotations
