@@ -35,12 +35,24 @@ def prefill_attn_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
 
 @dataclass(frozen=True)
 class StepSample:
-    """One engine step as measured: what it computed and how long it took (wall seconds)."""
+    """One engine step as measured: what it computed and how long it took (wall seconds).
+
+    ``duration_s`` is the whole pass as the step loop sees it: from the end of the previous
+    forward (or the start of the loop when it was idle) to the end of this one, so it holds the
+    scheduling, input preparation, output processing and delivery between two forwards, not only
+    forward + sampling (``forward_s``, of which it is part; 0 when not measured apart).
+    """
 
     num_new_tokens: int
     num_seqs: int
     attn_pairs: float  # thousands of (query, key) pairs, see prefill_attn_pairs
     duration_s: float
+    forward_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        """Seconds of the pass outside forward + sampling (0 when ``forward_s`` is not known)."""
+        return max(0.0, self.duration_s - self.forward_s) if self.forward_s else 0.0
 
 
 @dataclass(frozen=True)

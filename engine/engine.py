@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -94,6 +96,7 @@ class LLMEngine:
         self.runner = (ModelRunner(model, kv_cache, backend, sampler) if parallel is None
                        else parallel.runner(model, kv_cache, backend, sampler))
         self.step_stats = StepStats()
+        self._pass_started_s = 0.0  # perf_counter() at the end of the last forward (see _record)
 
     @classmethod
     def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False,
@@ -165,6 +168,7 @@ class LLMEngine:
         ``enable_overlap`` the next pass is scheduled and prepared while the current one runs
         (SGLang's overlap scheduler). Returns when a pass would be empty.
         """
+        self._pass_started_s = time.perf_counter()  # the first pass's time starts with its scheduling
         if self.config.enable_overlap:
             yield from self._overlapped_steps()
             return
@@ -222,9 +226,23 @@ class LLMEngine:
             out = following
 
     def _record(self, runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Feeds the pass's timing to the cost model (engine thread only)."""
-        if runner_output.step_sample is not None:
-            self.step_stats.record(runner_output.step_sample)
+        """Feeds the pass's timing to the cost model (engine thread only), called as its forward
+        ends. The sample's duration becomes the whole pass: from the previous forward's end (or
+        the start of this stream of steps) to this one's, so the fit holds everything between two
+        forwards (the previous pass's output processing and delivery, this one's scheduling and
+        input preparation), which is what a step costs in the step loop's timeline."""
+        sample, now_s = runner_output.step_sample, time.perf_counter()
+        if sample is not None:
+            forward_s = sample.duration_s
+            sample = dataclasses.replace(sample, duration_s=max(forward_s, now_s - self._pass_started_s),
+                                         forward_s=forward_s)
+            runner_output.step_sample = sample
+            self.step_stats.record(sample)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("pass: %d tokens, %d seqs, %.3f k attention pairs, forward %.3f ms, pass %.3f ms",
+                          sample.num_new_tokens, sample.num_seqs, sample.attn_pairs, forward_s * 1e3,
+                          sample.duration_s * 1e3)
+        self._pass_started_s = now_s
         return runner_output
 
     def _swap_out(self, out: SchedulerOutput) -> None:

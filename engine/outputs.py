@@ -116,7 +116,8 @@ class SampledToken:
 class ModelRunnerOutput:
     # request_id -> sampled token, for requests whose step reached their last token.
     sampled: dict[str, SampledToken] = field(default_factory=dict)
-    # What the pass computed and its forward + sampling wall time; None for an empty pass.
+    # What the pass computed and its forward + sampling wall time (duration_s; the engine widens
+    # it to the whole pass, see LLMEngine._record); None for an empty pass.
     step_sample: StepSample | None = None
 
 

@@ -40,6 +40,49 @@ class RouterSpec:
     # Candidates per role handed to the policy: the least loaded ``max_candidates`` (0: all).
     # predicted_latency scores every (prefill, decode) pair; at 64 x 64 that is 4096 pairs a request.
     max_candidates: int = 0
+    # The router's and the transport's own time per request: HTTP parsing, tokenization and
+    # validation, placement, the gRPC hops to the first worker and the first token's way back
+    # (SSE). The request reaches the workers this long after it arrived (adds to TTFT).
+    request_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.request_overhead_s < 0:
+            raise ValueError(f"request_overhead_s must be >= 0, got {self.request_overhead_s}")
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """Workers that share one machine's CPU cores, as ``tandem up`` runs them (each with the
+    threads the launcher gives its role, launcher.local_cluster.worker_threads): a step that starts
+    while other workers are busy runs slower, by processor sharing of the busy threads over the
+    cores (``slowdown``). None in ClusterSpec: every worker has its own device (GPUs).
+
+    ``exponent`` 1 is plain processor sharing; a measured one (benchmarks/step_timeline.py: the
+    slowdown of passes that ran beside a neighbour's against those that ran alone) says how much
+    of it this machine shows: less when other processes already load the cores (the workers'
+    share of a busy machine shrinks less when a neighbour wakes), more when OpenMP teams stall.
+    """
+
+    num_cores: int
+    prefill_threads: int
+    decode_threads: int
+    exponent: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_cores", "prefill_threads", "decode_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.exponent <= 4:
+            raise ValueError(f"exponent must be in [0, 4], got {self.exponent}")
+
+    def threads(self, role: str) -> int:
+        return self.prefill_threads if role == "prefill" else self.decode_threads
+
+    def slowdown(self, num_busy_threads: int) -> float:
+        """How many times longer a step takes while ``num_busy_threads`` threads (its own
+        included) compute on the cores: 1 while they fit, else (threads / cores) ** exponent
+        (exponent 1: each thread gets a fair share of a core)."""
+        return max(1.0, num_busy_threads / self.num_cores) ** self.exponent
 
 
 @dataclass(frozen=True)
@@ -52,6 +95,7 @@ class ClusterSpec:
     decode: WorkerSpec
     pool_capacity_blocks: int = 1 << 22
     router: RouterSpec = field(default_factory=RouterSpec)
+    sharing: CoreSharing | None = None  # the workers share CPU cores (a local cluster); None: not
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

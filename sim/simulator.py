@@ -6,6 +6,8 @@ Events sit in one heap ordered by (time, sequence); a worker's step is two event
 its start, applied at its end), so requests that arrive meanwhile join at the next step, as on a
 real worker. Heartbeats are not events: a worker's ``WorkerInfo.load`` is refreshed from its
 scheduler when a placement reads it and the last refresh is ``heartbeat_interval_s`` old.
+A request reaches the workers ``RouterSpec.request_overhead_s`` after it arrives; workers that
+share CPU cores (``ClusterSpec.sharing``) stretch each other's steps (``_slowdown``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Simulation:
         self.decode = [self._worker(f"decode-{i}", "decode", cluster.decode, bs) for i in range(cluster.num_decode)]
         self._by_id = {w.info.worker_id: w for w in (*self.prefill, *self.decode)}
         self._runs: dict[str, _Run] = {}
+        self._busy_ids: set[str] = set()  # workers counted busy for CPU sharing (_sharing_update)
         self._heap: list = []
         self._seq = itertools.count()
         self.now_s = 0.0
@@ -107,8 +110,8 @@ class Simulation:
         ``max_misses`` requests ended (or were refused) outside the SLO, with ``aborted`` set
         (the planner's early exit: the configuration cannot reach its attainment target).
         """
-        for index, request in enumerate(requests):
-            self._at(request.arrival_s, self._arrive, index, request)
+        for index, request in enumerate(requests):  # the workers see it after the router's own time
+            self._at(request.arrival_s + self.cluster.router.request_overhead_s, self._arrive, index, request)
         self._slo, self._max_misses, self.num_misses = slo, max_misses, 0
         while self._heap and not (max_misses is not None and self.num_misses > max_misses):
             self.now_s, _, fn, args = heapq.heappop(self._heap)
@@ -134,7 +137,7 @@ class Simulation:
 
     def _arrive(self, index: int, request: SimRequest) -> None:
         rid = str(index)
-        run = _Run(index, request, RequestRecord(index, self.now_s, prompt_tokens=len(request.prompt)))
+        run = _Run(index, request, RequestRecord(index, request.arrival_s, prompt_tokens=len(request.prompt)))
         self._runs[rid] = run
         limit = self.cluster.decode.engine.max_model_len
         if len(request.prompt) + request.max_tokens > limit:  # the router's validation: HTTP 400
@@ -186,9 +189,10 @@ class Simulation:
         out, features = worker.engine.schedule()
         if out.is_empty:
             return
-        duration_s = worker.spec.timer.step_s(features)
+        duration_s = worker.spec.timer.step_s(features) * self._slowdown(worker)
         worker.busy, worker.busy_s, worker.num_steps = True, worker.busy_s + duration_s, worker.num_steps + 1
         self._at(self.now_s + duration_s, self._step_done, worker, out)
+        self._sharing_update(worker)
 
     def _step_done(self, worker: _Worker, out) -> None:
         worker.busy = False
@@ -198,17 +202,19 @@ class Simulation:
             else:
                 self._token(worker, self._runs[rid], finished)
         self._kick(worker)
+        self._sharing_update(worker)
 
     def _start_decode_run(self, worker: _Worker, num_steps: int) -> None:
         """Times ``num_steps`` pure decode steps now; they are applied when they end or when a
         request arrives at the worker meanwhile (then up to the step running at that moment)."""
-        t, ends = self.now_s, []
+        t, ends, slowdown = self.now_s, [], self._slowdown(worker)
         for features in worker.engine.decode_run_features(num_steps):
-            t += worker.spec.timer.step_s(features)
+            t += worker.spec.timer.step_s(features) * slowdown
             ends.append(t)
         worker.busy, worker.run_ends_s, worker.run_start_s = True, ends, self.now_s
         worker.run_generation += 1
         self._at(ends[-1], self._decode_run_done, worker, worker.run_generation)
+        self._sharing_update(worker)
 
     def _decode_run_done(self, worker: _Worker, generation: int) -> None:
         if generation == worker.run_generation and worker.run_ends_s:
@@ -230,6 +236,30 @@ class Simulation:
         if generation == worker.run_generation:
             worker.busy = False
             self._kick(worker)
+            self._sharing_update(worker)
+
+    # -- CPU sharing (ClusterSpec.sharing: workers on one machine's cores) -----------------------
+
+    def _slowdown(self, worker: _Worker) -> float:
+        """How many times longer a step of ``worker`` starting now takes: 1 unless the workers
+        share cores, else CoreSharing.slowdown of its threads plus every other busy worker's."""
+        sharing = self.cluster.sharing
+        if sharing is None:
+            return 1.0
+        threads = sharing.threads(worker.info.role) + sum(
+            sharing.threads(w.info.role) for w in self._by_id.values() if w is not worker and w.busy)
+        return sharing.slowdown(threads)
+
+    def _sharing_update(self, worker: _Worker) -> None:
+        """When ``worker`` turned busy or idle on shared cores, the other workers' bulk decode
+        runs stop after the step running now, so their next steps are timed at the new
+        slowdown (a single step already running keeps its time: an approximation)."""
+        if self.cluster.sharing is None or (worker.info.worker_id in self._busy_ids) == worker.busy:
+            return
+        (self._busy_ids.add if worker.busy else self._busy_ids.discard)(worker.info.worker_id)
+        for other in self._by_id.values():
+            if other is not worker and other.run_ends_s:
+                self._end_decode_run(other, min(len(other.run_ends_s), bisect.bisect_left(other.run_ends_s, self.now_s) + 1))
 
     def _prefilled(self, worker: _Worker, run: _Run) -> None:
         """The first token is sampled: the new blocks go to the pool, then the router has TTFT."""

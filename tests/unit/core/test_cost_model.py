@@ -139,3 +139,10 @@ def test_bandwidth_meter_ewma():
     with pytest.raises(ValueError, match="alpha must be in"):
         BandwidthMeter(alpha=0.0)
 
+
+
+def test_a_step_sample_splits_the_pass_into_forward_and_host_time():
+    pass_ = StepSample(16, 2, 0.5, duration_s=0.050, forward_s=0.046)
+    assert pass_.host_s == pytest.approx(0.004)
+    assert StepSample(16, 2, 0.5, 0.050).host_s == 0.0  # forward not timed apart
+    assert StepSample(16, 2, 0.5, 0.040, forward_s=0.046).host_s == 0.0  # never negative

@@ -151,3 +151,19 @@ def test_calibration_zero_steps_is_a_no_op(tiny):
     assert calibrate(engine, 0).num_steps == 0 and engine.step_stats.num_steps == 0
     with pytest.raises(ValueError, match="num_steps must be >= 0, got -1"):
         calibrate(engine, -1)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_sample_times_the_whole_pass_but_not_the_idle_time_before_it(tiny, overlap):
+    """duration_s runs from the previous forward's end (or the stream's start) to this forward's
+    end: it holds forward_s and the host work between passes, never the time the engine sat idle."""
+    engine = make_engine(tiny, enable_overlap=overlap)
+    engine.add_request(request("a", 6, max_tokens=3))
+    drain(engine)
+    engine._pass_started_s = -1e6  # as if the last pass ended long ago: idle time must not count
+    engine.add_request(request("b", 6, max_tokens=2, first=100))
+    drain(engine)
+    samples = engine.step_stats.fit.samples()
+    assert len(samples) == 5
+    assert all(0 < s.forward_s <= s.duration_s < 60 for s in samples)
+    assert all(s.host_s == pytest.approx(s.duration_s - s.forward_s) for s in samples)

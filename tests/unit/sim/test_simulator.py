@@ -18,7 +18,7 @@ from router.placement.placer import Placer
 from router.placement.prediction import SLO
 from router.placement.policies import PredictedLatencyPolicy, RoundRobinPolicy
 from sim import adapter
-from sim.cluster import ClusterSpec, RouterSpec, fitted_worker
+from sim.cluster import ClusterSpec, CoreSharing, RouterSpec, fitted_worker
 from sim.simulator import Simulation
 from sim.workload import SimRequest, load_trace
 
@@ -29,9 +29,10 @@ COST = CostModel(base_s=0.010, per_token_s=0.001, num_samples=1, max_num_batched
 ENGINE = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
 
 
-def cluster(num_prefill: int, num_decode: int, policy: str = "round_robin", **router) -> ClusterSpec:
+def cluster(num_prefill: int, num_decode: int, policy: str = "round_robin", sharing: CoreSharing | None = None,
+            **router) -> ClusterSpec:
     worker = fitted_worker(COST, ENGINE, COST.kv_bytes_per_token)
-    return ClusterSpec(num_prefill, num_decode, worker, worker, router=RouterSpec(policy, **router))
+    return ClusterSpec(num_prefill, num_decode, worker, worker, router=RouterSpec(policy, **router), sharing=sharing)
 
 
 def assert_idle(sim: Simulation) -> None:
@@ -100,13 +101,15 @@ def test_the_simulator_runs_the_real_scheduler_and_router_classes():
     subprocess.run([sys.executable, "-c", probe], check=True, cwd=Path(__file__).parents[3])
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-devices", "shared-cores"])
 @pytest.mark.parametrize("num_prefill", [0, 1])
-def test_bulk_decode_runs_give_the_step_by_step_timeline(num_prefill):
+def test_bulk_decode_runs_give_the_step_by_step_timeline(num_prefill, shared):
     timelines, events = [], []
+    sharing = CoreSharing(num_cores=2, prefill_threads=1, decode_threads=1) if shared else None
     for decode_runs in (False, True):
         requests = load_trace(DATA / "mooncake_conversation_slice.jsonl", "mooncake", time_scale=0.01)
         requests = [SimRequest(r.prompt[: 30 + i], 6 + 3 * i, r.arrival_s) for i, r in enumerate(requests)]
-        sim = Simulation(cluster(num_prefill, 2, policy="predicted_latency"), decode_runs=decode_runs)
+        sim = Simulation(cluster(num_prefill, 2, policy="predicted_latency", sharing=sharing), decode_runs=decode_runs)
         result = sim.run(requests)
         timelines.append([r.chunk_times_s for r in result.records])
         events.append(result.num_events)
@@ -135,3 +138,49 @@ def test_admission_refuses_what_cannot_meet_the_router_slo():
     assert kinds[0] == "" and "http_429" in kinds
     assert all(r.ttft_s is None for r in result.records if r.error_kind)
     assert_idle(sim)
+
+
+def test_the_router_overhead_delays_every_request_before_it_reaches_a_worker():
+    # As test_two_requests_colocated_timeline, but each request reaches the worker 5 ms after it
+    # arrived: A's prefill [5, 23 ms); B (arrived 15, at the worker 20) joins A's decode in
+    # [23, 38 ms) and ends in [38, 50 ms): B's tokens 23 and 35 ms after it arrived.
+    sim = Simulation(cluster(0, 1, request_overhead_s=0.005))
+    result = sim.run([SimRequest(list(range(1, 9)), 3, 0.0), SimRequest([100, 101, 102, 103], 2, 0.015)])
+    a, b = result.records
+    assert (a.start_s, b.start_s) == (0.0, 0.015)
+    assert a.chunk_times_s == pytest.approx([0.023, 0.038, 0.050])
+    assert b.chunk_times_s == pytest.approx([0.023, 0.035])
+    with pytest.raises(ValueError, match="-1"):
+        RouterSpec(request_overhead_s=-1)
+    assert_idle(sim)
+
+
+def test_workers_sharing_cores_slow_each_other_down():
+    # Two colocated workers with 1 thread each on 1 core: a step that starts while the other worker
+    # computes takes twice as long (CoreSharing.slowdown(2 threads) = 2).
+    # decode-0, A (8 tokens, 6 outputs): prefill [0, 18) alone -> token 1 at 18; a bulk run of 4
+    #   decode steps of 11 ms from 18 (29, 40, 51, 62 planned).
+    # decode-1, B (4 tokens, 1 output) arrives at 30: A is busy -> its prefill takes 2 x 14 = 28 ms,
+    #   [30, 58): B's TTFT 28 ms. B turning busy cuts A's run after the step running at 30 (ends 40).
+    # A from 40, B busy: a run of 2 steps of 22 ms (62, 84 planned); B turns idle at 58: the run is cut
+    #   after the step running then (ends 62); A's last two steps alone: 73, 84.
+    sharing = CoreSharing(num_cores=1, prefill_threads=1, decode_threads=1)
+    sim = Simulation(cluster(0, 2, sharing=sharing))
+    result = sim.run([SimRequest(list(range(1, 9)), 6, 0.0), SimRequest([100, 101, 102, 103], 1, 0.030)])
+    a, b = result.records
+    assert a.chunk_times_s == pytest.approx([0.018, 0.029, 0.040, 0.062, 0.073, 0.084])
+    assert b.ttft_s == pytest.approx(0.028) and b.e2e_s == pytest.approx(0.028)
+    assert [w["busy_s"] for w in result.workers] == pytest.approx([0.084, 0.028])
+    assert_idle(sim)
+
+
+def test_core_sharing_is_processor_sharing_of_the_busy_threads():
+    sharing = CoreSharing(num_cores=2, prefill_threads=1, decode_threads=2)
+    assert [sharing.threads(r) for r in ("prefill", "decode")] == [1, 2]
+    assert [sharing.slowdown(n) for n in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    with pytest.raises(ValueError, match="num_cores must be >= 1, got 0"):
+        CoreSharing(0, 1, 1)
+    measured = CoreSharing(num_cores=2, prefill_threads=1, decode_threads=1, exponent=0.5)
+    assert [measured.slowdown(n) for n in (2, 4, 8)] == pytest.approx([1.0, 2 ** 0.5, 2.0])
+    with pytest.raises(ValueError, match="exponent must be in"):
+        CoreSharing(2, 1, 1, exponent=-1)

@@ -1,0 +1,152 @@
+"""Where a served run's step timeline departs from the cost model: per-pass measurements from the
+workers' DEBUG logs (engine.engine logs every pass: its features, forward + sampling time and the
+whole pass), compared within one run, so a loaded machine moves both sides alike.
+
+    .venv/bin/python benchmarks/step_timeline.py .cache/logs/sim-validation/1P+1D [--since TS]
+
+For each worker: the host share of a pass (scheduling, input preparation, output processing and
+delivery: pass - forward), the error of a cost model fitted on its passes (core.cost_model's own
+fit), and, where workers share the cores, the measured slowdown of passes that ran while another
+worker computed against those that ran alone (the ratio a CoreSharing.slowdown should give).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.cost_model import StepSample, StepTimeFit  # noqa: E402
+
+PASS = re.compile(r"pass: (\d+) tokens, (\d+) seqs, ([\d.]+) k attention pairs, forward ([\d.]+) ms, pass ([\d.]+) ms")
+ALONE, SHARED = 0.1, 0.9  # a pass contended for < 10 % / > 90 % of its time
+MIN_FIT_PASSES = 8
+
+
+@dataclass(frozen=True)
+class Pass:
+    worker: str
+    end_s: float  # wall clock (the log's ts, ms resolution)
+    sample: StepSample
+
+    @property
+    def start_s(self) -> float:
+        return self.end_s - self.sample.duration_s
+
+
+def read_passes(log: Path, since_s: float = 0.0) -> list[Pass]:
+    """The passes a worker's DEBUG log holds that ended after ``since_s`` (wall clock)."""
+    passes = []
+    for line in log.read_text().splitlines():
+        if '"pass:' not in line:
+            continue
+        entry = json.loads(line)
+        m = PASS.search(entry["msg"])
+        if m is None or entry["ts"] < since_s:
+            continue
+        sample = StepSample(int(m[1]), int(m[2]), float(m[3]), float(m[5]) / 1e3, float(m[4]) / 1e3)
+        passes.append(Pass(log.stem, entry["ts"], sample))
+    return passes
+
+
+def quantiles(values: list[float], qs=(0.1, 0.5, 0.9)) -> list[float]:
+    v = sorted(values)
+    return [v[round(q * (len(v) - 1))] for q in qs] if v else []
+
+
+def overlap_fraction(p: Pass, others: list[Pass]) -> float:
+    """Share of ``p``'s time during which some pass of another worker ran (intervals merged)."""
+    return contention(p, others, {}, num_cores=1)[0]
+
+
+def contention(p: Pass, others: list[Pass], threads: dict[str, int], num_cores: int) -> tuple[float, float]:
+    """(share of ``p``'s time during which its worker's threads plus those of the other workers
+    computing then exceed ``num_cores``, CoreSharing's processor-sharing slowdown averaged over
+    the pass). ``threads``: worker -> threads (1 where absent)."""
+    if p.sample.duration_s <= 0:
+        return 0.0, 1.0
+    edges = [(p.start_s, 0), (p.end_s, 0)]
+    for o in others:
+        if o.end_s > p.start_s and o.start_s < p.end_s:
+            n = threads.get(o.worker, 1)
+            edges += [(max(o.start_s, p.start_s), n), (min(o.end_s, p.end_s), -n)]
+    edges.sort()
+    own, busy, contended_s, weighted_s = threads.get(p.worker, 1), 0, 0.0, 0.0
+    for (t, delta), (t_next, _) in zip(edges, edges[1:]):
+        busy += delta
+        span = t_next - t
+        if own + busy > num_cores:
+            contended_s += span
+        weighted_s += span * max(1.0, (own + busy) / num_cores)
+    return contended_s / p.sample.duration_s, weighted_s / p.sample.duration_s
+
+
+def analyze(passes_by_worker: dict[str, list[Pass]], threads: dict[str, int] | None = None, num_cores: int = 1) -> dict:
+    """Per worker: pass counts, host share, the cost model fitted on its uncontended passes (those
+    that ran while the busy threads fitted the cores) and its error; with contended passes, their
+    measured slowdown against that fit beside what CoreSharing's processor sharing predicts.
+    ``threads``: worker -> threads (1 where absent); ``num_cores``: the cores they share."""
+    out, threads = {}, threads or {}
+    for name, passes in passes_by_worker.items():
+        if len(passes) < 4:
+            continue
+        others = [p for n, ps in passes_by_worker.items() if n != name for p in ps]
+        shares = [contention(p, others, threads, num_cores) for p in passes]
+        alone = [p.sample for p, (f, _) in zip(passes, shares) if f < ALONE]
+        shared = [p.sample for p, (f, _) in zip(passes, shares) if f > SHARED]
+        modelled = [m for f, m in shares if f > SHARED]
+        fitted = alone if len(alone) >= MIN_FIT_PASSES else [p.sample for p in passes]
+        fit = StepTimeFit(window=4096)
+        for s in fitted:
+            fit.add(s)
+        model = fit.model()
+        ratio = lambda ss: [s.duration_s / model.step_s(s.num_new_tokens, s.num_seqs, s.attn_pairs)  # noqa: E731
+                            for s in ss if model.step_s(s.num_new_tokens, s.num_seqs, s.attn_pairs) > 0]
+        row = {
+            "num_passes": len(passes), "num_alone": len(alone), "num_shared": len(shared),
+            "host_ms_p10_p50_p90": [round(x * 1e3, 2) for x in quantiles([p.sample.host_s for p in passes])],
+            "host_share_p50": statistics.median(p.sample.host_s / p.sample.duration_s for p in passes),
+            "fit_from": "uncontended passes" if len(alone) >= MIN_FIT_PASSES else "all passes (too few uncontended)",
+            "fit_on_alone_passes": {"base_ms": model.base_s * 1e3, "per_token_us": model.per_token_s * 1e6,
+                                    "per_seq_us": model.per_seq_s * 1e6, "per_attn_us": model.per_attn_s * 1e6},
+            "alone_pass_over_fit_p10_p50_p90": quantiles(ratio(alone)),
+            "fitted_pass_over_fit_p10_p50_p90": quantiles(ratio(fitted)),  # over the passes the fit was made on
+        }
+        if shared:
+            row["shared_pass_over_fit_p10_p50_p90"] = quantiles(ratio(shared))
+            row["modelled_slowdown_p50"] = statistics.median(modelled)
+            if alone:
+                row["measured_slowdown_p50"] = statistics.median(ratio(shared)) / statistics.median(ratio(alone))
+        out[name] = row
+    return out
+
+
+def analyze_dir(log_dir: Path, since_s: float = 0.0, role_threads: dict[str, int] | None = None,
+                num_cores: int = 1) -> dict:
+    """analyze() over every worker log (prefill*.log, decode*.log) of a local cluster's log folder;
+    ``role_threads``: role -> threads of each of its workers."""
+    logs = sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")])
+    threads = {log.stem: (role_threads or {}).get(log.stem.split("-")[0], 1) for log in logs}
+    return analyze({log.stem: read_passes(log, since_s) for log in logs}, threads, num_cores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log_dir", type=Path)
+    parser.add_argument("--since", type=float, default=0.0, help="wall-clock start of the run (skips calibration)")
+    parser.add_argument("--cores", type=int, default=1, help="cores the workers share")
+    parser.add_argument("--prefill-threads", type=int, default=1)
+    parser.add_argument("--decode-threads", type=int, default=1)
+    args = parser.parse_args()
+    threads = {"prefill": args.prefill_threads, "decode": args.decode_threads}
+    print(json.dumps(analyze_dir(args.log_dir, args.since, threads, args.cores), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""benchmarks/step_timeline.py and sim_validation's measured terms from given numbers (no cluster)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import sim_validation
+from benchmarks.step_timeline import Pass, analyze, contention, overlap_fraction, read_passes
+from core.cost_model import CostModel, StepSample
+
+
+def decode_pass(worker: str, end_s: float, duration_s: float, batch: int = 1) -> Pass:
+    return Pass(worker, end_s, StepSample(batch, batch, batch / 1000, duration_s, duration_s - 0.001))
+
+
+def test_overlap_fraction_merges_the_neighbours_passes():
+    p = decode_pass("decode", end_s=10.0, duration_s=1.0)  # [9, 10)
+    # [8.8, 9.3) and [9.2, 9.5) overlap each other: together they cover [9, 9.5) of it (not 0.6);
+    # [11, 12) does not touch it.
+    others = [decode_pass("prefill", 9.3, 0.5), decode_pass("prefill", 9.5, 0.3), decode_pass("prefill", 12.0, 1.0)]
+    assert overlap_fraction(p, others) == pytest.approx(0.5)
+    assert overlap_fraction(p, []) == 0.0
+    # 2 decode threads + 1 prefill thread on 2 cores: contended while a prefill pass runs, at
+    # processor sharing's 3 / 2; the two prefill passes overlap in [9.2, 9.3): 4 threads, 2x.
+    contended, modelled = contention(p, others, {"decode": 2, "prefill": 1}, num_cores=2)
+    assert contended == pytest.approx(0.5)
+    assert modelled == pytest.approx(0.4 * 1.5 + 0.1 * 2.0 + 0.5 * 1.0)
+    assert contention(p, others, {"decode": 1, "prefill": 1}, num_cores=2) == pytest.approx((0.1, 0.1 * 1.5 + 0.9))
+
+
+def test_analyze_measures_the_slowdown_of_passes_beside_another_worker():
+    # decode passes of 20 ms + 10 ms per sequence alone; twice that while the prefill worker's
+    # long passes run; the prefill worker only runs between t = 100 and 110 s.
+    decode, t = [], 0.0
+    for i in range(40):
+        batch = 1 + i % 4
+        shared = 100 <= t < 109
+        t += (0.020 + 0.010 * batch) * (2 if shared else 1)
+        decode.append(decode_pass("decode", t, (0.020 + 0.010 * batch) * (2 if shared else 1), batch))
+        if i == 20:
+            t = 100.0
+    prefill = [Pass("prefill", 100.0 + 1.0 * k, StepSample(256, 1, 30.0, 1.0, 0.999)) for k in range(1, 11)]
+    result = analyze({"decode": decode, "prefill": prefill})
+    row = result["decode"]
+    assert row["num_passes"] == 40 and row["num_shared"] > 0 and row["num_alone"] > 0
+    assert row["alone_pass_over_fit_p10_p50_p90"] == pytest.approx([1.0, 1.0, 1.0], abs=0.02)
+    assert row["fitted_pass_over_fit_p10_p50_p90"] == row["alone_pass_over_fit_p10_p50_p90"]  # fitted on those
+    assert row["measured_slowdown_p50"] == pytest.approx(2.0, rel=0.02)
+    assert row["host_ms_p10_p50_p90"] == pytest.approx([1.0, 1.0, 1.0])
+    assert "prefill" in result  # 10 passes: analysed too
+
+
+def test_read_passes_parses_the_engines_debug_lines(tmp_path):
+    lines = [{"ts": 5.0, "level": "info", "logger": "x", "msg": "serving"},
+             {"ts": 6.5, "level": "debug", "logger": "engine.engine",
+              "msg": "pass: 16 tokens, 1 seqs, 0.136 k attention pairs, forward 40.000 ms, pass 42.500 ms"},
+             {"ts": 4.0, "level": "debug", "logger": "engine.engine",
+              "msg": "pass: 2 tokens, 2 seqs, 0.030 k attention pairs, forward 10.000 ms, pass 11.000 ms"}]
+    log = tmp_path / "decode.log"
+    log.write_text("\n".join(json.dumps(line) for line in lines))
+    (p,) = read_passes(log, since_s=5.0)  # the pass that ended at 4.0 s is before the run
+    assert (p.worker, p.end_s, p.sample) == ("decode", 6.5, StepSample(16, 1, 0.136, 0.0425, 0.040))
+
+
+def test_the_router_overhead_is_the_probes_ttft_beyond_their_own_passes():
+    prefill = CostModel(base_s=0.030, per_token_s=0.001, num_samples=1, kv_load_bytes_per_s=1e6, kv_bytes_per_token=1000)
+    models = {"prefill": prefill, "decode": CostModel(base_s=0.5, num_samples=1)}
+    # client TTFTs 60, 70, 80 ms; the workers timed the probes' passes 45, 46 ms on the prefill
+    # worker (+ 16 ms to store 16 tokens' KV at 1 MB/s) and 47 ms on the decode worker (no store):
+    # overheads -1, 8, 33 ms -> median 8 ms.
+    passes = [("prefill", 0.045), ("prefill", 0.046), ("decode", 0.047)]
+    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], passes, models) == pytest.approx(0.008)
+    # no pass timings: the prefill fit's 30 + 16 = 46 ms pass and the store: 70 - 46 - 16 = 8 ms
+    assert sim_validation.request_overhead_s([0.060, 0.070, 0.080], [], models) == pytest.approx(0.008)
+    assert sim_validation.request_overhead_s([0.010], [("decode", 0.045)], models) == 0.0
+
+
+def test_the_cores_are_shared_as_the_launcher_splits_them():
+    assert sim_validation.sharing_of("colocated-1", 2).decode_threads == 2
+    one_one = sim_validation.sharing_of("1P+1D", 2)
+    assert (one_one.num_cores, one_one.prefill_threads, one_one.decode_threads) == (2, 1, 2)
+    two_two = sim_validation.sharing_of("2P+2D", 2)
+    assert (two_two.prefill_threads, two_two.decode_threads) == (1, 1)
+    assert sim_validation.sharing_of("colocated-2", 2).decode_threads == 1
+
+
+def test_the_simulated_roles_take_the_fits_of_their_uncontended_passes():
+    published = {"prefill": CostModel(0.5, 0.01, 0.0, 0.0, 20, 2048, 2e9, 46080.0),
+                 "decode": CostModel(0.05, 0.002, 0.001, 0.0, 30, 2048, 1e9, 46080.0)}
+    fit = lambda base_ms: {"base_ms": base_ms, "per_token_us": 2000.0, "per_seq_us": 500.0, "per_attn_us": 1.0}  # noqa: E731
+    row = lambda base_ms, median=1.0: {"fit_on_alone_passes": fit(base_ms),  # noqa: E731
+                                       "fitted_pass_over_fit_p10_p50_p90": [0.9, median, 2.0]}
+    timeline = {"prefill": row(40.0), "decode": row(20.0), "decode-1": row(30.0)}
+    models = sim_validation.uncontended_models(published, timeline)
+    assert models["prefill"] == CostModel(0.040, 0.002, 0.0005, 1e-6, 20, 2048, 2e9, 46080.0)
+    assert models["decode"].base_s == pytest.approx(0.025)  # the median of the two decode workers
+    assert models["decode"].kv_load_bytes_per_s == 1e9  # bandwidth and budget stay the published ones
+    assert sim_validation.uncontended_models(published, {}) == published  # no pass logs: the published fits
+    # a fit whose passes ran 1.2x it at the median is scaled up by 1.2 (the prefill one here)
+    timeline["prefill"] = row(40.0, median=1.2)
+    scaled = sim_validation.uncontended_models(published, timeline)["prefill"]
+    assert (scaled.base_s, scaled.per_token_s, scaled.per_seq_s) == pytest.approx((0.048, 0.0024, 0.0006))
+    unscaled = sim_validation.uncontended_models(published, timeline, median_scaled=False)["prefill"]
+    assert unscaled.base_s == pytest.approx(0.040)
