@@ -24,6 +24,7 @@ from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
 from chaos.probe import ClusterProbe
 from chaos.reference import reference_key
+from chaos.sampler import Sample, Sampler, summary
 from chaos.schedule import Campaign, Scenario
 from launcher.local_cluster import LocalCluster
 
@@ -45,6 +46,13 @@ class ScenarioResult:
     duration_s: float
     examples: dict[str, list[str]] = field(default_factory=dict)  # a few errors / lost, by status
     supervision: list[str] = field(default_factory=list)  # what tandem up's supervision did
+    samples: list[Sample] = field(default_factory=list)  # gauges over time (campaign sample_every_s > 0)
+    offered_rate_per_s: float = 0.0  # the open loop's arrival rate (0: closed loop)
+
+    @property
+    def completion_rate_per_s(self) -> float:
+        """Completed requests per second of the run: its throughput (a capacity when saturated)."""
+        return self.counts["completed"] / self.duration_s if self.duration_s > 0 else 0.0
 
 
 def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
@@ -95,14 +103,28 @@ class CampaignRunner:
         self.cluster, self.campaign, self.requests, self.client = cluster, campaign, requests, client
         self.refs, self.fault_file, self.expected_workers = refs, fault_file, expected_workers
 
-    async def run(self, scenario: Scenario, seed: int) -> ScenarioResult:
+    async def run(self, scenario: Scenario, seed: int, previous: ScenarioResult | None = None) -> ScenarioResult:
+        """Runs ``scenario``; ``previous`` (the scenario run before it) sets the open loop's rate
+        when the scenario has a ``capacity_fraction``.
+
+        Raises:
+            ValueError: a capacity_fraction with no previous scenario or one that completed nothing.
+        """
         probe = ClusterProbe(self.cluster)
         rss_before = probe.rss_bytes()
         c = self.campaign
-        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, c.duration_s)
+        rate = 0.0
+        if scenario.capacity_fraction:
+            if previous is None or previous.completion_rate_per_s <= 0:
+                raise ValueError(f"{scenario.name}: capacity_fraction needs a scenario before it that completed requests")
+            rate = scenario.capacity_fraction * previous.completion_rate_per_s
+        duration_s = c.duration_s if scenario.duration_s is None else scenario.duration_s
+        driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, duration_s, rate)
         ctx = FaultContext(self.cluster, driver, self.fault_file)
         events: list[str] = []
         supervisor = asyncio.create_task(self._supervise(ctx, events))
+        sampler = Sampler(probe, driver, c.sample_every_s)
+        sampling = asyncio.create_task(sampler.run()) if c.sample_every_s > 0 else None
         try:
             logs = [FaultLog(f) for f in scenario.faults]
             fault_tasks = [asyncio.create_task(run_fault(f, ctx, log)) for f, log in zip(scenario.faults, logs)]
@@ -113,16 +135,23 @@ class CampaignRunner:
             await asyncio.gather(*fault_tasks, return_exceptions=True)
             resume_stopped(ctx)
             duration_s = driver.progress.now_s()
+            if sampling is not None:
+                sampling.cancel()
+                await asyncio.gather(sampling, return_exceptions=True)
+                sampler.samples.append(await asyncio.to_thread(sampler.take))  # the run's end
             await self._wait_whole()
             idle_after_s, leaked = await self._wait_idle(probe)
         finally:
             resume_stopped(ctx)
+            if sampling is not None:
+                sampling.cancel()
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
         rss_growth = probe.rss_bytes() - rss_before
         probe.close()
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_s(driver.progress, [f for f in logs if f.note != "not triggered"]), duration_s, _examples(outcomes), events)
+                              rss_growth, recovery_s(driver.progress, [f for f in logs if f.note != "not triggered"]), duration_s, _examples(outcomes), events,
+                              sampler.samples, rate)
 
     async def _supervise(self, ctx: FaultContext, events: list[str]) -> None:
         while True:
@@ -164,6 +193,9 @@ class CampaignRunner:
 
 def result_json(result: ScenarioResult) -> dict:
     data = dataclasses.asdict(result)
+    data["completion_rate_per_s"] = round(result.completion_rate_per_s, 4)
+    if result.samples:
+        data["sample_summary"] = summary(result.samples)
     data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),
                        "note": f.note} for f in result.faults]
     return data

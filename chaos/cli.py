@@ -25,6 +25,7 @@ from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
 from chaos import report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
+from chaos.sampler import plot
 from chaos.reference import references
 from chaos.schedule import Campaign, load_campaign
 from core.fault_injection import ENV_VAR
@@ -84,7 +85,7 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
         rng = random.Random(campaign.seed)
         for scenario in scenarios:
             console.print(f"scenario: {scenario.name}")
-            results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31))))
+            results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31), results[-1] if results else None)))
             _write(out_dir, campaign, results, with_reference)
     return results
 
@@ -108,7 +109,16 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
     data = {"seed": campaign.seed, "cluster": campaign.cluster, "workload": campaign.workload,
             "concurrency": campaign.concurrency, "scenarios": [result_json(r) for r in results]}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=str))
-    (out_dir / "results.md").write_text(report.markdown(results, with_reference))
+    text = report.markdown(results, with_reference)
+    for i, result in enumerate(results):
+        if result.samples:
+            plot(result.samples, out_dir / f"samples-{i}.png", f"{result.name}: gauges over time")
+            load = (f"open loop at {result.offered_rate_per_s:.3f} req/s" if result.offered_rate_per_s
+                    else f"closed loop, {campaign.concurrency} in flight")
+            text += (f"\n### {result.name}: gauges over time (samples-{i}.png)\n\n{load}; completed "
+                     f"{result.completion_rate_per_s:.3f} req/s over {result.duration_s:.0f} s\n\n"
+                     + report.samples_markdown(result))
+    (out_dir / "results.md").write_text(text)
 
 
 @click.command()

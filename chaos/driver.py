@@ -75,10 +75,12 @@ class Driver:
     """One run of ``requests`` against ``client.url``; see the module docstring."""
 
     def __init__(self, requests: list[BenchRequest], client: ClientConfig, concurrency: int, deadline_s: float,
-                 seed: int, duration_s: float = 0.0):
-        """``duration_s`` > 0: keep sending (cycling ``requests``) until then; else each once."""
+                 seed: int, duration_s: float = 0.0, rate_per_s: float = 0.0):
+        """``duration_s`` > 0: keep sending (cycling ``requests``) until then; else each once.
+        ``rate_per_s`` > 0: an open loop instead of ``concurrency`` in flight: requests start at
+        Poisson arrival times of that rate (seeded), however many are in flight."""
         self.requests, self.client, self.concurrency, self.deadline_s = requests, client, concurrency, deadline_s
-        self.duration_s = duration_s
+        self.duration_s, self.rate_per_s = duration_s, rate_per_s
         self.rng = random.Random(seed)
         self.progress = Progress()
         self.outcomes: list[Outcome] = []
@@ -92,7 +94,8 @@ class Driver:
         """Sends every workload request (and any burst); returns when all have ended."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(limits=limits, timeout=self.deadline_s) as self._http:
-            workers = [asyncio.create_task(self._loop()) for _ in range(self.concurrency)]
+            workers = [asyncio.create_task(self._open_loop())] if self.rate_per_s > 0 else [
+                asyncio.create_task(self._loop()) for _ in range(self.concurrency)]
             await asyncio.gather(*workers)
             while self._tasks:  # burst requests still running
                 await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
@@ -107,6 +110,16 @@ class Driver:
             index = self._next % len(self.requests)
             self._next += 1
             await self._start(index)
+
+    async def _open_loop(self) -> None:
+        next_s = 0.0
+        while (next_s < self.duration_s) if self.duration_s else self._next < len(self.requests):
+            await asyncio.sleep(max(0.0, next_s - self.progress.now_s()))
+            self._start(self._next % len(self.requests))
+            self._next += 1
+            next_s += self.rng.expovariate(self.rate_per_s)
+        if self.duration_s:  # the window lasts its duration even when the next arrival falls past it
+            await asyncio.sleep(max(0.0, self.duration_s - self.progress.now_s()))
 
     def _start(self, workload_index: int) -> asyncio.Task:
         outcome = Outcome(len(self.outcomes), workload_index, self.progress.now_s())

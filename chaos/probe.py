@@ -51,6 +51,33 @@ class ClusterProbe:
                                                                       timeout=STATS_TIMEOUT_S)
         return stats.capacity_bytes - stats.used_bytes
 
+    def gauges(self) -> dict[str, int]:
+        """Every integer field of each service's GetStats answer, by ``service.field`` (a service
+        that does not answer is left out)."""
+        found: dict[str, int] = {}
+        for name, channel in self._channels.items():
+            request = kv_pool_pb2.GetPoolStatsRequest() if name == "kv_pool" else prefill_worker_pb2.GetWorkerStatsRequest()
+            try:
+                stats = _stub(name, channel).GetStats(request, timeout=STATS_TIMEOUT_S)
+            except grpc.RpcError:
+                continue
+            for descriptor in stats.DESCRIPTOR.fields:  # zeros too (ListFields leaves them out)
+                value = getattr(stats, descriptor.name)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    found[f"{name}.{descriptor.name}"] = value
+        return found
+
+    def rss_by_service(self) -> dict[str, int]:
+        """Resident memory of each service process by name (Linux /proc; 0 for one that is gone)."""
+        found: dict[str, int] = {}
+        for service in self.cluster.services:
+            try:
+                with open(f"/proc/{service.process.pid}/statm") as f:
+                    found[service.name] = int(f.read().split()[1]) * PAGE_BYTES
+            except (OSError, IndexError, ValueError):
+                found[service.name] = 0
+        return found
+
     def rss_bytes(self) -> int:
         """Resident memory of every service process, summed (Linux /proc; 0 for one that is gone)."""
         total = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chaos.campaign import ScenarioResult
+from chaos.sampler import summary
 
 MIB = 1024 * 1024
 COLUMNS = ("scenario", "faults", "sent", "completed", "explicit errors", "lost", "wrong", "client cancels",
@@ -40,3 +41,16 @@ def failed(results: list[ScenarioResult]) -> list[str]:
         if bad:
             out.append(f"{r.name}: {bad}")
     return out
+
+
+def samples_markdown(result: ScenarioResult) -> str:
+    """The sampled series of one scenario that moved (RSS always): first, last, max (and the RSS
+    slope over the run's second half), one row each."""
+    lines = ["| series | first | last | max | slope, 2nd half (MiB/h) |", "|---|---:|---:|---:|---:|"]
+    for name, values in summary(result.samples).items():
+        if not name.startswith("rss_mib.") and values["first"] == values["last"] == values["max"]:
+            continue  # constant: capacities, limits, or never used
+        slope = values.get("slope_mib_per_h")
+        lines.append(f"| {name} | {values['first']} | {values['last']} | {values['max']} | "
+                     f"{'' if slope is None and 'slope_mib_per_h' not in values else _num(slope)} |")
+    return "\n".join(lines) + "\n"

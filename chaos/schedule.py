@@ -52,7 +52,7 @@ class Fault:
     stage: str = "mid_decode"  # disconnect: when the client goes
     multiplier: int = 10  # burst: extra requests = multiplier x concurrency, sent at once
     mode: str = "delay"  # transfer: delay | error | truncate | corrupt
-    methods: tuple[str, ...] = ("GetBlocks", "AcquireLease", "LocateBlocks")  # transfer: pool RPCs hit
+    methods: tuple[str, ...] = ("GetBlocks", "LocateBlocks")  # transfer: pool RPCs hit
     delay_s: float = 1.0  # transfer delay
     probability: float = 1.0  # transfer: share of matching RPCs hit
 
@@ -92,6 +92,10 @@ class Fault:
 class Scenario:
     name: str
     faults: tuple[Fault, ...]
+    duration_s: float | None = None  # replaces the campaign's workload.duration_s for this scenario
+    # > 0: an open loop at this fraction of the completion rate the scenario before it measured
+    # (its completed requests / its duration); 0: the campaign's closed loop
+    capacity_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,13 @@ class Campaign:
     workload: dict = field(default_factory=dict)
     concurrency: int = 8
     duration_s: float = 0.0  # > 0: each scenario sends for this long, cycling the workload (a soak)
+    sample_every_s: float = 0.0  # > 0: gauges and RSS sampled this often (chaos/sampler.py; a soak)
 
     def __post_init__(self) -> None:
         if self.duration_s < 0:
             raise ValueError(f"workload.duration_s must be >= 0, got {self.duration_s!r}")
+        if self.sample_every_s < 0:
+            raise ValueError(f"sample_every_s must be >= 0, got {self.sample_every_s!r}")
         if not self.scenarios:
             raise ValueError("scenarios must not be empty")
         if self.deadline_s <= 0 or self.idle_bound_s <= 0:
@@ -138,21 +145,32 @@ def parse_campaign(data: object) -> Campaign:
     """The campaign of a parsed YAML document. Raises ValueError naming the bad field."""
     if not isinstance(data, dict):
         raise ValueError(f"a campaign must be a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - {"seed", "deadline_s", "idle_bound_s", "cluster", "workload", "scenarios"})
+    unknown = sorted(set(data) - {"seed", "deadline_s", "idle_bound_s", "cluster", "workload", "scenarios", "sample_every_s"})
     if unknown:
         raise ValueError(f"unknown campaign field(s) {unknown}")
     scenarios = []
     for i, entry in enumerate(data.get("scenarios") or []):
         if not isinstance(entry, dict) or not entry.get("name"):
             raise ValueError(f"scenarios[{i}] needs a name")
+        unknown = sorted(set(entry) - {"name", "faults", "duration_s", "capacity_fraction"})
+        if unknown:
+            raise ValueError(f"scenarios[{i}]: unknown field(s) {unknown}")
         faults = tuple(_fault(f, f"scenarios[{i}].faults[{j}]") for j, f in enumerate(entry.get("faults") or []))
-        scenarios.append(Scenario(str(entry["name"]), faults))
+        duration_s = entry.get("duration_s")
+        fraction = float(entry.get("capacity_fraction", 0.0))
+        if duration_s is not None and float(duration_s) <= 0:
+            raise ValueError(f"scenarios[{i}].duration_s must be > 0, got {duration_s!r}")
+        if not 0 <= fraction <= 2:
+            raise ValueError(f"scenarios[{i}].capacity_fraction must be in [0, 2], got {fraction!r}")
+        if fraction and not scenarios:
+            raise ValueError(f"scenarios[{i}].capacity_fraction needs a scenario before it to measure capacity")
+        scenarios.append(Scenario(str(entry["name"]), faults, None if duration_s is None else float(duration_s), fraction))
     workload = dict(data.get("workload") or {})
     concurrency = int(workload.pop("concurrency", 8))
     duration_s = float(workload.pop("duration_s", 0.0))
     return Campaign(tuple(scenarios), int(data.get("seed", 0)), float(data.get("deadline_s", 120.0)),
                     float(data.get("idle_bound_s", 75.0)), dict(data.get("cluster") or {}), workload, concurrency,
-                    duration_s)
+                    duration_s, float(data.get("sample_every_s", 0.0)))
 
 
 def load_campaign(path: Path) -> Campaign:

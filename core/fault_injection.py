@@ -7,7 +7,7 @@ rewrites while the service runs (re-read when its mtime changes)::
 
     {"rules": [{"methods": ["GetBlocks"], "mode": "corrupt", "probability": 1.0}]}
 
-A rule applies to RPCs whose method name (``GetBlocks``, ``AcquireLease``, ...; empty list: all
+A rule applies to RPCs whose method name (``GetBlocks``, ``LocateBlocks``, ...; empty list: all
 but ``Check``/``Watch`` of grpc.health) is listed, with ``probability`` (0-1, a seeded RNG):
 
 - ``delay``: sleeps ``delay_s`` seconds before the handler runs (a slowed transfer);

@@ -146,18 +146,6 @@ class PoolClient:
         self._channel = insecure_channel(address)
         self._stub = kv_pool_pb2_grpc.KVPoolStub(self._channel)
 
-    def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
-        """Number of leading ``block_hashes`` the pool holds (no lease taken)."""
-        msg = kv_pool_pb2.LookupRequest(spec_fingerprint=spec_fingerprint, block_hashes=block_hashes)
-        return self._stub.Lookup(msg, timeout=self.timeout_s).num_hit_blocks
-
-    def acquire_lease(self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float) -> int:
-        """Leases the longest held prefix to ``request_id`` for ``ttl_s`` seconds; returns its length."""
-        msg = kv_pool_pb2.AcquireLeaseRequest(
-            spec_fingerprint=spec_fingerprint, block_hashes=block_hashes, request_id=request_id, ttl_ms=_ttl_ms(ttl_s)
-        )
-        return self._stub.AcquireLease(msg, timeout=self.timeout_s).num_hit_blocks
-
     def put_blocks(
         self, items: Iterable[tuple[BlockKey, BlockBytes]], lease_request_id: str = "", lease_ttl_s: float = 60.0,
         checksums: Sequence[int] = (),

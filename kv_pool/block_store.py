@@ -95,7 +95,7 @@ class BlockStore:
         arena = arena if arena is not None else Arena(capacity_bytes)
         self._tiers = Tiers(capacity_bytes, arena, nvme, watermarks, on_event)
         self._leases = LeaseTable(clock)
-        self._num_lookup_hits = self._num_lookups = self._num_corrupt = 0
+        self._num_corrupt = 0
 
     @property
     def arena(self) -> Arena:
@@ -256,28 +256,7 @@ class BlockStore:
             return None
         return BlockState.WRITING if block.reservation is not None else BlockState.STORED
 
-    def lookup(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
-        """Number of leading ``block_hashes`` that are STORED (stops at the first gap).
-
-        Mutates: the lookup counters only (queried and hit blocks).
-        """
-        num_hit = self._prefix_len(spec_fingerprint, block_hashes)
-        self._num_lookups += len(block_hashes)
-        self._num_lookup_hits += num_hit
-        return num_hit
-
     # -- leases and request lifetime -------------------------------------------------------------
-
-    def acquire_lease(self, spec_fingerprint: str, block_hashes: Sequence[int], request_id: str, ttl_s: float) -> int:
-        """Leases the longest STORED prefix of ``block_hashes`` to ``request_id``; returns its length.
-
-        Mutates: leases (see ``lease``).
-
-        Raises:
-            ValueError: empty ``request_id`` or ``ttl_s`` <= 0.
-        """
-        keys = [BlockKey.content(spec_fingerprint, h) for h in block_hashes]
-        return len(self.locate(keys, request_id, ttl_s))
 
     def lease(self, keys: Iterable[BlockKey], request_id: str, ttl_s: float) -> int:
         """Leases every held key (WRITING or STORED) to ``request_id``; returns how many.
@@ -358,8 +337,6 @@ class BlockStore:
             num_scoped_blocks=t.num_scoped,
             num_leases=self._leases.num_leases,
             num_evicted_blocks=c.num_evicted,
-            num_lookup_hit_blocks=self._num_lookup_hits,
-            num_lookup_blocks=self._num_lookups,
             num_dram_blocks=len(t.blocks),
             num_dram_hits=c.num_dram_hits,
             num_dram_misses=c.num_dram_misses,
@@ -385,12 +362,6 @@ class BlockStore:
         if block is None or block.reservation is not reservation:
             raise StaleReservationError(f"reservation of {reservation.key} is no longer live")
         return block
-
-    def _prefix_len(self, spec_fingerprint: str, block_hashes: Sequence[int]) -> int:
-        for i, block_hash in enumerate(block_hashes):
-            if not self._tiers.holds(BlockKey.content(spec_fingerprint, block_hash)):
-                return i
-        return len(block_hashes)
 
     def _free(self, block: DramBlock) -> None:
         """Removes ``block`` in any state, dropping the leases every request holds on it."""

@@ -76,9 +76,7 @@ class PoolStats:
     num_scoped_blocks: int  # committed request-scoped blocks
     num_leases: int  # requests holding at least one lease
     num_evicted_blocks: int
-    num_lookup_hit_blocks: int
-    num_lookup_blocks: int
-    # Per tier. hits / misses: blocks looked for (Lookup, leases, reads) found / not found in the
+    # Per tier. hits / misses: blocks looked for (leases, reads) found / not found in the
     # tier (NVMe is only asked after a DRAM miss); promotions: blocks read back from NVMe into
     # DRAM; demotions: blocks DRAM evicted into NVMe; nvme evictions: dropped from the node.
     num_dram_blocks: int = 0  # every state

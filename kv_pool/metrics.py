@@ -7,8 +7,6 @@ time, so the store needs no metric calls; transfer bytes are counted by the serv
     tandem:pool_leases                                      gauge, requests holding a lease
     tandem:pool_used_bytes / tandem:pool_capacity_bytes      gauges
     tandem:pool_evictions_total                             counter
-    tandem:pool_lookup_blocks_total                         counter, blocks asked for by Lookup
-    tandem:pool_lookup_hit_blocks_total                     counter, of which stored
     tandem:pool_transfer_bytes_total{direction=put|get}     counter, block bytes received / sent
                                                             (streamed through gRPC only)
     tandem:pool_tier_blocks{tier=dram|nvme}                 gauge
@@ -49,12 +47,6 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("tandem:pool_used_bytes", "Bytes held by blocks.", value=stats.used_bytes)
         yield GaugeMetricFamily("tandem:pool_capacity_bytes", "Bytes the pool may hold.", value=stats.capacity_bytes)
         yield CounterMetricFamily("tandem:pool_evictions", "Blocks evicted by LRU.", value=stats.num_evicted_blocks)
-        yield CounterMetricFamily(
-            "tandem:pool_lookup_blocks", "Blocks asked for by Lookup.", value=stats.num_lookup_blocks
-        )
-        yield CounterMetricFamily(
-            "tandem:pool_lookup_hit_blocks", "Blocks found by Lookup.", value=stats.num_lookup_hit_blocks
-        )
         yield from _tier_metrics(stats)
         yield CounterMetricFamily(
             "tandem:pool_corrupt_blocks", "Blocks dropped on a checksum mismatch.", value=stats.num_corrupt_blocks

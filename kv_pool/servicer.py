@@ -68,18 +68,6 @@ class KVPoolServicer(kv_pool_pb2_grpc.KVPoolServicer):
         self._peer_puts = peer_puts if peer_puts is not None else PeerPuts(store, 30.0)
         self._data_plane = data_plane
 
-    async def Lookup(self, request, context):
-        await _require(context, request.spec_fingerprint, "spec_fingerprint")
-        num_hit = self._store.lookup(request.spec_fingerprint, request.block_hashes)
-        return kv_pool_pb2.LookupResponse(num_hit_blocks=num_hit)
-
-    async def AcquireLease(self, request, context):
-        await _require(context, request.spec_fingerprint, "spec_fingerprint")
-        await _require(context, request.request_id, "request_id")
-        ttl_s = request.ttl_ms / 1000 or self._default_ttl_s
-        num_hit = self._store.acquire_lease(request.spec_fingerprint, request.block_hashes, request.request_id, ttl_s)
-        return kv_pool_pb2.AcquireLeaseResponse(num_hit_blocks=num_hit)
-
     async def PutBlocks(self, request_iterator, context):
         session = PutSession(self._store, self._default_ttl_s)
         try:

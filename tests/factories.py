@@ -63,3 +63,31 @@ def engine_logits(model, token_ids: list[int], backend, num_cached: int = 0, blo
         with torch.inference_mode(), forward_context(ForwardContext(meta, backend, list(kv_cache.unbind(0)))):
             logits = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), torch.arange(end - start))
     return logits
+
+
+def run_all(engine, requests, external=None) -> dict[str, list[int]]:
+    """Adds ``requests`` (with their ``external`` KV by request id) to an LLMEngine, steps it until
+    none is unfinished and returns each request's output token ids; asserts every KV block is free
+    afterwards."""
+    outputs = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r, (external or {}).get(r.request_id))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] += o.new_token_ids
+    assert engine.stats().num_used_blocks == 0
+    return outputs
+
+
+def stored_prefix(store, spec_fingerprint: str, block_hashes) -> int:
+    """How many leading ``block_hashes`` a kv_pool BlockStore holds STORED, in DRAM or on NVMe (a
+    WRITING block is a gap). Mutates nothing: no lease, no LRU touch, no promotion."""
+    from core.block_key import BlockKey
+    from kv_pool.block_store import BlockState
+
+    for i, block_hash in enumerate(block_hashes):
+        key = BlockKey.content(spec_fingerprint, block_hash)
+        on_nvme = store.nvme is not None and key in store.nvme
+        if store.block_state(key) is not BlockState.STORED and not on_nvme:
+            return i
+    return len(block_hashes)

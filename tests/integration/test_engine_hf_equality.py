@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import ExternalKV
 from tests import reference
+from tests.factories import run_all
 
 MAX_TOKENS = 24
 
@@ -26,17 +27,6 @@ def make_engine():
         return engines[key]
 
     return make
-
-
-def run_all(engine: LLMEngine, requests, external=None) -> dict[str, list[int]]:
-    outputs = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r, (external or {}).get(r.request_id))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outputs[o.request_id] += o.new_token_ids
-    assert engine.stats().num_used_blocks == 0
-    return outputs
 
 
 @pytest.mark.parametrize("budget", [512, 24], ids=["whole-prompts", "chunked"])

@@ -17,6 +17,7 @@ from engine.outputs import ExternalKV
 from engine.kv_connector import PoolIO
 from tests import reference
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, start_pool  # noqa: F401
+from tests.factories import run_all
 
 MAX_TOKENS = 16
 BLOCK_SIZE = 16
@@ -44,17 +45,6 @@ def make_engine():
     yield make
     for engine in engines.values():
         engine.shutdown()
-
-
-def run_all(engine: LLMEngine, requests, external=None) -> dict[str, list[int]]:
-    outputs = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r, (external or {}).get(r.request_id))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outputs[o.request_id] += o.new_token_ids
-    assert engine.stats().num_used_blocks == 0
-    return outputs
 
 
 def greedy(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Request:

@@ -1,5 +1,5 @@
 """core.fault_injection against a real pool server in this process: off without the fault file,
-and each mode (delay, error, truncate, corrupt) does what it says to a real GetBlocks/Lookup."""
+and each mode (delay, error, truncate, corrupt) does what it says to a real GetBlocks/GetStats."""
 
 from __future__ import annotations
 
@@ -56,18 +56,18 @@ async def check_modes(server: PoolServer, fault_file: str) -> None:
     (message,) = await get_all(server.address, key)
     assert message.data[0] == data[0] ^ 0xFF and message.data[1:] == data[1:]
 
-    write_rules(fault_file, [FaultRule("error", ("Lookup",), code="DATA_LOSS")])
+    write_rules(fault_file, [FaultRule("error", ("GetStats",), code="DATA_LOSS")])
     with pytest.raises(grpc.RpcError) as info:
-        await asyncio.to_thread(client.lookup, "fp-chaos", [7])
+        await asyncio.to_thread(client.stats)
     assert info.value.code() is grpc.StatusCode.DATA_LOSS and info.value.details() == "chaos: injected DATA_LOSS"
 
-    write_rules(fault_file, [FaultRule("delay", ("Lookup",), delay_s=0.3)])
+    write_rules(fault_file, [FaultRule("delay", ("GetStats",), delay_s=0.3)])
     start = time.monotonic()
-    assert await asyncio.to_thread(client.lookup, "fp-chaos", [7]) == 1
+    assert (await asyncio.to_thread(client.stats))["num_stored_blocks"] == 1
     assert time.monotonic() - start >= 0.3
 
     write_rules(fault_file, [])
-    assert await asyncio.to_thread(client.lookup, "fp-chaos", [7]) == 1
+    assert (await asyncio.to_thread(client.stats))["num_stored_blocks"] == 1
     client.close()
 
 

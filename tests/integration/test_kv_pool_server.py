@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import asyncio
 import os
 import signal
@@ -59,6 +61,18 @@ def health_status(address: str) -> int | None:
         except grpc.RpcError:
             return None
 
+
+
+_probes = itertools.count()
+
+def stored_prefix(client: PoolClient, spec_fingerprint: str, block_hashes) -> int:
+    """How many leading ``block_hashes`` the pool serves, probed with a LocateBlocks lease that is
+    released at once (touches the blocks' LRU position, as any read would)."""
+    probe = f"probe-{next(_probes)}"
+    try:
+        return len(client.locate_blocks([BlockKey.content(spec_fingerprint, h) for h in block_hashes], probe, 30))
+    finally:
+        client.release_request(probe)
 
 @pytest.fixture(scope="module")
 def start_pool(redis_url, free_port_factory, wait_until, tmp_path_factory):
@@ -156,10 +170,10 @@ async def test_cancelled_put_leaves_nothing_visible(pool, client, fp, wait_until
     async with aio_channel(pool.address) as channel:
         call = kv_pool_pb2_grpc.KVPoolStub(channel).PutBlocks(first_chunk_then_hang())
         await asyncio.to_thread(wait_until, lambda: client.stats()["num_writing_blocks"] == 1, message="reserved")
-        assert client.lookup(fp, [1]) == 0  # reserved but invisible
+        assert stored_prefix(client, fp, [1]) == 0  # reserved but invisible
         call.cancel()
         await asyncio.to_thread(wait_until, lambda: client.stats()["num_writing_blocks"] == 0, message="aborted")
-    assert client.lookup(fp, [1]) == 0
+    assert stored_prefix(client, fp, [1]) == 0
     with pytest.raises(grpc.RpcError) as excinfo:
         client.get_blocks([key])
     assert_code(excinfo, grpc.StatusCode.NOT_FOUND)
@@ -178,16 +192,16 @@ def test_stream_ending_mid_block_is_invalid_and_rolled_back(stub, client, fp):
         stub.PutBlocks(iter([kv_pool_pb2.PutBlocksRequest(key=key_msg, block_bytes=10, data=b"12345")]))
     assert_code(excinfo, grpc.StatusCode.INVALID_ARGUMENT)
     assert "stream ended inside" in excinfo.value.details()
-    assert client.lookup(fp, [1]) == 0
+    assert stored_prefix(client, fp, [1]) == 0
 
 
-def test_lookup_acquire_and_release(client, fp):
+def test_locate_leases_the_stored_prefix_and_release_drops_it(client, fp):
     client.put_blocks((BlockKey.content(fp, h), block(h, 64 * KIB)) for h in (1, 2, 3, 5))
-    assert client.lookup(fp, [1, 2, 3, 4, 5]) == 3
-    assert client.lookup(fp, [2, 3]) == 2
-    assert client.lookup(fp, [4, 5]) == 0
-    assert client.lookup("another-spec", [1]) == 0
-    assert client.acquire_lease(fp, [1, 2, 4], "req-lease", ttl_s=30) == 2
+    assert stored_prefix(client, fp, [1, 2, 3, 4, 5]) == 3
+    assert stored_prefix(client, fp, [2, 3]) == 2
+    assert stored_prefix(client, fp, [4, 5]) == 0
+    assert stored_prefix(client, "another-spec", [1]) == 0
+    assert len(client.locate_blocks([BlockKey.content(fp, h) for h in (1, 2, 4)], "req-lease", 30)) == 2
     stats = client.stats()
     assert (stats["num_leased_blocks"], stats["num_leases"]) == (2, 1)
     client.release_request("req-lease")
@@ -225,7 +239,7 @@ def test_malformed_input_and_unknown_keys_get_exact_codes(stub, client, fp):
             stub.PutBlocks(iter(stream))
         assert_code(excinfo, grpc.StatusCode.INVALID_ARGUMENT, case)
     with pytest.raises(grpc.RpcError) as excinfo:
-        client.lookup("", [1])
+        client.locate_blocks([BlockKey.content(fp, 1)], "", 30)  # no request_id
     assert_code(excinfo, grpc.StatusCode.INVALID_ARGUMENT)
     with pytest.raises(grpc.RpcError) as excinfo:
         list(stub.GetBlocks(kv_pool_pb2.GetBlocksRequest(keys=[no_id])))
@@ -234,7 +248,7 @@ def test_malformed_input_and_unknown_keys_get_exact_codes(stub, client, fp):
         client.get_blocks([BlockKey.content(fp, 0xABC)])
     assert_code(excinfo, grpc.StatusCode.NOT_FOUND)
     assert "block_hash=2748" in excinfo.value.details()
-    assert client.lookup(fp, [1]) == 0
+    assert stored_prefix(client, fp, [1]) == 0
 
 
 def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_port, wait_until):
@@ -251,14 +265,14 @@ def test_redis_index_follows_commits_and_evictions(start_pool, rdb, fp, free_por
         client.put_blocks((BlockKey.content(fp, h), block(h, node_blocks)) for h in (1, 2, 3, 4))
         client.get_blocks([BlockKey.content(fp, 1)])  # 1 becomes most recently used
         client.put_blocks((BlockKey.content(fp, h), block(h, node_blocks)) for h in (5, 6))  # evicts 2, 3
-        assert client.lookup(fp, [1, 2, 3, 4, 5, 6]) == 1 and client.lookup(fp, [4, 5, 6]) == 3
+        assert stored_prefix(client, fp, [1, 2, 3, 4, 5, 6]) == 1 and stored_prefix(client, fp, [4, 5, 6]) == 3
         expected = {hash_field(h): f"{pool.node_id}:dram" for h in (1, 4, 5, 6)} | {"00000000000000ff": "other-node"}
         wait_until(lambda: rdb.hgetall(index_key(fp)) == expected, message="index == committed minus evicted")
         events = [(e["type"], int(e["hash"], 16)) for _, e in rdb.xrange(EVENTS_STREAM) if e["fp"] == fp]
         assert events == [("evicted", 0xFE)] + [("stored", h) for h in (1, 2, 3, 4)] + [
             ("evicted", 2), ("stored", 5), ("evicted", 3), ("stored", 6)]
 
-        assert client.acquire_lease(fp, [1], "req-pin", ttl_s=30) == 1
+        assert len(client.locate_blocks([BlockKey.content(fp, 1)], "req-pin", 30)) == 1
         client.put_blocks([(BlockKey.scoped(fp, "req-pin", 0), block(0, 3 * node_blocks))])  # evicts 4, 5, 6
         with pytest.raises(grpc.RpcError) as excinfo:  # 1 is leased, the rest is scoped
             client.put_blocks([(BlockKey.content(fp, 7), block(7, node_blocks))])

@@ -23,7 +23,8 @@ from core.pool_client import PoolClient
 from engine.kv_connector import ArenaBlock, pack_blocks, unpack_blocks
 from engine.kv_connector.load_failure import CHECKSUM, KVLoadError
 from engine.kv_connector.pool_io import PoolIO
-from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, fp, start_pool  # noqa: F401
+from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, block, client, fp, start_pool, stored_prefix  # noqa: F401
+# client: a PoolClient on this module's `pool` that asserts the pool is idle after each test
 
 BLOCK = SMOLLM_BLOCK_BYTES
 
@@ -31,15 +32,6 @@ BLOCK = SMOLLM_BLOCK_BYTES
 @pytest.fixture(scope="module")
 def pool(start_pool):
     return start_pool(16 * BLOCK, "--nixl", "on")
-
-
-@pytest.fixture
-def client(pool):
-    with PoolClient(pool.address, timeout_s=30) as client:
-        yield client
-        stats = client.stats()  # every scenario leaves the pool idle
-        assert [stats[k] for k in ("num_writing_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases")] == [
-            0, 0, 0, 0], stats
 
 
 def isolated(mode: str, fn, *args) -> None:
@@ -75,7 +67,7 @@ def _round_trip(address: str, fp: str, mode: str) -> None:
     assert client.stats()["num_leases"] == 2
     client.release_request("req-w")  # frees the scoped block
     client.release_request("req-r")
-    assert client.lookup(fp, [1, 2, 3]) == 3
+    assert stored_prefix(client, fp, [1, 2, 3]) == 3
     backend.close()
     client.close()
 
@@ -83,9 +75,9 @@ def _round_trip(address: str, fp: str, mode: str) -> None:
 def test_aborted_reservation_is_never_visible(client, fp):
     key = BlockKey.content(fp, 7)
     [r] = client.reserve_blocks([key], BLOCK)
-    assert client.lookup(fp, [7]) == 0
+    assert stored_prefix(client, fp, [7]) == 0
     client.commit_blocks([r.reservation_id], abort=True)
-    assert client.commit_blocks([r.reservation_id]) == 0 and client.lookup(fp, [7]) == 0
+    assert client.commit_blocks([r.reservation_id]) == 0 and stored_prefix(client, fp, [7]) == 0
     assert client.stats()["num_writing_blocks"] == 0
 
 
@@ -104,7 +96,7 @@ def test_shm_write_that_fails_midway_rolls_back(client, fp):
     backend._copy_in = dies_after_the_first_block
     with pytest.raises(RuntimeError, match="mid-copy"):
         backend.write(keys, [block(1, BLOCK), block(2, BLOCK)], [], "", 30)
-    assert client.lookup(fp, [1]) == 0 and client.stats()["num_writing_blocks"] == 0
+    assert stored_prefix(client, fp, [1]) == 0 and client.stats()["num_writing_blocks"] == 0
     backend.close()
 
 
@@ -130,7 +122,7 @@ def _corruption(address: str, fp: str, mode: str) -> None:
         fetch_bytes(io, address, keys, "req-r")
     assert failed.value.reason == CHECKSUM
     assert client.stats()["num_corrupt_blocks"] == corrupt_before + 1 and io.num_corrupt_blocks == 1
-    assert client.lookup(fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
+    assert stored_prefix(client, fp, [1, 2, 3]) == 1  # dropped by the pool; 3 is still stored
     asyncio.run(io.store(address, "req-r", keys, data, skip=1))  # the recompute writes it again
     assert fetch_bytes(io, address, keys, "req-r") == data
     client.release_request("req-r")
@@ -183,7 +175,7 @@ def test_reservation_never_committed_is_rolled_back(start_pool, fp, wait_until):
         [r] = client.reserve_blocks([BlockKey.content(fp, 1)], BLOCK)  # the writer dies here
         assert client.stats()["num_writing_blocks"] == 1
         wait_until(lambda: client.stats()["num_writing_blocks"] == 0, timeout_s=10, message="rolled back")
-        assert client.commit_blocks([r.reservation_id]) == 0 and client.lookup(fp, [1]) == 0
+        assert client.commit_blocks([r.reservation_id]) == 0 and stored_prefix(client, fp, [1]) == 0
         assert client.stats()["used_bytes"] == 0
 
 
@@ -272,5 +264,5 @@ def test_shm_pipelined_write_failing_in_a_later_batch_rolls_back_every_batch(cli
         backend.write(keys, [block(h, size) for h in range(len(keys))], [], "", 30)
     assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     stats = client.stats()
-    assert stats["num_writing_blocks"] == 0 and client.lookup(fp, [5000 + h for h in range(len(keys))]) == 0
+    assert stats["num_writing_blocks"] == 0 and stored_prefix(client, fp, [5000 + h for h in range(len(keys))]) == 0
     backend.close()

@@ -24,7 +24,7 @@ from core.pool_client import PoolClient
 from core.registry import Heartbeat, WorkerInfo, WorkerRegistry, worker_key
 from kv_pool.index_mirror import hash_field, index_key
 from tests.conftest import find_free_port, poll_until
-from tests.integration.test_kv_pool_server import KIB, block, health_status
+from tests.integration.test_kv_pool_server import KIB, block, health_status, stored_prefix
 
 
 class RedisServer:
@@ -89,7 +89,7 @@ def test_a_pool_rebuilds_its_index_in_a_restarted_redis(redis_server, tmp_path):
 
             redis_server.kill()
             client.put_blocks([(BlockKey.content(fp, 4), block(4, 4 * KIB))])  # the pool serves on
-            assert client.lookup(fp, [1, 2, 3, 4]) == 4
+            assert stored_prefix(client, fp, [1, 2, 3, 4]) == 4
             redis_server.start()  # empty
 
             rdb = redis_server.client()

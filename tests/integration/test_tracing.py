@@ -28,9 +28,9 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
-class PoolWithLookup(FakePool):
-    async def Lookup(self, request, context):
-        return kv_pool_pb2.LookupResponse(num_hit_blocks=0)
+class PoolWithLocate(FakePool):
+    async def LocateBlocks(self, request, context):
+        return kv_pool_pb2.LocateBlocksResponse()
 
 
 class PrefillThatAsksThePool(FakePrefill):
@@ -38,8 +38,8 @@ class PrefillThatAsksThePool(FakePrefill):
 
     async def Prefill(self, request, context):
         async with cluster_aio_channel(self.fakes.pool_address) as channel:
-            await kv_pool_pb2_grpc.KVPoolStub(channel).Lookup(
-                kv_pool_pb2.LookupRequest(spec_fingerprint="fake", block_hashes=[1, 2]), timeout=10)
+            await kv_pool_pb2_grpc.KVPoolStub(channel).LocateBlocks(
+                kv_pool_pb2.LocateBlocksRequest(request_id=request.request_id), timeout=10)
         return await super().Prefill(request, context)
 
 
@@ -53,7 +53,7 @@ async def traced(redis_url: str):
                 (("prefill", "tandem.v1.PrefillWorker"), ("decode", "tandem.v1.DecodeWorker"), ("pool", "tandem.v1.KVPool"))}
     prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillThatAsksThePool(fakes), services["prefill"].server)
     decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(FakeDecode(fakes), services["decode"].server)
-    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(PoolWithLookup(fakes), services["pool"].server)
+    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(PoolWithLocate(fakes), services["pool"].server)
     addresses = {role: f"127.0.0.1:{await service.start()}" for role, service in services.items()}
     fakes.pool_address = addresses["pool"]
     tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
@@ -85,7 +85,7 @@ async def test_one_disaggregated_request_is_one_trace(traced) -> None:
     request_id = response.headers["x-request-id"]
 
     # No pool release from the router: the workers' KV connectors own it (engine/kv_connector).
-    expected = {"POST /v1/completions", "tandem.v1.PrefillWorker/Prefill", "tandem.v1.KVPool/Lookup",
+    expected = {"POST /v1/completions", "tandem.v1.PrefillWorker/Prefill", "tandem.v1.KVPool/LocateBlocks",
                 "tandem.v1.DecodeWorker/Decode"}
 
     async def all_ended() -> list:
@@ -102,7 +102,7 @@ async def test_one_disaggregated_request_is_one_trace(traced) -> None:
     assert f"{root.parent.span_id:016x}" == CLIENT_SPAN_ID and root.parent.is_remote
     for child in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode"):
         assert by_name[child].parent.span_id == root.context.span_id, child
-    assert by_name["tandem.v1.KVPool/Lookup"].parent.span_id == by_name["tandem.v1.PrefillWorker/Prefill"].context.span_id
+    assert by_name["tandem.v1.KVPool/LocateBlocks"].parent.span_id == by_name["tandem.v1.PrefillWorker/Prefill"].context.span_id
     assert root.attributes["tandem.request_id"] == request_id
     assert root.attributes["http.response.status_code"] == 200
     for name in ("tandem.v1.PrefillWorker/Prefill", "tandem.v1.DecodeWorker/Decode"):

@@ -18,6 +18,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* The rows of context tokens t0 .. t0 + n - 1 (t0 a multiple of block_size) in one layer's K or V
+ * cache: sets *rows to the block's first row and returns n, the block's tokens within ctx. */
+static inline int64_t block_rows(const float *cache, const int64_t *table, int64_t t0, int64_t ctx,
+                                 int block_size, int64_t row, const float **rows)
+{
+    *rows = cache + table[t0 / block_size] * block_size * row;
+    return ctx - t0 < block_size ? ctx - t0 : block_size;
+}
+
 void paged_decode_attention_f32(
     const float *query,       /* [num_seqs, num_heads, head_dim] */
     const float *k_cache,     /* [num_blocks, block_size, num_kv_heads, head_dim] */
@@ -40,8 +49,8 @@ void paged_decode_attention_f32(
         float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(ctx > 0 ? ctx : 1));
         /* scores[h * ctx + t] = scale * q_h . k_t (KV head h / group) */
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *kb = k_cache + table[t0 / block_size] * block_size * row;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const float *kb;
+            const int64_t n = block_rows(k_cache, table, t0, ctx, block_size, row, &kb);
             for (int64_t i = 0; i < n; ++i) {
                 for (int h = 0; h < num_heads; ++h) {
                     const float *k = kb + i * row + (int64_t)(h / group) * head_dim;
@@ -66,8 +75,8 @@ void paged_decode_attention_f32(
         for (int64_t i = 0; i < (int64_t)num_heads * head_dim; ++i) o[i] = 0.0f;
         /* o_h = sum_t p_ht v_t */
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *vb = v_cache + table[t0 / block_size] * block_size * row;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const float *vb;
+            const int64_t n = block_rows(v_cache, table, t0, ctx, block_size, row, &vb);
             for (int64_t i = 0; i < n; ++i) {
                 for (int h = 0; h < num_heads; ++h) {
                     const float *v = vb + i * row + (int64_t)(h / group) * head_dim;

@@ -7,38 +7,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class LookupRequest(_message.Message):
-    __slots__ = ("spec_fingerprint", "block_hashes")
-    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    spec_fingerprint: str
-    block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, spec_fingerprint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class LookupResponse(_message.Message):
-    __slots__ = ("num_hit_blocks",)
-    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_hit_blocks: int
-    def __init__(self, num_hit_blocks: _Optional[int] = ...) -> None: ...
-
-class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("spec_fingerprint", "block_hashes", "request_id", "ttl_ms")
-    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    spec_fingerprint: str
-    block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    request_id: str
-    ttl_ms: int
-    def __init__(self, spec_fingerprint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
-
-class AcquireLeaseResponse(_message.Message):
-    __slots__ = ("num_hit_blocks",)
-    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_hit_blocks: int
-    def __init__(self, num_hit_blocks: _Optional[int] = ...) -> None: ...
-
 class PutBlocksRequest(_message.Message):
     __slots__ = ("key", "block_bytes", "offset_bytes", "data", "lease_request_id", "lease_ttl_ms", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +72,7 @@ class GetPoolStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_writing_blocks", "num_stored_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases", "num_evicted_blocks", "num_lookup_hit_blocks", "num_lookup_blocks", "num_dram_blocks", "num_dram_hits", "num_dram_misses", "nvme_capacity_bytes", "nvme_used_bytes", "num_nvme_blocks", "num_nvme_hits", "num_nvme_misses", "num_nvme_evictions", "num_nvme_promotions", "num_nvme_demotions", "num_corrupt_blocks")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_writing_blocks", "num_stored_blocks", "num_leased_blocks", "num_scoped_blocks", "num_leases", "num_evicted_blocks", "num_dram_blocks", "num_dram_hits", "num_dram_misses", "nvme_capacity_bytes", "nvme_used_bytes", "num_nvme_blocks", "num_nvme_hits", "num_nvme_misses", "num_nvme_evictions", "num_nvme_promotions", "num_nvme_demotions", "num_corrupt_blocks")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_WRITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -113,8 +81,6 @@ class GetPoolStatsResponse(_message.Message):
     NUM_SCOPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAM_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAM_MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -135,8 +101,6 @@ class GetPoolStatsResponse(_message.Message):
     num_scoped_blocks: int
     num_leases: int
     num_evicted_blocks: int
-    num_lookup_hit_blocks: int
-    num_lookup_blocks: int
     num_dram_blocks: int
     num_dram_hits: int
     num_dram_misses: int
@@ -149,7 +113,7 @@ class GetPoolStatsResponse(_message.Message):
     num_nvme_promotions: int
     num_nvme_demotions: int
     num_corrupt_blocks: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_writing_blocks: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_scoped_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_lookup_hit_blocks: _Optional[int] = ..., num_lookup_blocks: _Optional[int] = ..., num_dram_blocks: _Optional[int] = ..., num_dram_hits: _Optional[int] = ..., num_dram_misses: _Optional[int] = ..., nvme_capacity_bytes: _Optional[int] = ..., nvme_used_bytes: _Optional[int] = ..., num_nvme_blocks: _Optional[int] = ..., num_nvme_hits: _Optional[int] = ..., num_nvme_misses: _Optional[int] = ..., num_nvme_evictions: _Optional[int] = ..., num_nvme_promotions: _Optional[int] = ..., num_nvme_demotions: _Optional[int] = ..., num_corrupt_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_writing_blocks: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_scoped_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_dram_blocks: _Optional[int] = ..., num_dram_hits: _Optional[int] = ..., num_dram_misses: _Optional[int] = ..., nvme_capacity_bytes: _Optional[int] = ..., nvme_used_bytes: _Optional[int] = ..., num_nvme_blocks: _Optional[int] = ..., num_nvme_hits: _Optional[int] = ..., num_nvme_misses: _Optional[int] = ..., num_nvme_evictions: _Optional[int] = ..., num_nvme_promotions: _Optional[int] = ..., num_nvme_demotions: _Optional[int] = ..., num_corrupt_blocks: _Optional[int] = ...) -> None: ...
 
 class GetDataPlaneRequest(_message.Message):
     __slots__ = ()

@@ -34,16 +34,6 @@ class KVPoolStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Lookup = channel.unary_unary(
-                '/tandem.v1.KVPool/Lookup',
-                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.LookupRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.LookupResponse.FromString,
-                _registered_method=True)
-        self.AcquireLease = channel.unary_unary(
-                '/tandem.v1.KVPool/AcquireLease',
-                request_serializer=tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseResponse.FromString,
-                _registered_method=True)
         self.PutBlocks = channel.stream_unary(
                 '/tandem.v1.KVPool/PutBlocks',
                 request_serializer=tandem_dot_v1_dot_kv__pool__pb2.PutBlocksRequest.SerializeToString,
@@ -98,20 +88,6 @@ class KVPoolStub:
 
 class KVPoolServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Lookup(self, request, context):
-        """Longest stored prefix of a hash chain; takes no lease.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AcquireLease(self, request, context):
-        """Leases the longest stored prefix of a hash chain for a request.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def PutBlocks(self, request_iterator, context):
         """Two-phase put of blocks as streamed chunks. A block is reserved by its
@@ -192,16 +168,6 @@ class KVPoolServicer:
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Lookup': grpc.unary_unary_rpc_method_handler(
-                    servicer.Lookup,
-                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.LookupRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.LookupResponse.SerializeToString,
-            ),
-            'AcquireLease': grpc.unary_unary_rpc_method_handler(
-                    servicer.AcquireLease,
-                    request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseResponse.SerializeToString,
-            ),
             'PutBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBlocks,
                     request_deserializer=tandem_dot_v1_dot_kv__pool__pb2.PutBlocksRequest.FromString,
@@ -262,60 +228,6 @@ def add_KVPoolServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVPool:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Lookup(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.KVPool/Lookup',
-            tandem_dot_v1_dot_kv__pool__pb2.LookupRequest.SerializeToString,
-            tandem_dot_v1_dot_kv__pool__pb2.LookupResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AcquireLease(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.KVPool/AcquireLease',
-            tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseRequest.SerializeToString,
-            tandem_dot_v1_dot_kv__pool__pb2.AcquireLeaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def PutBlocks(request_iterator,

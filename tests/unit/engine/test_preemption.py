@@ -73,7 +73,9 @@ def preempt_newest(s: Scheduler, swap: HostSwapSpace):
             return swaps
 
 
-def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
+def one_swapped_victim():
+    """Two 7-token requests on a swap scheduler, one step, then the newest preempted into a host
+    swap space. Returns (scheduler, swap space, old request, new request, the victim's swap-out)."""
     swap = HostSwapSpace(capacity_bytes=1 << 20)
     s = swap_scheduler()
     old, new = make_request(7, max_tokens=8), make_request(7, max_tokens=8)
@@ -81,6 +83,11 @@ def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
     s.add_request(new)
     run_step(s)
     (item,) = preempt_newest(s, swap)
+    return s, swap, old, new, item
+
+
+def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
+    s, swap, old, new, item = one_swapped_victim()
     # 7 prompt tokens + its first output token had their KV computed: 2 blocks of 4
     assert (item.request_id, item.num_tokens, len(item.block_ids)) == (new.request_id, 8, 2)
     assert s.swapped == {new.request_id}
@@ -101,13 +108,7 @@ def test_swapped_victim_is_admitted_only_once_its_kv_is_back():
 
 
 def test_lost_swap_is_recomputed():
-    swap = HostSwapSpace(capacity_bytes=1 << 20)
-    s = swap_scheduler()
-    old, new = make_request(7, max_tokens=8), make_request(7, max_tokens=8)
-    s.add_request(old)
-    s.add_request(new)
-    run_step(s)
-    preempt_newest(s, swap)
+    s, swap, old, new, _ = one_swapped_victim()
     swap.discard(new.request_id)
     while not old.is_finished:
         run_step(s)

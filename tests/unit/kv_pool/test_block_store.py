@@ -15,6 +15,7 @@ from kv_pool.block_store import (
     PoolFullError,
     StaleReservationError,
 )
+from tests.factories import stored_prefix
 
 FP = "f" * 16
 BLOCK_BYTES = 100
@@ -75,7 +76,7 @@ def test_writing_block_is_invisible_until_commit():
     store, _, events = make_store()
     reservation = store.reserve(content(1), BLOCK_BYTES)
     store.write(reservation, 0, payload(7))
-    assert store.lookup(FP, [1]) == 0
+    assert stored_prefix(store, FP, [1]) == 0
     with pytest.raises(KeyError):
         store.get(content(1))
     assert store.block_state(content(1)) is BlockState.WRITING
@@ -83,7 +84,7 @@ def test_writing_block_is_invisible_until_commit():
     assert events == []
 
     store.commit(reservation)
-    assert store.lookup(FP, [1]) == 1
+    assert stored_prefix(store, FP, [1]) == 1
     assert bytes(store.get(content(1))) == payload(7)
     assert events == [BlockEvent("stored", content(1))]
     assert_idle(store, num_stored_blocks=1)
@@ -95,7 +96,7 @@ def test_abort_rolls_back_and_leaves_nothing():
     store.write(reservation, 0, payload(0)[:50])
     assert store.abort(reservation) is True
     assert store.block_state(content(1)) is None
-    assert store.lookup(FP, [1]) == 0
+    assert stored_prefix(store, FP, [1]) == 0
     assert store.abort(reservation) is False  # a second abort is harmless
     with pytest.raises(StaleReservationError):
         store.write(reservation, 50, payload(0)[50:])
@@ -192,7 +193,7 @@ def test_scoped_block_is_freed_by_release_request():
     store.lease([content(1), scoped("req-a", 0)], "req-a", ttl_s=5)
     stats = store.stats()
     assert (stats.num_stored_blocks, stats.num_scoped_blocks, stats.num_leased_blocks) == (1, 1, 2)
-    assert store.lookup(FP, [1]) == 1
+    assert stored_prefix(store, FP, [1]) == 1
 
     assert store.release_request("req-a") == (2, 1)
     assert store.block_state(scoped("req-a", 0)) is None
@@ -270,35 +271,32 @@ def test_lease_on_a_writing_block_survives_commit_and_dies_with_abort():
     assert_idle(store, num_stored_blocks=0)
 
 
-def test_lookup_returns_the_prefix_up_to_the_first_gap():
+def test_stored_prefix_stops_at_the_first_gap():
     store, _, _ = make_store()
     for h in (1, 2, 4):
         put(store, content(h))
     writing = store.reserve(content(5), BLOCK_BYTES)
-    assert store.lookup(FP, [1, 2, 3, 4]) == 2
-    assert store.lookup(FP, [3, 4]) == 0
-    assert store.lookup(FP, [4, 5]) == 1  # a WRITING block is a gap
-    assert store.lookup("other-spec", [1, 2]) == 0
-    assert store.lookup(FP, []) == 0
-    stats = store.stats()
-    assert (stats.num_lookup_blocks, stats.num_lookup_hit_blocks) == (10, 3)
+    assert stored_prefix(store, FP, [1, 2, 3, 4]) == 2
+    assert stored_prefix(store, FP, [3, 4]) == 0
+    assert stored_prefix(store, FP, [4, 5]) == 1  # a WRITING block is a gap
+    assert stored_prefix(store, "other-spec", [1, 2]) == 0
+    assert stored_prefix(store, FP, []) == 0
     store.abort(writing)
     assert_idle(store, num_stored_blocks=3)
 
 
-def test_acquire_lease_leases_the_stored_prefix_only():
+def test_locate_leases_the_stored_prefix_only():
     store, _, _ = make_store(capacity_blocks=3)
     for h in (1, 2, 4):
         put(store, content(h))
-    assert store.acquire_lease(FP, [1, 2, 3, 4], "req-a", ttl_s=5) == 2
+    assert len(store.locate([content(h) for h in (1, 2, 3, 4)], "req-a", ttl_s=5)) == 2
     assert (store.stats().num_leased_blocks, store.stats().num_leases) == (2, 1)
-    assert store.stats().num_lookup_blocks == 0  # only lookup() counts queries
     put(store, content(5))  # 4 is the only unleased block
     assert held(store, range(1, 6)) == [1, 2, 5]
-    assert store.acquire_lease(FP, [7], "req-b", ttl_s=5) == 0
+    assert len(store.locate([content(h) for h in (7,)], "req-b", ttl_s=5)) == 0
     assert store.stats().num_leases == 1  # a lease on nothing holds nothing
     with pytest.raises(ValueError, match="ttl_s"):
-        store.acquire_lease(FP, [1], "req-c", ttl_s=0)
+        store.locate([content(1)], "req-c", ttl_s=0)
     assert store.release_request("req-a") == (2, 0)
     assert_idle(store, num_stored_blocks=3)
 

@@ -10,6 +10,7 @@ from kv_pool.config import PoolConfig
 from kv_pool.eviction import ON_DEMAND, Watermarks, num_bytes_to_evict, pick_victims
 from kv_pool.lru import LruSet
 from kv_pool.nvme_tier import NvmeTier
+from tests.factories import stored_prefix
 
 FP = "e" * 16
 BLOCK_BYTES = 100
@@ -64,7 +65,7 @@ def test_crossing_high_evicts_lru_down_to_low():
     assert hashes_of(events, "evicted") == [1, 2, 3, 4, 5]
     assert stats.num_evicted_blocks == 5 and stats.num_stored_blocks == 5 and stats.used_bytes == 500
     for h in (0, 6, 7, 8, 9):
-        assert store.lookup(FP, [content(h).block_hash]) == 1
+        assert stored_prefix(store, FP, [content(h).block_hash]) == 1
     put(store, 10)  # 600 bytes: far below high, nothing more leaves
     assert store.stats().num_evicted_blocks == 5
 

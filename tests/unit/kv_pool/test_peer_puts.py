@@ -7,6 +7,7 @@ import pytest
 from core.block_key import BlockKey
 from kv_pool.block_store import BlockStore, PoolFullError
 from kv_pool.peer_puts import PeerPuts
+from tests.factories import stored_prefix
 
 FP = "f" * 16
 
@@ -32,7 +33,7 @@ def test_commit_makes_peer_written_bytes_visible_and_leased():
     [a, b] = puts.reserve([key(1), key(2)], 10, [11, 22], "req-a", 30)
     write(store, a.offset_bytes, b"a" * 10)
     write(store, b.offset_bytes, b"b" * 10)
-    assert store.lookup(FP, [1]) == 0  # WRITING: invisible
+    assert stored_prefix(store, FP, [1]) == 0  # WRITING: invisible
     assert puts.commit([a.reservation_id, b.reservation_id]) == 2
     assert store.get(key(1)) == b"a" * 10 and store.checksum(key(2)) == 22
     assert store.stats().num_leased_blocks == 2
@@ -53,7 +54,7 @@ def test_aborted_and_expired_reservations_are_never_visible():
     clock.now_s = 5.0
     assert puts.expire() == 1
     assert puts.commit([a.reservation_id, b.reservation_id]) == 0  # too late
-    assert store.lookup(FP, [1]) == 0 and store.lookup(FP, [2]) == 0
+    assert stored_prefix(store, FP, [1]) == 0 and stored_prefix(store, FP, [2]) == 0
     assert (store.stats().used_bytes, store.stats().num_writing_blocks) == (0, 0)
 
 
