@@ -143,6 +143,9 @@ class LeaseKeeper:
                     watch.good_s = max(watch.good_s, sent_s)
             elif lease_id:  # before LocateBlocks answered, "none held" proves nothing either
                 watch.lost = True
+        if not held and lease_id:
+            log.warning("pool lease %d on %s is gone while its read runs", lease_id, watch.client.address,
+                        extra={"request_id": watch.request_id})
         return held
 
     def _run(self) -> None:

@@ -100,3 +100,30 @@ def test_a_corrupt_block_fails_the_read_and_is_reported():
         asyncio.run(io.fetch(ring, keys, "req"))
     assert failed.value.reason == CHECKSUM
     assert reported == [keys[2]] and io.num_corrupt_blocks == 1
+
+
+class ShiftingLeaseNode(FakeNode):
+    """A node whose second batch of a read comes under another lease (the first lapsed between)."""
+
+    def read(self, keys, request_id, ttl_s, out=None):
+        return [ReadBlock(*self.blocks[k], lease_id=1 + (i >= 2)) for i, k in enumerate(keys)]
+
+
+class CuttingNode(FakeNode):
+    def read(self, keys, request_id, ttl_s, out=None):
+        from core.pool_client import IncompleteReadError
+
+        raise IncompleteReadError("block k: pool sent 0 of 64 bytes")
+
+
+@pytest.mark.parametrize(("node_type", "reason"), [(ShiftingLeaseNode, "lease_lost"), (CuttingNode, "truncated")])
+def test_a_read_under_two_leases_or_cut_short_fails_with_its_reason(node_type, reason):
+    io, ring, nodes = make_io(num_nodes=1)
+    keys, data = keys_and_data(4)
+    [address] = ring.addresses
+    node = io._backends[address] = node_type()
+    node.blocks = {k: (d, block_checksum(d)) for k, d in zip(keys, data)}
+    with pytest.raises(KVLoadError) as failed:
+        asyncio.run(io.fetch(ring, keys, "req"))
+    assert failed.value.reason == reason
+    io.close()
