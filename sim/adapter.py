@@ -107,7 +107,9 @@ class SimEngine:
             ValueError: it cannot fit max_model_len (the Scheduler's check).
         """
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        request = Request(request_id, prompt, params, output_token_ids=list(output_token_ids))
+        # A list, as a real worker's Request holds (a lazy TracePrompt made every len() and slice
+        # of the scheduler's hot path a Python call); only in-flight requests hold one.
+        request = Request(request_id, list(prompt), params, output_token_ids=list(output_token_ids))
         external = None
         if num_external_tokens:
             num_blocks = -(-num_external_tokens // self.config.block_size)

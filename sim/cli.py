@@ -145,23 +145,26 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
         points = planner.search(requests, base, counts, tp_list, slo, target, jobs=jobs, all_sizes=all_sizes,
                                 progress=lambda p: console.print(f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
                                                                  f"{p.goodput_rps:7.2f} req/s, attainment "
-                                                                 f"{p.slo_attainment:.0%}{' (stopped early)' if p.aborted else ''}"))
+                                                                 f"{p.slo_attainment:.0%}{' (stopped early)' if p.aborted else ''}, "
+                                                                 f"{p.cpu_s:.0f} CPU-s"))
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
     wall_s = time.perf_counter() - started
+    cpu_s = sum(p.cpu_s for p in points)  # the simulations' own, across the --jobs processes
     console.print(_plan_table(points, len(requests), slo, target))
     best = planner.recommend(points, target)
     out = {"settings": {"gpus": counts, "tp": tp_list, "target": target, "slo": dataclasses.asdict(slo),
-                        "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s},
+                        "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s, "cpu_s": cpu_s},
            "points": planner.as_rows(points), "recommendation": planner.as_rows([best])[0] if best else None}
     save_json(out, out_dir / "plan.json")
     planner.plot(points, out_dir / "goodput_vs_gpus.png", f"{kw['model']} on {kw['gpu']}")
     if best is None:
         console.print(f"no configuration reaches {target:.0%} SLO attainment; try more GPUs or a looser SLO "
-                      f"({wall_s:.0f} s)")
+                      f"({wall_s:.0f} s, {cpu_s:.0f} CPU-s in {len(points)} simulations)")
         return
     console.print(f"recommendation: {best.label} on {best.num_gpus} GPUs, goodput {best.goodput_rps:.2f} req/s, "
-                  f"attainment {best.slo_attainment:.0%} (searched in {wall_s:.0f} s)")
+                  f"attainment {best.slo_attainment:.0%} (searched in {wall_s:.0f} s, {cpu_s:.0f} CPU-s in {len(points)} "
+                  f"simulations)")
     if helm_values is not None:
         _write_helm_values(helm_values, best, base, slo)
 

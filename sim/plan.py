@@ -12,6 +12,7 @@ stopped early).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,10 @@ class PlanPoint:
     ttft_p90_ms: float
     tbt_p90_ms: float
     aborted: bool
+    # Of the requests that had arrived when the run stopped, the share not (yet) known to miss
+    # the SLO: slo_attainment for a whole run, an optimistic estimate for one stopped early.
+    arrived_attainment: float = float("nan")
+    cpu_s: float = 0.0  # CPU seconds the simulation took
 
     @property
     def label(self) -> str:
@@ -60,26 +65,40 @@ def offered_rps(requests: list[SimRequest]) -> float:
     return len(requests) / span_s if span_s > 0 else float("nan")
 
 
-def evaluate(requests: list[SimRequest], cluster: ClusterSpec, slo: SLO, target: float, tp: int) -> PlanPoint:
-    """One configuration. Its goodput is DistServe's at this load: the offered rate times the
-    fraction of requests served within the SLO (bench's summary divides by the run's duration
-    instead, which a backlog draining after the last arrival stretches)."""
-    max_misses = int(len(requests) * (1 - target))
+def max_misses_for(num_requests: int, target: float) -> int:
+    """The most requests that may miss the SLO at attainment ``target``."""
+    return int(num_requests * (1 - target))
+
+
+def evaluate(requests: list[SimRequest], cluster: ClusterSpec, slo: SLO, target: float, tp: int,
+             max_misses: int | None = None) -> PlanPoint:
+    """One configuration, stopped once more than ``max_misses`` (default: what ``target``
+    allows) requests are certain to miss the SLO. Its goodput is DistServe's at this load: the
+    offered rate times the fraction of requests served within the SLO (bench's summary divides
+    by the run's duration instead, which a backlog draining after the last arrival stretches)."""
+    started_s = time.process_time()
+    if max_misses is None:
+        max_misses = max_misses_for(len(requests), target)
     result = Simulation(cluster).run(requests, slo, max_misses)
     s = summarize(result.records, result.duration_s, slo)
+    arrived = 1 - result.num_misses / result.num_arrived if result.num_arrived else float("nan")
     return PlanPoint(cluster.num_gpus, tp, cluster.num_prefill, cluster.num_decode,
                      s["slo_attainment"] * offered_rps(requests), s["slo_attainment"], s["ttft_ms"]["p90"],
-                     s["tbt_ms"]["p90"], result.aborted)
+                     s["tbt_ms"]["p90"], result.aborted, arrived, time.process_time() - started_s)
 
 
 _JOB: dict = {}  # what forked evaluation processes read (set before the pool forks)
 
 
-def _evaluate_job(args: tuple[int, int, int]) -> PlanPoint:
-    tp, num_prefill, num_decode = args
+def _evaluate_job(args: tuple[int, int, int, int | None]) -> PlanPoint:
+    tp, num_prefill, num_decode, max_misses = args
     worker = _JOB["workers"][tp]
     cluster = ClusterSpec(num_prefill, num_decode, worker, worker, _JOB["base"].pool_capacity_blocks, _JOB["base"].router)
-    return evaluate(_JOB["requests"], cluster, _JOB["slo"], _JOB["target"], tp)
+    return evaluate(_JOB["requests"], cluster, _JOB["slo"], _JOB["target"], tp, max_misses)
+
+
+def _indexed_job(item: tuple[int, tuple]) -> tuple[int, PlanPoint]:
+    return item[0], _evaluate_job(item[1])
 
 
 class Search:
@@ -89,45 +108,76 @@ class Search:
                  jobs: int = 1, progress=None):
         _JOB.update(requests=requests, base=base, slo=slo, target=target,
                     workers={tp: build_worker(base, tp) for tp in tps})
-        self.tps, self.target, self.jobs, self.progress = tps, target, jobs, progress
+        self.num_requests, self.tps, self.target, self.jobs, self.progress = len(requests), tps, target, jobs, progress
         self.points: dict[tuple[int, int, int], PlanPoint] = {}
+        self.best_share = 0.5  # prefill share of the best split so far: likeliest to run longest
 
-    def run(self, configs: list[tuple[int, int, int]]) -> list[PlanPoint]:
-        todo = [c for c in dict.fromkeys(configs) if c not in self.points]
+    def run(self, configs: list[tuple[int, int, int]], max_misses: int | None = None) -> list[PlanPoint]:
+        """The points of ``configs`` ((tp, num_prefill, num_decode)), simulating those not seen yet
+        (stopped past ``max_misses``; default: the target's). The likeliest to run longest start
+        first, so the processes finish together."""
+        todo = sorted((c for c in dict.fromkeys(configs) if c not in self.points), key=self._longest_first)
+        items = [(i, (*c, max_misses)) for i, c in enumerate(todo)]
         if self.jobs > 1 and len(todo) > 1:
             import multiprocessing
 
             with multiprocessing.get_context("fork").Pool(min(self.jobs, len(todo))) as pool:
-                results = pool.map(_evaluate_job, todo)
+                for i, point in pool.imap_unordered(_indexed_job, items):
+                    self._record(todo[i], point)
         else:
-            results = [_evaluate_job(c) for c in todo]
-        for config, point in zip(todo, results):
-            self.points[config] = point
-            if self.progress:
-                self.progress(point)
+            for item in items:
+                self._record(todo[item[0]], _indexed_job(item)[1])
         return [self.points[c] for c in configs]
+
+    def _longest_first(self, config: tuple[int, int, int]) -> tuple:
+        # A split near the best share runs longest (it misses least); colocated last, then
+        # prefill-heavy before decode-heavy.
+        _, num_prefill, num_decode = config
+        share = num_prefill / (num_prefill + num_decode)
+        return (num_prefill == 0, abs(share - self.best_share), -share)
+
+    def _record(self, config: tuple[int, int, int], point: PlanPoint) -> None:
+        self.points[config] = point
+        if self.progress:
+            self.progress(point)
 
     def size(self, num_gpus: int) -> list[PlanPoint]:
         """Every TP's colocated cluster and coarse P:D splits of ``num_gpus``, then, when the best
-        coarse split came within half of the target, the fine splits next to it (far below the
-        target a neighbouring split cannot qualify: that size only tells the bisection "no")."""
+        coarse split came within half of the target (of the requests it saw: a stopped run's
+        attainment over all requests is only a lower bound), the fine splits next to it (far
+        below the target a neighbouring split cannot qualify: that size only tells the bisection
+        "no"). A fine split only matters if it beats the best coarse one: when that met the
+        target, a fine split stops once it has missed more requests than it did."""
         configs = []
         for tp in self.tps:
             if num_gpus % tp == 0:
                 workers = num_gpus // tp
                 configs += [(tp, p, workers - p if p else workers) for p in splits(workers, COARSE_SHARES)]
         points = self.run(configs)
-        disaggregated = [p for p in points if p.num_prefill]
-        best = max(disaggregated, key=lambda p: (p.slo_attainment, p.goodput_rps), default=None)
-        if best is not None and best.slo_attainment >= self.target / 2:
+        best = _best([p for p in points if p.num_prefill])
+        if best is not None and best.arrived_attainment >= self.target / 2:
             workers = best.num_prefill + best.num_decode
             step = max(1, round(workers / 8))
             fine = [n for n in (best.num_prefill - step, best.num_prefill + step) if 0 < n < workers]
-            points += self.run([(best.tp, n, workers - n) for n in fine])
+            bound = None
+            if not best.aborted and best.slo_attainment >= self.target:
+                bound = round(self.num_requests * (1 - best.slo_attainment))  # its misses
+            points += self.run([(best.tp, n, workers - n) for n in fine], bound)
+        best = _best([p for p in points if p.num_prefill])
+        if best is not None:
+            self.best_share = best.num_prefill / (best.num_prefill + best.num_decode)
         return points
+
+    def sorted_points(self) -> list[PlanPoint]:
+        """Every point so far by GPUs, TP, prefill workers (not in the order runs finished)."""
+        return [self.points[c] for c in sorted(self.points, key=lambda c: (c[0] * (c[1] + c[2]), c))]
 
     def meets(self, points: list[PlanPoint]) -> bool:
         return any(p.slo_attainment >= self.target and not p.aborted for p in points)
+
+
+def _best(points: list[PlanPoint]) -> PlanPoint | None:
+    return max(points, key=lambda p: (p.slo_attainment, p.goodput_rps), default=None)
 
 
 def search(requests: list[SimRequest], base: ClusterChoice, gpu_counts: list[int], tps: list[int], slo: SLO,
@@ -140,7 +190,7 @@ def search(requests: list[SimRequest], base: ClusterChoice, gpu_counts: list[int
     if all_sizes:
         for n in sizes:
             finder.size(n)
-        return list(finder.points.values())
+        return finder.sorted_points()
     low, high = 0, len(sizes) - 1
     while low < high:
         middle = (low + high) // 2
@@ -149,7 +199,7 @@ def search(requests: list[SimRequest], base: ClusterChoice, gpu_counts: list[int
         else:
             low = middle + 1
     finder.size(sizes[low])
-    return list(finder.points.values())
+    return finder.sorted_points()
 
 
 def best_per_size(points: list[PlanPoint], colocated: bool) -> dict[int, PlanPoint]:

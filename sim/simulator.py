@@ -61,6 +61,7 @@ class _Run:
     placement: Placement | None = None
     block_hashes: tuple = ()
     num_pool_cached_tokens: int = 0
+    missed: bool = False  # counted in Simulation.num_misses (refused, past its TTFT SLO, or ended outside the SLO)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class SimResult:
     prefix_cache_hit_rate: float = float("nan")
     num_events: int = 0
     aborted: bool = False  # stopped early (Simulation.run's max_misses): records are incomplete
+    num_arrived: int = 0  # requests whose arrival was simulated (all of them unless aborted)
+    num_misses: int = 0  # of them, outside the SLO (with Simulation.run's slo; in flight ones not counted)
 
 
 class Simulation:
@@ -107,12 +110,18 @@ class Simulation:
         """Replays ``requests`` until every one has ended; returns the records (workload order).
 
         With ``slo`` (bench.metrics.SLO) and ``max_misses``: stops as soon as more than
-        ``max_misses`` requests ended (or were refused) outside the SLO, with ``aborted`` set
-        (the planner's early exit: the configuration cannot reach its attainment target).
+        ``max_misses`` requests are certain to miss the SLO, with ``aborted`` set (the planner's
+        early exit: the configuration cannot reach its attainment target). A request is certain
+        to miss when it is refused, ends outside the SLO, or has no first token when its TTFT
+        SLO has passed (counted then, not when it ends: an overloaded cluster stops sooner).
+        Which configurations stop is the same either way; only when.
         """
+        self._slo, self._max_misses, self.num_misses = slo, max_misses, 0
+        deadline_s = slo.ttft_ms / 1000 + 1e-9 if slo is not None and max_misses is not None and slo.ttft_ms else None
         for index, request in enumerate(requests):  # the workers see it after the router's own time
             self._at(request.arrival_s + self.cluster.router.request_overhead_s, self._arrive, index, request)
-        self._slo, self._max_misses, self.num_misses = slo, max_misses, 0
+            if deadline_s is not None:  # 1 ns after the SLO: a first token at the SLO itself meets it
+                self._at(request.arrival_s + deadline_s, self._ttft_deadline, index)
         while self._heap and not (max_misses is not None and self.num_misses > max_misses):
             self.now_s, _, fn, args = heapq.heappop(self._heap)
             self.num_events += 1
@@ -121,7 +130,18 @@ class Simulation:
                    for i in range(len(requests))]
         result = self._result(records)
         result.aborted = bool(self._heap)
+        result.num_arrived, result.num_misses = len(self._runs), self.num_misses
         return result
+
+    def _miss(self, run: _Run) -> None:
+        if not run.missed:
+            run.missed = True
+            self.num_misses += 1
+
+    def _ttft_deadline(self, index: int) -> None:
+        run = self._runs.get(str(index))  # None: still inside the router's overhead (counted when it ends)
+        if run is not None and run.record.ttft_s is None:
+            self._miss(run)
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -143,14 +163,14 @@ class Simulation:
         if len(request.prompt) + request.max_tokens > limit:  # the router's validation: HTTP 400
             run.record.error_kind = "http_400"
             run.record.error = f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) > {limit}"
-            self.num_misses += 1
+            self._miss(run)
             return
         try:
             run.placement, run.block_hashes = self.router.place(
                 rid, request.prompt, request.max_tokens, self._candidates(self.prefill), self._candidates(self.decode))
         except RouterError as err:
             run.record.error_kind, run.record.error = f"http_{err.http_status}", err.message[:300]
-            self.num_misses += 1
+            self._miss(run)
             return
         if run.placement.prefill is None:
             self._start_decode(run, self._by_id[run.placement.decode.worker_id], 0)
@@ -296,7 +316,7 @@ class Simulation:
         record.output_tokens, record.finish_reason = len(record.chunk_times_s), "length"
         self.router.finished(run.placement)
         if self._slo is not None and not meets_slo(record, self._slo):
-            self.num_misses += 1
+            self._miss(run)
         if worker is not None:
             self.router.untrack(str(run.index), worker.info.address)
 

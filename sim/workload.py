@@ -9,6 +9,7 @@ ids); the first token of each trace block is its hash id, the others their offse
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,31 +47,51 @@ class TracePrompt(TokenSequence):
         return self.length
 
     def __iter__(self):
-        tail, tokens = list(range(1, self.block_tokens)), []
+        return iter(self.tolist())
+
+    def tolist(self) -> list[int]:
+        """The tokens as a list (what the simulated workers' Requests hold: ``len`` and slices
+        of a list are C calls, the scheduler's hot path). The offsets are shared int objects, so
+        a list costs one pointer per token."""
+        tail, tokens = _offsets(self.block_tokens), []
         for node in self.node_ids:
             tokens.append(node)
             tokens += tail
-        return iter(tokens[: self.length])
+        del tokens[self.length:]
+        return tokens
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             start, stop, step = index.indices(self.length)
-            if start == 0 and stop == self.length and step == 1:
-                return list(self)
-            unit = self.block_tokens
-            if step == 1 and start < stop and start // unit == (stop - 1) // unit:  # within one trace block
-                offset = start % unit
-                tokens = list(range(offset, offset + stop - start))
-                if offset == 0:
-                    tokens[0] = self.node_ids[start // unit]
-                return tokens
-            nodes = self.node_ids
+            if step == 1:
+                return self._span(start, stop)
+            nodes, unit = self.node_ids, self.block_tokens
             return [nodes[p // unit] if p % unit == 0 else p % unit for p in range(start, stop, step)]
         if index < 0:
             index += self.length
         if not 0 <= index < self.length:
             raise IndexError(index)
         return self.node_ids[index // self.block_tokens] if index % self.block_tokens == 0 else index % self.block_tokens
+
+    def _span(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) (0 <= start <= stop <= length), a trace block at a time."""
+        unit, tail, tokens = self.block_tokens, _offsets(self.block_tokens), []
+        block, offset = divmod(start, unit)
+        while start < stop:
+            end = min(stop, (block + 1) * unit)
+            if offset == 0:
+                tokens.append(self.node_ids[block])
+                tokens += tail[: end - start - 1]
+            else:
+                tokens += tail[offset - 1 : offset - 1 + end - start]
+            start, block, offset = end, block + 1, 0
+        return tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _offsets(block_tokens: int) -> tuple[int, ...]:
+    """1 .. block_tokens - 1: the tokens after a trace block's first (one shared tuple per size)."""
+    return tuple(range(1, block_tokens))
 
 
 class _Concat(TokenSequence):

@@ -1,17 +1,21 @@
 """`tandem up --autoscale` on a real local cluster: a load step (rate x 4, then back) scales the
-decode workers up and back down, and every request is answered in full."""
+decode workers up and back down, the new worker answers requests while it is up, and every
+request is answered in full."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
 from autoscaler.local import LocalAutoscaler
 from autoscaler.policy import AutoscaleConfig
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from tandem.v1 import decode_worker_pb2_grpc, prefill_worker_pb2
+from tests.conftest import poll_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -66,6 +70,13 @@ class Load:
             thread.join(timeout_s)
 
 
+def worker_stats(cluster: LocalCluster, name: str):
+    """A decode worker's GetStats reply (its own counters, not the router's view)."""
+    with grpc.insecure_channel(cluster.addresses[name]) as channel:
+        return decode_worker_pb2_grpc.DecodeWorkerStub(channel).GetStats(prefill_worker_pb2.GetWorkerStatsRequest(),
+                                                                         timeout=10)
+
+
 def run_until(scaler: LocalAutoscaler, condition, timeout_s: float, what: str) -> None:
     """Runs autoscaler evaluations on this thread (it started the cluster) until ``condition()``."""
     deadline = time.monotonic() + timeout_s
@@ -99,6 +110,12 @@ def test_a_load_step_scales_decode_up_and_back_down_answering_every_request(clus
         load.rate_per_s = 4 * base_rate_per_s  # the step: requests overlap, the KV cache fills
         run_until(scaler, lambda: decode_workers() == 2, 600, "no second decode worker")
         run_until(scaler, lambda: len(scaler.read_live("decode")) == 2, 300, "the new worker never registered")
+        new_worker = cluster.worker_services("decode")[-1].name
+        # The step lasts until the new worker has generated a request's worth of tokens itself
+        # (its calibration passes bypass the served engine's counter): with the first worker busy,
+        # the router prefers the idle one once its registry view (0.5 s refresh) holds it.
+        generated = lambda: worker_stats(cluster, new_worker).num_generated_tokens  # noqa: E731
+        run_until(scaler, lambda: generated() >= MAX_TOKENS, 300, f"{new_worker} answered no request")
         load.rate_per_s = base_rate_per_s  # and back
         back_until = time.monotonic() + 1.5 / base_rate_per_s
         run_until(scaler, lambda: time.monotonic() > back_until, 600, "")
@@ -109,3 +126,11 @@ def test_a_load_step_scales_decode_up_and_back_down_answering_every_request(clus
         load.finish()
     assert len(load.replies) >= 5, load.replies
     assert all(reply == (200, MAX_TOKENS) for reply in load.replies), load.replies
+    (remaining,) = [s.name for s in cluster.worker_services("decode")]
+    assert remaining != new_worker  # the newest worker is the one drained
+
+    def held() -> tuple[int, int, int]:  # (used KV blocks, running, waiting): prefix caching is off
+        stats = worker_stats(cluster, remaining)
+        return stats.num_used_blocks, stats.num_requests_running, stats.num_requests_waiting
+
+    poll_until(lambda: held() == (0, 0, 0), timeout_s=30, interval_s=0.5, message=f"{remaining} idle after the load")

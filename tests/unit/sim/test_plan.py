@@ -28,10 +28,11 @@ def test_bisection_visits_few_sizes_and_finds_the_smallest_that_meets_the_target
     visited = []
 
     def fake(args):
-        tp, p, d = args
+        tp, p, d, _ = args
         n = (p + d) * tp
         visited.append(n)
-        return planner.PlanPoint(n, tp, p, d, float(n), 1.0 if n >= 8 else 0.5, 0, 0, False)
+        attainment = 1.0 if n >= 8 else 0.5
+        return planner.PlanPoint(n, tp, p, d, float(n), attainment, 0, 0, False, attainment)
 
     monkeypatch.setattr(planner, "_evaluate_job", fake)
     points = planner.search([], planner.ClusterChoice(1, 1, block_size=16), [2, 4, 8, 16, 32, 64, 128], [1],
@@ -79,4 +80,45 @@ def test_a_hopeless_configuration_stops_early():
     worker = build_worker(ClusterChoice(1, 1), 1)
     requests = load_trace(SLICE, "mooncake", time_scale=0.0001)
     result = Simulation(ClusterSpec(0, 1, worker, worker)).run(requests, SLO(ttft_ms=1, tbt_ms=1), max_misses=0)
-    assert result.aborted and sum(r.e2e_s is not None for r in result.records) == 1
+    # The first request is still prefilling when its 1 ms TTFT SLO passes: a certain miss, so the
+    # run stops there, before any request ends and before most have arrived.
+    assert result.aborted and result.num_misses == 1
+    assert sum(r.e2e_s is not None for r in result.records) == 0
+    assert result.num_arrived < len(requests)
+    assert result.records[0].ttft_s is None
+
+
+def test_fine_splits_follow_what_a_stopped_run_saw_and_stop_once_they_cannot_win(monkeypatch):
+    # A fake evaluation of 8 workers (1000 requests, target 0.9): 6P + 2D stops early with 35 %
+    # over all requests but had seen 89 % (the real 24P + 8D of the full trace did); 7P + 1D meets.
+    seen = {}
+
+    def fake(args):
+        tp, p, d, max_misses = args
+        seen[p] = max_misses
+        attainment, arrived, aborted = {0: (0.01, 0.1, True), 2: (0.1, 0.3, True), 4: (0.2, 0.4, True),
+                                        6: (0.35, 0.89, True), 5: (0.3, 0.6, True), 7: (0.93, 0.93, False)}[p]
+        return planner.PlanPoint(8, tp, p, d, attainment * 10, attainment, 0, 0, aborted, arrived)
+
+    monkeypatch.setattr(planner, "_evaluate_job", fake)
+    finder = planner.Search([None] * 1000, planner.ClusterChoice(1, 1, block_size=16), [1], planner.SLO(), 0.9)
+    points = finder.size(8)
+    assert sorted(seen) == [0, 2, 4, 5, 6, 7]  # the fine splits next to 6P + 2D were tried
+    assert seen == {0: None, 2: None, 4: None, 6: None, 5: None, 7: None}  # no coarse split met the target
+    best = planner.recommend(points, 0.9)
+    assert (best.num_prefill, best.num_decode) == (7, 1)
+    assert finder.best_share == 7 / 8  # the next size runs the splits near 7/8 first
+    assert finder._longest_first((1, 14, 2)) < finder._longest_first((1, 8, 8)) < finder._longest_first((1, 0, 16))
+
+    # At 16 workers 12P + 4D meets the target with 60 misses of 1000: its fine splits may miss no more.
+    seen.clear()
+
+    def fake16(args):
+        tp, p, d, max_misses = args
+        seen[p] = max_misses
+        attainment = {0: 0.5, 4: 0.6, 8: 0.8, 12: 0.94, 10: 0.9, 14: 0.92}[p]
+        return planner.PlanPoint(16, tp, p, d, attainment * 10, attainment, 0, 0, False, attainment)
+
+    monkeypatch.setattr(planner, "_evaluate_job", fake16)
+    finder.size(16)
+    assert seen == {0: None, 4: None, 8: None, 12: None, 10: 60, 14: 60}
