@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from core.failure_metadata import KV_SAVE_FAILURE_KEY
 from core.proto_convert import block_key_to_proto, sampling_params_from_proto, token_logprob_to_proto
 from core.request import Request
 from engine.async_engine import AsyncEngine
@@ -58,9 +59,10 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         except KVLoadError as err:  # the prefix load failed under --kv-load-failure-policy fail
             await self.connector.release(rid)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err), err.trailing_metadata)
-        except (grpc.RpcError, OSError) as err:  # writing the new blocks failed: the pool broke
+        except (grpc.RpcError, OSError) as err:  # writing the new blocks failed: the pool broke, not us
             await self.connector.release(rid)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool write failed: {err}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pool write failed: {err}",
+                                ((KV_SAVE_FAILURE_KEY, "pool_write_failed"),))
         except ValueError as err:
             await self.connector.release(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -36,7 +36,7 @@ from router.placement.prediction import Placement
 from router.placement.placer import Placer
 from router.tokenizer import ModelTokenizer
 from router.api.validation import ValidatedRequest
-from router.workers.clients import DecodeTokens, PrefillResult, WorkerClients, WorkerFailedError
+from router.workers.clients import DecodeTokens, KVSaveFailedError, PrefillResult, WorkerClients, WorkerFailedError
 from router.workers.loss import stream_unless_lost, unless_lost
 from router.workers.view import WorkerView
 
@@ -222,6 +222,10 @@ class Generation:
                 with self.placer.attempt(worker.address):
                     call = self.clients.prefill(worker.address, rid, run.request, self._remaining_s(run))
                     result = await unless_lost(call, self.view.loss.lost_event(worker.address), worker.address)
+            except KVSaveFailedError as err:  # the pool broke, not the worker: the decode worker prefills
+                log.warning("%s; prefilling on the decode worker", err.message, extra={"request_id": run.request_id})
+                self.fallbacks.count("pool_write_failed")
+                return None
             except WorkerFailedError as err:
                 failure = err
                 self._worker_failed("prefill", err, run)

@@ -25,11 +25,12 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from core import metric_names as names
+from core.failure_metadata import KV_LOAD_FAILURE_KEY
 
 log = logging.getLogger(__name__)
 
 # Trailing metadata key of a request ended by the ``fail`` policy; its value is the reason.
-METADATA_KEY = "tandem-kv-load-failure"
+METADATA_KEY = KV_LOAD_FAILURE_KEY  # core.failure_metadata
 
 # Why a load failed (the ``reason`` label).
 UNREACHABLE = "unreachable"  # the pool node did not answer (UNAVAILABLE, DEADLINE_EXCEEDED, OSError, none registered)

@@ -2,7 +2,9 @@
 
 Once this router has seen a prefill worker, a request that runs colocated because none is live
 (``no_prefill_worker``) or because its prefill failed with no other prefill worker left
-(``prefill_failed``) is a **fall-back**: counted in ``tandem:colocated_fallbacks_total{reason}``
+(``prefill_failed``), or because its prefill worker could not write the KV to the pool
+(``pool_write_failed``: the pool broke, the worker did not; the decode worker needs no pool) is a
+**fall-back**: counted in ``tandem:colocated_fallbacks_total{reason}``
 and shown by ``GET /health`` (``mode: "colocated_fallback"`` while no prefill worker is live,
 and the counts). A cluster that never had a prefill worker (``tandem up --colocated``) is simply
 colocated, and ``--disaggregation never`` chooses colocation: neither is a fall-back.
@@ -14,7 +16,7 @@ from collections import Counter
 
 from router.metrics import RouterMetrics
 
-REASONS = ("no_prefill_worker", "prefill_failed")
+REASONS = ("no_prefill_worker", "prefill_failed", "pool_write_failed")
 
 
 class ColocatedFallbacks:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.failure_metadata import KV_LOAD_FAILURE_KEY, KV_SAVE_FAILURE_KEY
 from core.grpc_service import CHANNEL_OPTIONS, cluster_aio_channel
 from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
@@ -79,13 +80,20 @@ class WorkerFailedError(RouterError):
         self.address = address
 
 
-# Trailing metadata of a request a worker ended because its KV load failed (--kv-load-failure-policy
-# fail; engine.kv_connector.load_failure.METADATA_KEY): the worker is fine, the request fails.
-KV_LOAD_FAILURE_KEY = "tandem-kv-load-failure"
+class KVSaveFailedError(RouterError):
+    """A prefill worker could not write the prompt's KV to the pool (the pool broke, not the
+    worker): the caller prefills on the decode worker instead and marks nobody down."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message, ErrorKind.UNAVAILABLE)
+        self.address = address
 
 
 def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
-    reason = dict(err.trailing_metadata() or ()).get(KV_LOAD_FAILURE_KEY)
+    trailing = dict(err.trailing_metadata() or ())
+    if KV_SAVE_FAILURE_KEY in trailing:
+        return KVSaveFailedError(f"{role} worker could not write the KV cache to the pool: {err.details()}", address)
+    reason = trailing.get(KV_LOAD_FAILURE_KEY)
     if reason is not None:
         return RouterError(f"{role} worker could not load the KV cache ({reason}): {err.details()}",
                            ErrorKind.KV_LOAD_FAILED)
