@@ -117,7 +117,10 @@ def test_argmax_equals_hf_wherever_hf_is_not_near_a_tie(case, engine_teacher_for
         clear = (top2[:, 0] - top2[:, 1]) > gap
         assert torch.equal(e.argmax(-1)[clear], h.argmax(-1)[clear])
         num_checked += int(clear.sum())
-    assert num_checked > 0.9 * sum(len(h) for h in case.hf_logits)  # the gap excludes only near-ties
+    # The gap excludes only near-ties, so most positions are checked: how many HF's own logits
+    # leave clear depends on the CPU's bf16/fp16 arithmetic (an AVX2-only AMD EPYC: 359 of 411 in
+    # bfloat16, 87 %; an Intel with AMX: over 90 %).
+    assert num_checked > 0.8 * sum(len(h) for h in case.hf_logits)
 
 
 def test_greedy_tokens_of_the_default_engine(case):
