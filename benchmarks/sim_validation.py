@@ -51,11 +51,12 @@ from bench.runner import run  # noqa: E402
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
-from benchmarks.step_timeline import analyze_dir, read_passes  # noqa: E402
+from benchmarks.step_timeline import analyze_dir, quantiles, read_passes  # noqa: E402
 from core.cost_model import CostModel, prefill_attn_pairs  # noqa: E402
 from core.worker_load import WorkerLoad  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port, worker_threads  # noqa: E402
+from sim.adapter import JitteredTimer  # noqa: E402
 from sim.cluster import ClusterSpec, CoreSharing, RouterSpec, fitted_worker  # noqa: E402
 from sim.simulator import Simulation  # noqa: E402
 from sim.workload import SimRequest  # noqa: E402
@@ -218,28 +219,77 @@ def uncontended_models(published: dict[str, CostModel], timeline: dict, median_s
     return models
 
 
+def worker_exponents(timeline: dict) -> dict[str, float]:
+    """worker -> log(measured slowdown) / log(processor sharing's slowdown) of its contended
+    passes (step_timeline), in [0, 4], for the workers that had any."""
+    return {w: min(4.0, max(0.0, math.log(max(t["measured_slowdown_p50"], 1.0)) / math.log(t["modelled_slowdown_p50"])))
+            for w, t in timeline.items() if t.get("modelled_slowdown_p50", 1.0) > 1.05 and "measured_slowdown_p50" in t}
+
+
 def measured_exponent(timeline: dict) -> float:
-    """CoreSharing.exponent from the pass logs: over the workers with contended passes, the median
-    of log(measured slowdown) / log(processor sharing's slowdown) of those passes, in [0, 4]; 1
-    (processor sharing) when no pass was contended."""
-    exponents = [math.log(max(t["measured_slowdown_p50"], 1.0)) / math.log(t["modelled_slowdown_p50"])
-                 for t in timeline.values() if t.get("modelled_slowdown_p50", 1.0) > 1.05 and "measured_slowdown_p50" in t]
-    return min(4.0, max(0.0, statistics.median(exponents))) if exponents else 1.0
+    """CoreSharing.exponent from the pass logs: the median of :func:`worker_exponents` over the
+    workers with contended passes; 1 (processor sharing) when no pass was contended."""
+    exponents = list(worker_exponents(timeline).values())
+    return statistics.median(exponents) if exponents else 1.0
+
+
+def measured_sharing(sharing: CoreSharing, timeline: dict) -> CoreSharing:
+    """``sharing`` with the measured exponent, and each role's own (the median over its workers)
+    where its workers had contended passes: a 2-thread decode worker beside a 1-thread prefill
+    worker need not lose what the prefill worker loses."""
+    by_role: dict[str, list[float]] = {}
+    for worker, exponent in worker_exponents(timeline).items():
+        by_role.setdefault(worker.split("-")[0], []).append(exponent)
+    role = lambda r: statistics.median(by_role[r]) if r in by_role else None  # noqa: E731
+    return dataclasses.replace(sharing, exponent=measured_exponent(timeline), prefill_exponent=role("prefill"),
+                               decode_exponent=role("decode"))
+
+
+def jitter_ratios(timeline: dict) -> dict[str, dict[str, list[float]]]:
+    """role -> step kind -> the pass / fit ratios of the role's workers' uncontended passes
+    (step_timeline's ``pass_over_fit_by_kind``), for sim.adapter.JitteredTimer; a colocated
+    cluster's prefill role is its decode workers'."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for worker, row in timeline.items():
+        kinds = out.setdefault(worker.split("-")[0], {})
+        for kind, ratios in row.get("pass_over_fit_by_kind", {}).items():
+            kinds.setdefault(kind, []).extend(ratios)
+    if "prefill" not in out and "decode" in out:
+        out["prefill"] = out["decode"]
+    return out
+
+
+PERCENTILES = [(metric, q) for metric in ("ttft_ms", "tbt_ms", "e2e_ms") for q in ("p50", "p90", "p99")]
 
 
 def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, models: dict[str, CostModel],
-             overhead_s: float, sharing: CoreSharing | None) -> dict:
+             overhead_s: float, sharing: CoreSharing | None, jitter: dict | None = None, num_seeds: int = 1) -> dict:
+    """bench.metrics.summarize of the simulated replay. With ``jitter`` (:func:`jitter_ratios`),
+    each role's steps are drawn around its fit (sim.adapter.JitteredTimer) in ``num_seeds``
+    simulations: each TTFT / TBT / E2E percentile is then the median over the seeds, and
+    ``seeds`` holds every seed's value (the spread one measured run is a draw of)."""
     num_prefill, num_decode = CONFIGS[name]
     engine = EngineConfig(**ENGINE)
-    decode_cost, prefill_cost = models["decode"], models["prefill"]
-    decode = fitted_worker(decode_cost, engine, decode_cost.kv_bytes_per_token)
-    prefill = fitted_worker(prefill_cost, engine, prefill_cost.kv_bytes_per_token)
     times = send_times_s(arrivals, [r.arrival_s for r in requests])
     sim_requests = [SimRequest(r.prompt, r.max_tokens, t) for r, t in zip(requests, times)]
     router = RouterSpec(request_overhead_s=overhead_s)
-    spec = ClusterSpec(num_prefill, num_decode, prefill, decode, router=router, sharing=sharing)
-    result = Simulation(spec).run(sim_requests)
-    return summarize(result.records, result.duration_s, SLO())
+    summaries = []
+    for seed in range(num_seeds if jitter else 1):
+        workers = {}
+        for role, cost in models.items():
+            worker = fitted_worker(cost, engine, cost.kv_bytes_per_token)
+            if jitter and jitter.get(role):
+                worker = dataclasses.replace(worker, timer=JitteredTimer(worker.timer, jitter[role], seed=seed))
+            workers[role] = worker
+        spec = ClusterSpec(num_prefill, num_decode, workers["prefill"], workers["decode"], router=router, sharing=sharing)
+        result = Simulation(spec).run(sim_requests)
+        summaries.append(summarize(result.records, result.duration_s, SLO()))
+    if len(summaries) == 1:
+        return summaries[0]
+    summary = dict(summaries[0], seeds={f"{m}_{q}": [s[m][q] for s in summaries] for m, q in PERCENTILES})
+    for metric, q in PERCENTILES:
+        summary[metric] = dict(summary[metric], **{q: statistics.median(s[metric][q] for s in summaries)})
+    return summary
 
 
 def errors(measured: dict, simulated: dict) -> dict:
@@ -247,7 +297,10 @@ def errors(measured: dict, simulated: dict) -> dict:
     for metric in ("ttft_ms", "tbt_ms"):
         for q in ("p50", "p90"):
             m, s = measured[metric][q], simulated[metric][q]
-            out[f"{metric}_{q}"] = {"measured": m, "simulated": s, "error": (s - m) / m if m else float("nan")}
+            out[f"{metric}_{q}"] = cell = {"measured": m, "simulated": s, "error": (s - m) / m if m else float("nan")}
+            seeds = simulated.get("seeds", {}).get(f"{metric}_{q}")
+            if seeds and m:  # the p10 and p90 over the seeds, as errors
+                cell["seed_band"] = [(v - m) / m for v in quantiles(seeds, (0.1, 0.9))]
     return out
 
 
@@ -272,18 +325,23 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
     threads = {"prefill": sharing.prefill_threads, "decode": sharing.decode_threads}
     timeline = analyze_dir(args.log_dir / name, m.since_s, threads, sharing.num_cores)
     published = role_models(m.loads)
-    fitted = uncontended_models(published, timeline)  # = published without DEBUG pass logs
-    processor_sharing, sharing = sharing, dataclasses.replace(sharing, exponent=measured_exponent(timeline))
+    # The jittered steps draw pass / fit ratios of the unscaled fits (their median is in them).
+    fitted = uncontended_models(published, timeline, median_scaled=False)  # = published without DEBUG pass logs
+    scaled = uncontended_models(published, timeline)
+    jitter = jitter_ratios(timeline) or None
+    processor_sharing, sharing = sharing, measured_sharing(sharing, timeline)
+    one_exponent = dataclasses.replace(sharing, prefill_exponent=None, decode_exponent=None)
+    overhead, n = m.request_overhead_s, args.num_seeds
     variants = {
-        "simulated": (fitted, m.request_overhead_s, sharing),
-        "processor sharing (exponent 1)": (fitted, m.request_overhead_s, processor_sharing),
-        "fits not median-scaled": (uncontended_models(published, timeline, median_scaled=False), m.request_overhead_s,
-                                   sharing),
-        "published fits": (published, m.request_overhead_s, sharing),
-        "published fits, no core sharing": (published, m.request_overhead_s, None),
-        "calibration fits only": (role_models(m.calibration_loads), m.request_overhead_s, sharing),
-        "no core sharing": (fitted, m.request_overhead_s, None),
-        "no router overhead": (fitted, 0.0, sharing),
+        "simulated": (fitted, overhead, sharing, jitter, n),
+        "no step-time jitter (median-scaled fits)": (scaled, overhead, sharing),
+        "one core-sharing exponent": (fitted, overhead, one_exponent, jitter, n),
+        "processor sharing (exponent 1)": (fitted, overhead, processor_sharing, jitter, n),
+        "published fits": (published, overhead, one_exponent),
+        "published fits, no core sharing": (published, overhead, None),
+        "calibration fits only": (role_models(m.calibration_loads), overhead, one_exponent),
+        "no core sharing": (fitted, overhead, None, jitter, n),
+        "no router overhead": (fitted, 0.0, sharing, jitter, n),
     }
     sims = {label: simulate(name, requests, arrivals, *v) for label, v in variants.items()}
     cost = lambda ls: {role: [{k: v for k, v in load.items() if k.startswith("cost_")} for load in loads]  # noqa: E731
@@ -298,7 +356,8 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
 
 
 def row(name: str, errs: dict) -> str:
-    cells = [f"{e['measured']:.0f} / {e['simulated']:.0f} ({e['error']:+.0%})" for e in errs.values()]
+    band = lambda e: f" [{e['seed_band'][0]:+.0%}..{e['seed_band'][1]:+.0%}]" if "seed_band" in e else ""  # noqa: E731
+    cells = [f"{e['measured']:.0f} / {e['simulated']:.0f} ({e['error']:+.0%}){band(e)}" for e in errs.values()]
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
@@ -306,10 +365,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {list(CONFIGS)}")
     parser.add_argument("--trace", type=Path, default=TRACE if TRACE.exists() else FALLBACK_TRACE)
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-output-tokens", type=int, default=24)
     parser.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second (low: the 2-core machine)")
     parser.add_argument("--num-probes", type=int, default=5, help="sequential short requests timing the router")
+    parser.add_argument("--num-seeds", type=int, default=20,
+                        help="simulations per variant with jittered steps (the median of each percentile is reported)")
     parser.add_argument("--num-threads", type=int, default=0, help="CPU threads shared by the workers (0: all cores)")
     parser.add_argument("--worker-log-level", default="DEBUG", help="DEBUG: the workers log every pass (step_timeline)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/logs/sim-validation"))

@@ -23,7 +23,8 @@ When the engine or router APIs change, this module is the one to update.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from core.cost_model import CostModel, prefill_attn_pairs
@@ -63,6 +64,58 @@ class CostModelTimer:
 
     def step_s(self, f: StepFeatures) -> float:
         return self.cost.step_s(f.num_new_tokens, f.num_seqs, f.attn_pairs) if f.num_seqs else 0.0
+
+
+def step_kind(num_new_tokens: int, num_seqs: int) -> str:
+    """The kind of step a measured pass-time ratio is grouped by: ``decode-1``, ``decode-2``,
+    ``decode-3`` or ``decode-4+`` (one new token per sequence; by batch size) or ``prefill`` (a
+    step with prompt tokens, chunks or whole prompts, with or without decodes beside them)."""
+    if num_new_tokens != num_seqs:
+        return "prefill"
+    return f"decode-{num_seqs}" if num_seqs < 4 else "decode-4+"
+
+
+class JitteredTimer:
+    """Another timer's step times, each multiplied by a ratio drawn at random (with replacement)
+    from measured ones of the same kind of step (:func:`step_kind`): a residual bootstrap (Efron,
+    1979) of a real worker's pass / fit ratios, so the simulated steps keep the measured spread and
+    skew (a pass now and then 1.5-2x its fit) and the kinds a linear fit gets systematically wrong
+    (here a 2-sequence decode pass ran 1.1x the fit at the median, a 3-sequence one 0.9x: MKL's
+    small-M GEMM is not linear in M) instead of every step at the fit.
+
+    ``ratios``: kind -> measured pass / fit ratios (``benchmarks/step_timeline.py``'s
+    ``pass_over_fit_by_kind``). A kind with fewer than ``min_samples`` draws from its family's
+    (every ``decode-*`` kind, or ``prefill``), then from all of them; none at all: ratio 1.
+    Draws come from ``random.Random(seed)`` in call order: one simulation is deterministic, and
+    a few seeds give the spread a single measured run is one draw of.
+
+    Raises:
+        ValueError: a ratio <= 0.
+    """
+
+    def __init__(self, timer: StepTimer, ratios: Mapping[str, Sequence[float]], seed: int = 0, min_samples: int = 8):
+        if any(r <= 0 for rs in ratios.values() for r in rs):
+            raise ValueError("pass / fit ratios must be > 0")
+        self.timer, self.min_samples = timer, min_samples
+        self._rng = random.Random(seed)
+        family = lambda kind: kind.split("-")[0]  # noqa: E731
+        everything = [r for rs in ratios.values() for r in rs]
+        self._draw_from: dict[str, Sequence[float]] = {}
+        for kind in ("decode-1", "decode-2", "decode-3", "decode-4+", "prefill"):
+            own = ratios.get(kind, ())
+            pooled = [r for k, rs in ratios.items() if family(k) == family(kind) for r in rs]
+            self._draw_from[kind] = next((rs for rs in (own, pooled, everything) if len(rs) >= min_samples),
+                                         everything) or (1.0,)
+
+    def ratios_for(self, kind: str) -> Sequence[float]:
+        """The ratios a step of ``kind`` draws from (after the fall-backs)."""
+        return self._draw_from[kind]
+
+    def step_s(self, features: StepFeatures) -> float:
+        base_s = self.timer.step_s(features)
+        if not base_s:
+            return base_s
+        return base_s * self._rng.choice(self._draw_from[step_kind(features.num_new_tokens, features.num_seqs)])
 
 
 def run_sync(coroutine):

@@ -61,28 +61,40 @@ class CoreSharing:
     slowdown of passes that ran beside a neighbour's against those that ran alone) says how much
     of it this machine shows: less when other processes already load the cores (the workers'
     share of a busy machine shrinks less when a neighbour wakes), more when OpenMP teams stall.
+    ``prefill_exponent`` / ``decode_exponent`` (None: ``exponent``) set it per role: the roles
+    need not lose alike (here a 2-thread decode worker beside a 1-thread prefill worker slowed
+    1.01x, the prefill worker 1.35x, where processor sharing gives both 1.5x).
     """
 
     num_cores: int
     prefill_threads: int
     decode_threads: int
     exponent: float = 1.0
+    prefill_exponent: float | None = None
+    decode_exponent: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_cores", "prefill_threads", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.exponent <= 4:
-            raise ValueError(f"exponent must be in [0, 4], got {self.exponent}")
+        for name in ("exponent", "prefill_exponent", "decode_exponent"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 4:
+                raise ValueError(f"{name} must be in [0, 4], got {value}")
 
     def threads(self, role: str) -> int:
         return self.prefill_threads if role == "prefill" else self.decode_threads
 
-    def slowdown(self, num_busy_threads: int) -> float:
-        """How many times longer a step takes while ``num_busy_threads`` threads (its own
-        included) compute on the cores: 1 while they fit, else (threads / cores) ** exponent
-        (exponent 1: each thread gets a fair share of a core)."""
-        return max(1.0, num_busy_threads / self.num_cores) ** self.exponent
+    def exponent_of(self, role: str) -> float:
+        own = self.prefill_exponent if role == "prefill" else self.decode_exponent
+        return self.exponent if own is None else own
+
+    def slowdown(self, num_busy_threads: int, role: str | None = None) -> float:
+        """How many times longer a step (of a ``role`` worker; None: at ``exponent``) takes while
+        ``num_busy_threads`` threads (its own included) compute on the cores: 1 while they fit,
+        else (threads / cores) ** exponent (exponent 1: each thread gets a fair share of a core)."""
+        exponent = self.exponent if role is None else self.exponent_of(role)
+        return max(1.0, num_busy_threads / self.num_cores) ** exponent
 
 
 @dataclass(frozen=True)

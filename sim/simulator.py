@@ -268,7 +268,7 @@ class Simulation:
             return 1.0
         threads = sharing.threads(worker.info.role) + sum(
             sharing.threads(w.info.role) for w in self._by_id.values() if w is not worker and w.busy)
-        return sharing.slowdown(threads)
+        return sharing.slowdown(threads, worker.info.role)
 
     def _sharing_update(self, worker: _Worker) -> None:
         """When ``worker`` turned busy or idle on shared cores, the other workers' bulk decode
