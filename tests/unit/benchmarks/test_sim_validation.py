@@ -104,3 +104,55 @@ def test_the_simulated_roles_take_the_fits_of_their_uncontended_passes():
     assert (scaled.base_s, scaled.per_token_s, scaled.per_seq_s) == pytest.approx((0.048, 0.0024, 0.0006))
     unscaled = sim_validation.uncontended_models(published, timeline, median_scaled=False)["prefill"]
     assert unscaled.base_s == pytest.approx(0.040)
+
+
+def test_the_pass_over_fit_ratios_are_kept_by_kind_of_step():
+    # decode passes of exactly 20 ms + 10 ms per sequence (batches 1-4) and prefill passes of
+    # 29 ms + 1 ms per token (base 20, 1 per token, 9 per sequence): the fit is exact, every ratio
+    # 1, grouped by sim.adapter.step_kind
+    passes = [decode_pass("decode", 1.0 * i, 0.020 + 0.010 * (1 + i % 4), 1 + i % 4) for i in range(16)]
+    passes += [Pass("decode", 100.0 + i, StepSample(n, 1, 0.0, 0.029 + 0.001 * n, 0.028 + 0.001 * n))
+               for i, n in enumerate((16, 64, 128, 256))]
+    row = analyze({"decode": passes})["decode"]
+    kinds = row["pass_over_fit_by_kind"]
+    assert {k: len(v) for k, v in kinds.items()} == {"decode-1": 4, "decode-2": 4, "decode-3": 4, "decode-4+": 4,
+                                                      "prefill": 4}
+    assert all(r == pytest.approx(1.0, abs=1e-3) for v in kinds.values() for r in v)
+
+
+def test_each_role_gets_its_measured_core_sharing_exponent():
+    sharing = sim_validation.sharing_of("1P+1D", 2)
+    # decode passes beside a prefill pass ran 1.0x (processor sharing: 1.5x), prefill ones 1.5x:
+    # exponents 0 and 1; the shared one is their median 0.5
+    timeline = {"decode": {"modelled_slowdown_p50": 1.5, "measured_slowdown_p50": 1.0},
+                "prefill": {"modelled_slowdown_p50": 1.5, "measured_slowdown_p50": 1.5}}
+    measured = sim_validation.measured_sharing(sharing, timeline)
+    assert (measured.decode_exponent, measured.prefill_exponent) == pytest.approx((0.0, 1.0))
+    assert measured.exponent == pytest.approx(0.5)
+    assert sim_validation.measured_sharing(sharing, {}) == sharing  # nothing contended: processor sharing
+
+
+def test_jitter_ratios_pool_each_roles_workers_and_a_colocated_prefill_is_the_decode_workers():
+    timeline = {"decode": {"pass_over_fit_by_kind": {"decode-1": [1.0, 1.1], "prefill": [0.9]}},
+                "decode-1": {"pass_over_fit_by_kind": {"decode-1": [1.2]}}}
+    ratios = sim_validation.jitter_ratios(timeline)
+    assert ratios["decode"] == {"decode-1": [1.0, 1.1, 1.2], "prefill": [0.9]}
+    assert ratios["prefill"] is ratios["decode"]
+
+
+def test_jittered_simulations_report_the_median_over_the_seeds():
+    requests = [sim_validation.BenchRequest(list(range(100 + i, 140 + i)), 4, 0.5 * i, 40) for i in range(6)]
+    arrivals = sim_validation.ArrivalConfig("poisson", rate_per_s=2.0, seed=0)
+    cost = CostModel(0.010, 0.001, 0.0, 0.0, 1, 2048, 0.0, 46080.0)
+    models = {"prefill": cost, "decode": cost}
+    plain = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None)
+    ones = {"decode": {"decode-1": [1.0] * 8, "prefill": [1.0] * 8}}
+    ones["prefill"] = ones["decode"]
+    same = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None, ones, num_seeds=3)
+    assert same["ttft_ms"]["p50"] == pytest.approx(plain["ttft_ms"]["p50"])  # ratio 1 everywhere: the fit
+    assert same["seeds"]["ttft_ms_p50"] == pytest.approx([plain["ttft_ms"]["p50"]] * 3)
+    spread = {"decode": {"decode-1": [0.5, 2.0] * 4, "prefill": [0.5, 2.0] * 4}}
+    spread["prefill"] = spread["decode"]
+    jittered = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None, spread, num_seeds=5)
+    seeds = jittered["seeds"]["tbt_ms_p90"]
+    assert len(set(seeds)) > 1 and jittered["tbt_ms"]["p90"] == pytest.approx(sorted(seeds)[2])

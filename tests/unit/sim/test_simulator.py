@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,52 @@ def test_core_sharing_is_processor_sharing_of_the_busy_threads():
     assert [measured.slowdown(n) for n in (2, 4, 8)] == pytest.approx([1.0, 2 ** 0.5, 2.0])
     with pytest.raises(ValueError, match="exponent must be in"):
         CoreSharing(2, 1, 1, exponent=-1)
+
+
+def test_core_sharing_exponents_may_differ_by_role():
+    sharing = CoreSharing(num_cores=2, prefill_threads=1, decode_threads=2, exponent=0.5, decode_exponent=0.0)
+    # 3 busy threads on 2 cores: processor sharing's 1.5, to the prefill worker ** 0.5 (the shared
+    # exponent), to the decode worker ** 0 (it loses nothing); role None: the shared exponent
+    assert sharing.slowdown(3, "prefill") == pytest.approx(1.5 ** 0.5)
+    assert sharing.slowdown(3, "decode") == 1.0
+    assert sharing.slowdown(3) == pytest.approx(1.5 ** 0.5)
+    assert (sharing.exponent_of("prefill"), sharing.exponent_of("decode")) == (0.5, 0.0)
+    with pytest.raises(ValueError, match="prefill_exponent must be in"):
+        CoreSharing(2, 1, 1, prefill_exponent=5)
+
+
+def test_step_kinds_group_decode_steps_by_batch_size():
+    assert [adapter.step_kind(n, n) for n in (1, 2, 3, 4, 64)] == ["decode-1", "decode-2", "decode-3", "decode-4+",
+                                                                   "decode-4+"]
+    assert adapter.step_kind(16, 1) == adapter.step_kind(20, 5) == "prefill"  # prompt tokens, with decodes or not
+
+
+def test_jittered_steps_draw_the_measured_ratio_of_their_kind():
+    # One colocated worker; prefill steps run 0.5x the fit, 1-sequence decode steps 2x. A (8 tokens,
+    # 3 outputs): prefill (10 + 8) x 0.5 = 9 ms -> token 1 at 9; decode steps (10 + 1) x 2 = 22 ms
+    # -> tokens at 31 and 53 (the bulk decode run draws per step too).
+    ratios = {"prefill": [0.5] * 8, "decode-1": [2.0] * 8}
+    worker = fitted_worker(COST, ENGINE, COST.kv_bytes_per_token)
+    jittered = adapter.JitteredTimer(worker.timer, ratios, seed=3)
+    jittered_worker = dataclasses.replace(worker, timer=jittered)
+    spec = ClusterSpec(0, 1, jittered_worker, jittered_worker, router=RouterSpec("round_robin"))
+    (a,) = Simulation(spec).run([SimRequest(list(range(1, 9)), 3, 0.0)]).records
+    assert a.chunk_times_s == pytest.approx([0.009, 0.031, 0.053])
+
+
+def test_a_kind_with_too_few_ratios_draws_from_its_family_then_from_all():
+    timer = adapter.CostModelTimer(COST)
+    jittered = adapter.JitteredTimer(timer, {"decode-1": [2.0] * 8, "decode-3": [3.0], "prefill": [0.5] * 3})
+    assert jittered.ratios_for("decode-2") == [2.0] * 8 + [3.0]  # decode-2 has none: every decode-* ratio
+    assert jittered.ratios_for("decode-3") == [2.0] * 8 + [3.0]  # 1 ratio < min_samples 8: the family's
+    assert sorted(jittered.ratios_for("prefill")) == sorted([2.0] * 8 + [3.0] + [0.5] * 3)  # 3 prefill < 8: all
+    assert adapter.JitteredTimer(timer, {}).ratios_for("prefill") == (1.0,)  # nothing measured: the fit
+    # the draws are seeded: the same seed gives the same steps, in call order
+    mixed = {"decode-1": [0.5, 1.0, 1.5, 2.0] * 2}
+    features = adapter.StepFeatures(1, 1, 0.0, 1)
+    one = adapter.JitteredTimer(timer, mixed, seed=7)
+    again = adapter.JitteredTimer(timer, mixed, seed=7)
+    assert [one.step_s(features) for _ in range(20)] == [again.step_s(features) for _ in range(20)]
+    assert {round(one.step_s(features) / 0.011, 6) for _ in range(200)} == {0.5, 1.0, 1.5, 2.0}
+    with pytest.raises(ValueError, match="> 0"):
+        adapter.JitteredTimer(timer, {"decode-1": [0.0]})
