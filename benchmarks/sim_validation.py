@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -51,9 +52,10 @@ from bench.runner import run  # noqa: E402
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
-from benchmarks.step_timeline import analyze_dir, quantiles, read_passes  # noqa: E402
-from core.cost_model import CostModel, prefill_attn_pairs  # noqa: E402
+from benchmarks.step_timeline import PASS, analyze_dir, quantiles, read_passes  # noqa: E402
+from core.cost_model import CostModel, StepSample, prefill_attn_pairs  # noqa: E402
 from core.worker_load import WorkerLoad  # noqa: E402
+from engine.step_stats import StepStats  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port, worker_threads  # noqa: E402
 from sim.adapter import JitteredTimer  # noqa: E402
@@ -68,6 +70,7 @@ CONFIGS = {"colocated-1": (0, 1), "1P+1D": (1, 1), "colocated-2": (0, 2), "2P+2D
 ENGINE = dict(block_size=16, num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
 TARGET_ERROR = 0.15
 PROBE_PROMPT_TOKENS = 16
+CALIBRATED = re.compile(r"cost model calibrated: (\d+) passes")  # engine.worker_runtime's log line
 
 
 def workload(args) -> list[BenchRequest]:
@@ -219,6 +222,64 @@ def uncontended_models(published: dict[str, CostModel], timeline: dict, median_s
     return models
 
 
+def before_replay(log_dir: Path, since_s: float) -> dict[str, list]:
+    """role -> the StepSamples of the passes the role's first worker logged before ``since_s``
+    (its start-up calibration and the probes: what its live cost-model fit held when the replay
+    began)."""
+    out: dict[str, list] = {}
+    for log in sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")]):
+        role = log.stem.split("-")[0]
+        if role not in out:
+            out[role] = [p.sample for p in read_passes(log) if p.end_s < since_s]
+    if "prefill" not in out and "decode" in out:
+        out["prefill"] = out["decode"]
+    return out
+
+
+def published_schedules(log_dir: Path, since_s: float, published: dict[str, CostModel]) -> dict[str, tuple]:
+    """role -> one schedule per worker of it (in log-name order, as the simulation numbers its
+    workers) of ((replay seconds, cost model), ...): the fit that worker published from each of
+    its passes on, recomputed from its pass log as the worker computes it (the real
+    engine.step_stats.StepStats over its start-up calibration's passes, then every pass it
+    logged after, window 512, refit every 16), with ``published``'s budget and KV bandwidth; the first entry is what it
+    published when the replay began. The router's view of the workers as the replay went, from
+    their pass timings only."""
+    out: dict[str, list] = {}
+    for log in sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")], key=lambda p: (len(p.stem), p.stem)):
+        role = log.stem.split("-")[0]
+        if role not in published:
+            continue
+        cost, stats, schedule, seen = published[role], StepStats(), [], []
+        fields = dict(max_num_batched_tokens=cost.max_num_batched_tokens, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
+                      kv_bytes_per_token=cost.kv_bytes_per_token)
+        for line in log.read_text().splitlines():
+            calibrated = CALIBRATED.search(line)
+            if calibrated:  # engine.calibration clears the fit first: it holds the calibration's passes only
+                stats = StepStats()
+                for sample in seen[-int(calibrated[1]):]:
+                    stats.record(sample)
+            elif '"pass:' in line:
+                entry = json.loads(line)
+                match = PASS.search(entry["msg"])
+                if match is None:
+                    continue
+                sample = StepSample(int(match[1]), int(match[2]), float(match[3]), float(match[5]) / 1e3,
+                                    float(match[4]) / 1e3)
+                seen.append(sample)
+                stats.record(sample)
+            else:
+                continue
+            model, at_s = stats.model(**fields), max(0.0, json.loads(line)["ts"] - since_s)
+            if schedule and schedule[-1][0] == at_s == 0.0:  # before the replay: only the last counts
+                schedule.pop()
+            if not schedule or model != schedule[-1][1]:
+                schedule.append((at_s, model))
+        out.setdefault(role, []).append(tuple(schedule))
+    if "prefill" not in out and "decode" in out:
+        out["prefill"] = out["decode"]
+    return {role: tuple(schedules) for role, schedules in out.items()}
+
+
 def worker_exponents(timeline: dict) -> dict[str, float]:
     """worker -> log(measured slowdown) / log(processor sharing's slowdown) of its contended
     passes (step_timeline), in [0, 4], for the workers that had any."""
@@ -245,15 +306,15 @@ def measured_sharing(sharing: CoreSharing, timeline: dict) -> CoreSharing:
                                decode_exponent=role("decode"))
 
 
-def jitter_ratios(timeline: dict) -> dict[str, dict[str, list[float]]]:
-    """role -> step kind -> the pass / fit ratios of the role's workers' uncontended passes
-    (step_timeline's ``pass_over_fit_by_kind``), for sim.adapter.JitteredTimer; a colocated
-    cluster's prefill role is its decode workers'."""
-    out: dict[str, dict[str, list[float]]] = {}
+def jitter_ratios(timeline: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """role -> step kind -> (size, pass / fit ratio) of the role's workers' uncontended passes
+    (step_timeline's ``pass_over_fit``), for sim.adapter.JitteredTimer; a colocated cluster's
+    prefill role is its decode workers'."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for worker, row in timeline.items():
         kinds = out.setdefault(worker.split("-")[0], {})
-        for kind, ratios in row.get("pass_over_fit_by_kind", {}).items():
-            kinds.setdefault(kind, []).extend(ratios)
+        for kind, pairs in row.get("pass_over_fit", {}).items():
+            kinds.setdefault(kind, []).extend((int(size), ratio) for size, ratio in pairs)
     if "prefill" not in out and "decode" in out:
         out["prefill"] = out["decode"]
     return out
@@ -263,8 +324,15 @@ PERCENTILES = [(metric, q) for metric in ("ttft_ms", "tbt_ms", "e2e_ms") for q i
 
 
 def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, models: dict[str, CostModel],
-             overhead_s: float, sharing: CoreSharing | None, jitter: dict | None = None, num_seeds: int = 1) -> dict:
-    """bench.metrics.summarize of the simulated replay. With ``jitter`` (:func:`jitter_ratios`),
+             overhead_s: float, sharing: CoreSharing | None, jitter: dict | None = None, num_seeds: int = 1,
+             router_models: dict[str, CostModel] | None = None, calibration: dict | None = None,
+             schedules: dict | None = None) -> dict:
+    """bench.metrics.summarize of the simulated replay: steps timed by ``models``. The router
+    reads in the workers' heartbeats: with ``calibration`` (role -> the StepSamples a real worker
+    of it ran before the replay), each simulated worker's live fit of its own steps seeded with
+    them (sim.cluster.WorkerSpec.live_fit, as a real worker publishes); with ``schedules`` (role ->
+    :func:`published_schedules`), the fits the real workers published as the replay went; else ``router_models``
+    (None: ``models``) throughout. With ``jitter`` (:func:`jitter_ratios`),
     each role's steps are drawn around its fit (sim.adapter.JitteredTimer) in ``num_seeds``
     simulations: each TTFT / TBT / E2E percentile is then the median over the seeds, and
     ``seeds`` holds every seed's value (the spread one measured run is a draw of)."""
@@ -280,6 +348,12 @@ def simulate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, m
             worker = fitted_worker(cost, engine, cost.kv_bytes_per_token)
             if jitter and jitter.get(role):
                 worker = dataclasses.replace(worker, timer=JitteredTimer(worker.timer, jitter[role], seed=seed))
+            if router_models:
+                worker = dataclasses.replace(worker, cost=router_models[role])
+            if calibration is not None:
+                worker = dataclasses.replace(worker, live_fit=True, calibration=tuple(calibration.get(role, ())))
+            if schedules and schedules.get(role):
+                worker = dataclasses.replace(worker, cost_schedules=schedules[role])
             workers[role] = worker
         spec = ClusterSpec(num_prefill, num_decode, workers["prefill"], workers["decode"], router=router, sharing=sharing)
         result = Simulation(spec).run(sim_requests)
@@ -331,17 +405,24 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
     jitter = jitter_ratios(timeline) or None
     processor_sharing, sharing = sharing, measured_sharing(sharing, timeline)
     one_exponent = dataclasses.replace(sharing, prefill_exponent=None, decode_exponent=None)
-    overhead, n = m.request_overhead_s, args.num_seeds
+    # The router places by the fits the workers published (what the real router read in their
+    # heartbeats), whatever times the simulated steps.
+    overhead, n, seen = m.request_overhead_s, args.num_seeds, published
+    live = before_replay(args.log_dir / name, m.since_s)
+    replayed = published_schedules(args.log_dir / name, m.since_s, published)
     variants = {
-        "simulated": (fitted, overhead, sharing, jitter, n),
-        "no step-time jitter (median-scaled fits)": (scaled, overhead, sharing),
-        "one core-sharing exponent": (fitted, overhead, one_exponent, jitter, n),
-        "processor sharing (exponent 1)": (fitted, overhead, processor_sharing, jitter, n),
+        "simulated": (fitted, overhead, sharing, jitter, n, None, None, replayed),
+        "router reads the simulated workers' live fits": (fitted, overhead, sharing, jitter, n, None, live),
+        "router reads the final published fits": (fitted, overhead, sharing, jitter, n, seen),
+        "router reads the simulated fits": (fitted, overhead, sharing, jitter, n),
+        "no step-time jitter (median-scaled fits)": (scaled, overhead, sharing, None, 1, seen),
+        "one core-sharing exponent": (fitted, overhead, one_exponent, jitter, n, seen),
+        "processor sharing (exponent 1)": (fitted, overhead, processor_sharing, jitter, n, seen),
         "published fits": (published, overhead, one_exponent),
         "published fits, no core sharing": (published, overhead, None),
         "calibration fits only": (role_models(m.calibration_loads), overhead, one_exponent),
-        "no core sharing": (fitted, overhead, None, jitter, n),
-        "no router overhead": (fitted, 0.0, sharing, jitter, n),
+        "no core sharing": (fitted, overhead, None, jitter, n, seen),
+        "no router overhead": (fitted, 0.0, sharing, jitter, n, seen),
     }
     sims = {label: simulate(name, requests, arrivals, *v) for label, v in variants.items()}
     cost = lambda ls: {role: [{k: v for k, v in load.items() if k.startswith("cost_")} for load in loads]  # noqa: E731

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.cost_model import StepSample, StepTimeFit  # noqa: E402
-from sim.adapter import step_kind  # noqa: E402
+from sim.adapter import step_size  # noqa: E402
 
 PASS = re.compile(r"pass: (\d+) tokens, (\d+) seqs, ([\d.]+) k attention pairs, forward ([\d.]+) ms, pass ([\d.]+) ms")
 ALONE, SHARED = 0.1, 0.9  # a pass contended for < 10 % / > 90 % of its time
@@ -88,19 +88,20 @@ def contention(p: Pass, others: list[Pass], threads: dict[str, int], num_cores: 
     return contended_s / p.sample.duration_s, weighted_s / p.sample.duration_s
 
 
-def by_kind(samples: list[StepSample], ratio) -> dict[str, list[float]]:
-    """sim.adapter.step_kind -> ``ratio([sample])`` of each of ``samples`` of that kind (4 decimals)."""
-    out: dict[str, list[float]] = {}
+def by_kind(samples: list[StepSample], ratio) -> dict[str, list[list[float]]]:
+    """kind -> [size, ``ratio([sample])`` (4 decimals)] of each of ``samples`` (sim.adapter.step_size)."""
+    out: dict[str, list[list[float]]] = {}
     for s in samples:
+        kind, size = step_size(s.num_new_tokens, s.num_seqs)
         for r in ratio([s]):
-            out.setdefault(step_kind(s.num_new_tokens, s.num_seqs), []).append(round(r, 4))
+            out.setdefault(kind, []).append([size, round(r, 4)])
     return out
 
 
 def analyze(passes_by_worker: dict[str, list[Pass]], threads: dict[str, int] | None = None, num_cores: int = 1) -> dict:
     """Per worker: pass counts, host share, the cost model fitted on its uncontended passes (those
     that ran while the busy threads fitted the cores) and its error (quantiles, and every pass's
-    pass / fit ratio by kind of step); with contended passes, their
+    size and pass / fit ratio by kind of step); with contended passes, their
     measured slowdown against that fit beside what CoreSharing's processor sharing predicts.
     ``threads``: worker -> threads (1 where absent); ``num_cores``: the cores they share."""
     out, threads = {}, threads or {}
@@ -128,8 +129,8 @@ def analyze(passes_by_worker: dict[str, list[Pass]], threads: dict[str, int] | N
                                     "per_seq_us": model.per_seq_s * 1e6, "per_attn_us": model.per_attn_s * 1e6},
             "alone_pass_over_fit_p10_p50_p90": quantiles(ratio(alone)),
             "fitted_pass_over_fit_p10_p50_p90": quantiles(ratio(fitted)),  # over the passes the fit was made on
-            # every one of them by kind of step (sim.adapter.JitteredTimer draws from these)
-            "pass_over_fit_by_kind": by_kind(fitted, ratio),
+            # every one of them by kind of step, with its size (sim.adapter.JitteredTimer draws from these)
+            "pass_over_fit": by_kind(fitted, ratio),
         }
         if shared:
             row["shared_pass_over_fit_p10_p50_p90"] = quantiles(ratio(shared))

@@ -23,6 +23,7 @@ When the engine or router APIs change, this module is the one to update.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -66,56 +67,64 @@ class CostModelTimer:
         return self.cost.step_s(f.num_new_tokens, f.num_seqs, f.attn_pairs) if f.num_seqs else 0.0
 
 
-def step_kind(num_new_tokens: int, num_seqs: int) -> str:
-    """The kind of step a measured pass-time ratio is grouped by: ``decode-1``, ``decode-2``,
-    ``decode-3`` or ``decode-4+`` (one new token per sequence; by batch size) or ``prefill`` (a
-    step with prompt tokens, chunks or whole prompts, with or without decodes beside them)."""
-    if num_new_tokens != num_seqs:
-        return "prefill"
-    return f"decode-{num_seqs}" if num_seqs < 4 else "decode-4+"
+def step_size(num_new_tokens: int, num_seqs: int) -> tuple[str, int]:
+    """The kind and size a measured pass-time ratio is matched by: ``("decode", batch size)`` for
+    a step of one new token per sequence, else ``("prefill", new tokens)`` (prompt tokens,
+    chunks or whole prompts, with or without decodes beside them)."""
+    return ("decode", num_seqs) if num_new_tokens == num_seqs else ("prefill", num_new_tokens)
 
 
 class JitteredTimer:
-    """Another timer's step times, each multiplied by a ratio drawn at random (with replacement)
-    from measured ones of the same kind of step (:func:`step_kind`): a residual bootstrap (Efron,
-    1979) of a real worker's pass / fit ratios, so the simulated steps keep the measured spread and
-    skew (a pass now and then 1.5-2x its fit) and the kinds a linear fit gets systematically wrong
-    (here a 2-sequence decode pass ran 1.1x the fit at the median, a 3-sequence one 0.9x: MKL's
-    small-M GEMM is not linear in M) instead of every step at the fit.
+    """Another timer's step times, each multiplied by a ratio drawn at random from the measured
+    pass / fit ratios of the real passes nearest to it: a residual bootstrap (Efron, 1979) with
+    k-nearest-neighbour residuals, so the simulated steps keep the measured spread and skew (a
+    pass now and then 1.3-1.6x its fit) and what a linear fit gets systematically wrong by size.
+    Here a 2-sequence decode pass ran 1.1x the fit at the median and a 3-sequence one 0.9x (MKL's
+    fp32 GEMM is not linear in the rows); prompt steps of 13-60 tokens ran 1.2-1.7x, of 200-600
+    0.85-1.05x and of 800+ 1.2-1.6x. One ratio drawn from all prompt steps would put the short
+    ones' overrun on every prompt.
 
-    ``ratios``: kind -> measured pass / fit ratios (``benchmarks/step_timeline.py``'s
-    ``pass_over_fit_by_kind``). A kind with fewer than ``min_samples`` draws from its family's
-    (every ``decode-*`` kind, or ``prefill``), then from all of them; none at all: ratio 1.
-    Draws come from ``random.Random(seed)`` in call order: one simulation is deterministic, and
-    a few seeds give the spread a single measured run is one draw of.
+    ``samples``: kind -> (size, ratio) of each measured pass (:func:`step_size`;
+    ``benchmarks/step_timeline.py``'s ``pass_over_fit``). A step draws from the ``k`` passes of
+    its kind nearest in log size, and every pass tied with the k-th (all the 1-sequence decode
+    passes for a 1-sequence step); a kind with no pass draws from the other's; none at all:
+    ratio 1. Draws come from ``random.Random(seed)`` in call order: one simulation is
+    deterministic, and a few seeds give the spread one measured run is a draw of.
 
     Raises:
-        ValueError: a ratio <= 0.
+        ValueError: a ratio or a size <= 0, or k < 1.
     """
 
-    def __init__(self, timer: StepTimer, ratios: Mapping[str, Sequence[float]], seed: int = 0, min_samples: int = 8):
-        if any(r <= 0 for rs in ratios.values() for r in rs):
-            raise ValueError("pass / fit ratios must be > 0")
-        self.timer, self.min_samples = timer, min_samples
+    def __init__(self, timer: StepTimer, samples: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0,
+                 k: int = 8):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if any(size <= 0 or ratio <= 0 for pairs in samples.values() for size, ratio in pairs):
+            raise ValueError("pass sizes and pass / fit ratios must be > 0")
+        self.timer, self.k = timer, k
         self._rng = random.Random(seed)
-        family = lambda kind: kind.split("-")[0]  # noqa: E731
-        everything = [r for rs in ratios.values() for r in rs]
-        self._draw_from: dict[str, Sequence[float]] = {}
-        for kind in ("decode-1", "decode-2", "decode-3", "decode-4+", "prefill"):
-            own = ratios.get(kind, ())
-            pooled = [r for k, rs in ratios.items() if family(k) == family(kind) for r in rs]
-            self._draw_from[kind] = next((rs for rs in (own, pooled, everything) if len(rs) >= min_samples),
-                                         everything) or (1.0,)
+        self._sorted = {kind: sorted((math.log(size), ratio) for size, ratio in pairs)
+                        for kind, pairs in samples.items() if pairs}
+        self._nearest: dict[tuple[str, int], Sequence[float]] = {}
 
-    def ratios_for(self, kind: str) -> Sequence[float]:
-        """The ratios a step of ``kind`` draws from (after the fall-backs)."""
-        return self._draw_from[kind]
+    def ratios_for(self, kind: str, size: int) -> Sequence[float]:
+        """The ratios a step of ``kind`` and ``size`` draws from."""
+        key = (kind, size)
+        if key not in self._nearest:
+            pairs = self._sorted.get(kind) or next(iter(self._sorted.values()), None)
+            self._nearest[key] = self._k_nearest(pairs, math.log(size)) if pairs else (1.0,)
+        return self._nearest[key]
+
+    def _k_nearest(self, pairs: list[tuple[float, float]], x: float) -> list[float]:
+        distances = sorted(abs(px - x) for px, _ in pairs)
+        cutoff = distances[min(self.k, len(distances)) - 1] + 1e-12
+        return [ratio for px, ratio in pairs if abs(px - x) <= cutoff]
 
     def step_s(self, features: StepFeatures) -> float:
         base_s = self.timer.step_s(features)
         if not base_s:
             return base_s
-        return base_s * self._rng.choice(self._draw_from[step_kind(features.num_new_tokens, features.num_seqs)])
+        return base_s * self._rng.choice(self.ratios_for(*step_size(features.num_new_tokens, features.num_seqs)))
 
 
 def run_sync(coroutine):

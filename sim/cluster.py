@@ -15,7 +15,16 @@ from sim.hardware import Roofline, StepFeatures
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker kind: its engine (the real EngineConfig), how long its steps take, the cost
-    model it publishes in its heartbeat, and its KV transfer bandwidth to and from the pool."""
+    model it publishes in its heartbeat, and its KV transfer bandwidth to and from the pool.
+
+    ``live_fit``: each worker publishes, as a real one does, the fit of its own recent steps (the
+    real ``engine.step_stats.StepStats``, window 512, refit every 16 steps) seeded with
+    ``calibration`` (the passes a real worker ran before serving: its start-up calibration and
+    whatever came before the workload), instead of ``cost`` throughout; ``cost`` keeps its budget
+    and KV bandwidth fields. The router then sees the simulated workers' load the way it sees
+    real ones: a fit that drifts with the batches they run. ``cost_schedules`` instead replay given
+    sequences of published fits (time-ordered), one per worker.
+    """
 
     engine: EngineConfig
     timer: StepTimer
@@ -23,6 +32,12 @@ class WorkerSpec:
     kv_bytes_per_token: float
     kv_transfer_bytes_per_s: float  # 0: transfers take no time
     num_gpus: int = 1  # tensor-parallel degree
+    live_fit: bool = False
+    calibration: tuple[StepSample, ...] = ()
+    # Per worker of this kind (worker i takes schedule i mod their number): (from time s, cost
+    # model) published instead of ``cost`` from each time on (replayed real workers' fits over
+    # their run, benchmarks/sim_validation.py); takes precedence over live_fit.
+    cost_schedules: tuple[tuple[tuple[float, CostModel], ...], ...] = ()
 
     def transfer_s(self, num_tokens: int) -> float:
         if num_tokens <= 0 or self.kv_transfer_bytes_per_s <= 0:

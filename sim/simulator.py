@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from bench.client import RequestRecord
 from bench.metrics import meets_slo
+from core.cost_model import CostModel, StepSample
+from engine.step_stats import StepStats
 from router.errors import RouterError
 from router.placement.prediction import Placement
 from sim.adapter import SAMPLED_TOKEN_ID, SimEngine, SimRouter, worker_info
@@ -39,8 +41,31 @@ class _Worker:
     beat_at_s: float = -1e18
     # A bulk decode run in progress: the end time of each of its steps (absolute seconds).
     run_ends_s: list[float] = field(default_factory=list)
+    run_features: list = field(default_factory=list)  # of each step of the run (sim.hardware.StepFeatures)
     run_start_s: float = 0.0
     run_generation: int = 0
+    # WorkerSpec.live_fit: the worker's own step-time fit, and the step running now (recorded at its end)
+    stats: StepStats | None = None
+    step_sample: tuple | None = None  # (features, duration_s)
+    cost_schedule: tuple = ()  # WorkerSpec.cost_schedules: this worker's
+    _schedule_times: list[float] = field(default_factory=list)
+
+    def published_cost(self, now_s: float) -> CostModel:
+        """The cost model this worker's heartbeat carries at ``now_s``: its spec's cost schedule,
+        its live fit or its spec's cost."""
+        cost, schedule = self.spec.cost, self.cost_schedule
+        if schedule:
+            i = bisect.bisect_right(self._schedule_times, now_s) - 1
+            return schedule[max(i, 0)][1]
+        if self.stats is None:
+            return cost
+        return self.stats.model(max_num_batched_tokens=cost.max_num_batched_tokens,
+                                kv_load_bytes_per_s=cost.kv_load_bytes_per_s, kv_bytes_per_token=cost.kv_bytes_per_token)
+
+    def record(self, features, duration_s: float) -> None:
+        """Feeds one finished step to the live fit (no-op without one)."""
+        if self.stats is not None:
+            self.stats.record(StepSample(features.num_new_tokens, features.num_seqs, features.attn_pairs, duration_s))
 
     def transfer(self, now_s: float, num_tokens: int) -> float:
         """When a KV transfer of ``num_tokens`` through this worker's NIC, queued behind earlier
@@ -88,8 +113,8 @@ class Simulation:
         r = cluster.router
         self.router = SimRouter(r.policy, r.disaggregation, r.slo, r.max_queue_s,
                                 self.pool.num_leading if cluster.num_prefill else None)
-        self.prefill = [self._worker(f"prefill-{i}", "prefill", cluster.prefill, bs) for i in range(cluster.num_prefill)]
-        self.decode = [self._worker(f"decode-{i}", "decode", cluster.decode, bs) for i in range(cluster.num_decode)]
+        self.prefill = [self._worker(i, "prefill", cluster.prefill, bs) for i in range(cluster.num_prefill)]
+        self.decode = [self._worker(i, "decode", cluster.decode, bs) for i in range(cluster.num_decode)]
         self._by_id = {w.info.worker_id: w for w in (*self.prefill, *self.decode)}
         self._runs: dict[str, _Run] = {}
         self._busy_ids: set[str] = set()  # workers counted busy for CPU sharing (_sharing_update)
@@ -100,8 +125,16 @@ class Simulation:
         self._slo, self._max_misses, self.num_misses = None, None, 0
 
     @staticmethod
-    def _worker(worker_id: str, role: str, spec: WorkerSpec, block_size: int) -> _Worker:
-        return _Worker(spec, SimEngine(spec.engine), worker_info(worker_id, role, block_size))
+    def _worker(index: int, role: str, spec: WorkerSpec, block_size: int) -> _Worker:
+        worker = _Worker(spec, SimEngine(spec.engine), worker_info(f"{role}-{index}", role, block_size))
+        if spec.cost_schedules:
+            worker.cost_schedule = spec.cost_schedules[index % len(spec.cost_schedules)]
+            worker._schedule_times = [t for t, _ in worker.cost_schedule]
+        if spec.live_fit:
+            worker.stats = StepStats()
+            for sample in spec.calibration:
+                worker.stats.record(sample)
+        return worker
 
     def _at(self, time_s: float, fn, *args) -> None:
         heapq.heappush(self._heap, (time_s, next(self._seq), fn, args))
@@ -149,7 +182,7 @@ class Simulation:
         limit = self.cluster.router.max_candidates
         for w in workers:
             if self.now_s - w.beat_at_s >= self.cluster.router.heartbeat_interval_s:
-                w.info.load = w.engine.load(w.spec.cost)
+                w.info.load = w.engine.load(w.published_cost(self.now_s))
                 w.beat_at_s = self.now_s
         if limit and len(workers) > limit:
             workers = sorted(workers, key=lambda w: w.engine.num_unfinished)[:limit]
@@ -211,11 +244,15 @@ class Simulation:
             return
         duration_s = worker.spec.timer.step_s(features) * self._slowdown(worker)
         worker.busy, worker.busy_s, worker.num_steps = True, worker.busy_s + duration_s, worker.num_steps + 1
+        worker.step_sample = (features, duration_s)
         self._at(self.now_s + duration_s, self._step_done, worker, out)
         self._sharing_update(worker)
 
     def _step_done(self, worker: _Worker, out) -> None:
         worker.busy = False
+        if worker.step_sample is not None:
+            worker.record(*worker.step_sample)
+            worker.step_sample = None
         for rid, finished in worker.engine.apply(out):
             if worker.info.role == "prefill":
                 self._prefilled(worker, self._runs[rid])
@@ -228,10 +265,12 @@ class Simulation:
         """Times ``num_steps`` pure decode steps now; they are applied when they end or when a
         request arrives at the worker meanwhile (then up to the step running at that moment)."""
         t, ends, slowdown = self.now_s, [], self._slowdown(worker)
-        for features in worker.engine.decode_run_features(num_steps):
+        features_list = worker.engine.decode_run_features(num_steps)
+        for features in features_list:
             t += worker.spec.timer.step_s(features) * slowdown
             ends.append(t)
         worker.busy, worker.run_ends_s, worker.run_start_s = True, ends, self.now_s
+        worker.run_features = features_list
         worker.run_generation += 1
         self._at(ends[-1], self._decode_run_done, worker, worker.run_generation)
         self._sharing_update(worker)
@@ -245,6 +284,9 @@ class Simulation:
         worker takes its next step once the last of them ends."""
         ends = worker.run_ends_s[:num_steps]
         worker.busy_s += ends[-1] - worker.run_start_s
+        if worker.stats is not None:  # a live fit: each step of the run is a sample
+            for features, start_s, end_s in zip(worker.run_features, [worker.run_start_s, *ends], ends):
+                worker.record(features, end_s - start_s)
         worker.num_steps += num_steps
         worker.run_ends_s, worker.run_generation = [], worker.run_generation + 1
         for rid in worker.engine.advance_decode(num_steps):

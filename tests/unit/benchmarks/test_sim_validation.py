@@ -109,15 +109,15 @@ def test_the_simulated_roles_take_the_fits_of_their_uncontended_passes():
 def test_the_pass_over_fit_ratios_are_kept_by_kind_of_step():
     # decode passes of exactly 20 ms + 10 ms per sequence (batches 1-4) and prefill passes of
     # 29 ms + 1 ms per token (base 20, 1 per token, 9 per sequence): the fit is exact, every ratio
-    # 1, grouped by sim.adapter.step_kind
+    # 1, grouped by sim.adapter.step_size
     passes = [decode_pass("decode", 1.0 * i, 0.020 + 0.010 * (1 + i % 4), 1 + i % 4) for i in range(16)]
     passes += [Pass("decode", 100.0 + i, StepSample(n, 1, 0.0, 0.029 + 0.001 * n, 0.028 + 0.001 * n))
                for i, n in enumerate((16, 64, 128, 256))]
     row = analyze({"decode": passes})["decode"]
-    kinds = row["pass_over_fit_by_kind"]
-    assert {k: len(v) for k, v in kinds.items()} == {"decode-1": 4, "decode-2": 4, "decode-3": 4, "decode-4+": 4,
-                                                      "prefill": 4}
-    assert all(r == pytest.approx(1.0, abs=1e-3) for v in kinds.values() for r in v)
+    kinds = row["pass_over_fit"]
+    assert sorted(size for size, _ in kinds["decode"]) == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert sorted(size for size, _ in kinds["prefill"]) == [16, 64, 128, 256]
+    assert all(r == pytest.approx(1.0, abs=1e-3) for v in kinds.values() for _, r in v)
 
 
 def test_each_role_gets_its_measured_core_sharing_exponent():
@@ -133,10 +133,10 @@ def test_each_role_gets_its_measured_core_sharing_exponent():
 
 
 def test_jitter_ratios_pool_each_roles_workers_and_a_colocated_prefill_is_the_decode_workers():
-    timeline = {"decode": {"pass_over_fit_by_kind": {"decode-1": [1.0, 1.1], "prefill": [0.9]}},
-                "decode-1": {"pass_over_fit_by_kind": {"decode-1": [1.2]}}}
+    timeline = {"decode": {"pass_over_fit": {"decode": [[1, 1.0], [2, 1.1]], "prefill": [[300, 0.9]]}},
+                "decode-1": {"pass_over_fit": {"decode": [[1, 1.2]]}}}
     ratios = sim_validation.jitter_ratios(timeline)
-    assert ratios["decode"] == {"decode-1": [1.0, 1.1, 1.2], "prefill": [0.9]}
+    assert ratios["decode"] == {"decode": [(1, 1.0), (2, 1.1), (1, 1.2)], "prefill": [(300, 0.9)]}
     assert ratios["prefill"] is ratios["decode"]
 
 
@@ -146,13 +146,48 @@ def test_jittered_simulations_report_the_median_over_the_seeds():
     cost = CostModel(0.010, 0.001, 0.0, 0.0, 1, 2048, 0.0, 46080.0)
     models = {"prefill": cost, "decode": cost}
     plain = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None)
-    ones = {"decode": {"decode-1": [1.0] * 8, "prefill": [1.0] * 8}}
+    ones = {"decode": {"decode": [(1, 1.0)] * 8, "prefill": [(40, 1.0)] * 8}}
     ones["prefill"] = ones["decode"]
     same = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None, ones, num_seeds=3)
     assert same["ttft_ms"]["p50"] == pytest.approx(plain["ttft_ms"]["p50"])  # ratio 1 everywhere: the fit
     assert same["seeds"]["ttft_ms_p50"] == pytest.approx([plain["ttft_ms"]["p50"]] * 3)
-    spread = {"decode": {"decode-1": [0.5, 2.0] * 4, "prefill": [0.5, 2.0] * 4}}
+    spread = {"decode": {"decode": [(1, 0.5), (1, 2.0)] * 4, "prefill": [(40, 0.5), (40, 2.0)] * 4}}
     spread["prefill"] = spread["decode"]
     jittered = sim_validation.simulate("colocated-1", requests, arrivals, models, 0.0, None, spread, num_seeds=5)
     seeds = jittered["seeds"]["tbt_ms_p90"]
     assert len(set(seeds)) > 1 and jittered["tbt_ms"]["p90"] == pytest.approx(sorted(seeds)[2])
+
+
+def write_log(path, entries) -> None:
+    path.write_text("\n".join(json.dumps({"level": "debug", "logger": "engine.engine", **e}) for e in entries))
+
+
+def pass_line(ts: float, tokens: int, seqs: int, ms: float) -> dict:
+    return {"ts": ts, "msg": f"pass: {tokens} tokens, {seqs} seqs, 0.000 k attention pairs, forward {ms - 0.5:.3f} ms, "
+                             f"pass {ms:.3f} ms"}
+
+
+def test_the_routers_view_is_replayed_from_the_pass_log_as_the_worker_fitted_it(tmp_path):
+    # A warm-up pass (dropped: the calibration clears the fit), 8 calibration passes of 20 ms +
+    # 2 ms per token, the "calibrated" line, then (after the replay starts at ts 100) passes of
+    # 10 ms + 1 ms per token: the schedule starts at the calibration's fit and moves as the worker's
+    # StepStats refits (on every pass while it holds fewer than 16).
+    cal = [(1, 1), (16, 1), (64, 1), (4, 4), (8, 8), (32, 2), (128, 1), (2, 2)]
+    entries = [pass_line(1.0, 16, 1, 900.0)]
+    entries += [pass_line(2.0 + i, n, s, 20.0 + 2.0 * n) for i, (n, s) in enumerate(cal)]
+    entries += [{"ts": 11.0, "level": "info", "logger": "engine.worker_runtime",
+                 "msg": "cost model calibrated: 8 passes in 4.00 s; base 20.00 ms"}]
+    entries += [pass_line(101.0 + i, n, s, 10.0 + 1.0 * n) for i, (n, s) in enumerate(cal * 4)]
+    log_dir = tmp_path / "1P+1D"
+    log_dir.mkdir()
+    write_log(log_dir / "decode.log", entries)
+    published = {"decode": CostModel(0.5, 0.5, 0.0, 0.0, 1, 2048, 3e9, 46080.0)}
+    (schedule,) = sim_validation.published_schedules(log_dir, since_s=100.0, published=published)["decode"]
+    start_s, first = schedule[0]
+    assert start_s == 0.0 and (first.base_s, first.per_token_s) == pytest.approx((0.020, 0.002), rel=1e-3)
+    assert (first.kv_load_bytes_per_s, first.max_num_batched_tokens) == (3e9, 2048)  # the published fields
+    assert [t for t, _ in schedule[1:]] == sorted(t for t, _ in schedule[1:]) and schedule[1][0] == 1.0
+    assert sim_validation.published_schedules(log_dir, 100.0, published)["prefill"][0] == schedule  # colocated
+    # what the worker had seen before the replay: the warm-up, the calibration (the probes' passes too)
+    before = sim_validation.before_replay(log_dir, since_s=100.0)["decode"]
+    assert len(before) == 9 and before[1].duration_s == pytest.approx(0.022)

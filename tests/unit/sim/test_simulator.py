@@ -199,38 +199,81 @@ def test_core_sharing_exponents_may_differ_by_role():
         CoreSharing(2, 1, 1, prefill_exponent=5)
 
 
-def test_step_kinds_group_decode_steps_by_batch_size():
-    assert [adapter.step_kind(n, n) for n in (1, 2, 3, 4, 64)] == ["decode-1", "decode-2", "decode-3", "decode-4+",
-                                                                   "decode-4+"]
-    assert adapter.step_kind(16, 1) == adapter.step_kind(20, 5) == "prefill"  # prompt tokens, with decodes or not
+def test_step_sizes_are_batch_sizes_for_decode_and_new_tokens_for_prompt_steps():
+    assert [adapter.step_size(n, n) for n in (1, 2, 64)] == [("decode", 1), ("decode", 2), ("decode", 64)]
+    assert adapter.step_size(16, 1) == ("prefill", 16)
+    assert adapter.step_size(20, 5) == ("prefill", 20)  # prompt tokens beside decodes
 
 
-def test_jittered_steps_draw_the_measured_ratio_of_their_kind():
-    # One colocated worker; prefill steps run 0.5x the fit, 1-sequence decode steps 2x. A (8 tokens,
-    # 3 outputs): prefill (10 + 8) x 0.5 = 9 ms -> token 1 at 9; decode steps (10 + 1) x 2 = 22 ms
-    # -> tokens at 31 and 53 (the bulk decode run draws per step too).
-    ratios = {"prefill": [0.5] * 8, "decode-1": [2.0] * 8}
+def test_jittered_steps_draw_the_measured_ratio_of_their_kind_and_size():
+    # One colocated worker; prompt steps of ~8 tokens ran 0.5x the fit, 1-sequence decode steps 2x.
+    # A (8 tokens, 3 outputs): prefill (10 + 8) x 0.5 = 9 ms -> token 1 at 9; decode steps
+    # (10 + 1) x 2 = 22 ms -> tokens at 31 and 53 (the bulk decode run draws per step too).
+    samples = {"prefill": [(8, 0.5)] * 8 + [(1000, 3.0)] * 8, "decode": [(1, 2.0)] * 8 + [(2, 9.0)] * 8}
     worker = fitted_worker(COST, ENGINE, COST.kv_bytes_per_token)
-    jittered = adapter.JitteredTimer(worker.timer, ratios, seed=3)
-    jittered_worker = dataclasses.replace(worker, timer=jittered)
-    spec = ClusterSpec(0, 1, jittered_worker, jittered_worker, router=RouterSpec("round_robin"))
+    jittered = dataclasses.replace(worker, timer=adapter.JitteredTimer(worker.timer, samples, seed=3))
+    spec = ClusterSpec(0, 1, jittered, jittered, router=RouterSpec("round_robin"))
     (a,) = Simulation(spec).run([SimRequest(list(range(1, 9)), 3, 0.0)]).records
     assert a.chunk_times_s == pytest.approx([0.009, 0.031, 0.053])
 
 
-def test_a_kind_with_too_few_ratios_draws_from_its_family_then_from_all():
+def test_a_step_draws_from_its_k_nearest_passes_of_its_kind():
     timer = adapter.CostModelTimer(COST)
-    jittered = adapter.JitteredTimer(timer, {"decode-1": [2.0] * 8, "decode-3": [3.0], "prefill": [0.5] * 3})
-    assert jittered.ratios_for("decode-2") == [2.0] * 8 + [3.0]  # decode-2 has none: every decode-* ratio
-    assert jittered.ratios_for("decode-3") == [2.0] * 8 + [3.0]  # 1 ratio < min_samples 8: the family's
-    assert sorted(jittered.ratios_for("prefill")) == sorted([2.0] * 8 + [3.0] + [0.5] * 3)  # 3 prefill < 8: all
-    assert adapter.JitteredTimer(timer, {}).ratios_for("prefill") == (1.0,)  # nothing measured: the fit
+    samples = {"decode": [(1, 1.0)] * 20 + [(2, 1.1)] * 3 + [(3, 0.9)] * 3 + [(8, 1.3)] * 2,
+               "prefill": [(16, 1.5), (32, 1.4), (64, 1.2), (256, 1.0), (512, 0.9), (1024, 1.3)]}
+    jittered = adapter.JitteredTimer(timer, samples, k=4)
+    assert jittered.ratios_for("decode", 1) == [1.0] * 20  # every pass tied at the k-th distance
+    # 2 sequences: its 3 passes, then the nearest in log size (the 3-sequence ones, all tied)
+    assert sorted(jittered.ratios_for("decode", 2)) == [0.9] * 3 + [1.1] * 3
+    assert sorted(jittered.ratios_for("prefill", 300)) == [0.9, 1.0, 1.2, 1.3]  # 256, 512, 64, 1024
+    assert sorted(jittered.ratios_for("prefill", 16)) == [1.0, 1.2, 1.4, 1.5]
+    only_decode = adapter.JitteredTimer(timer, {"decode": [(1, 2.0)]})
+    assert only_decode.ratios_for("prefill", 100) == [2.0]  # no prompt pass measured: the other kind's
+    assert adapter.JitteredTimer(timer, {}).ratios_for("prefill", 100) == (1.0,)  # nothing measured: the fit
     # the draws are seeded: the same seed gives the same steps, in call order
-    mixed = {"decode-1": [0.5, 1.0, 1.5, 2.0] * 2}
+    mixed = {"decode": [(1, 0.5), (1, 1.0), (1, 1.5), (1, 2.0)]}
     features = adapter.StepFeatures(1, 1, 0.0, 1)
-    one = adapter.JitteredTimer(timer, mixed, seed=7)
-    again = adapter.JitteredTimer(timer, mixed, seed=7)
+    one, again = adapter.JitteredTimer(timer, mixed, seed=7), adapter.JitteredTimer(timer, mixed, seed=7)
     assert [one.step_s(features) for _ in range(20)] == [again.step_s(features) for _ in range(20)]
     assert {round(one.step_s(features) / 0.011, 6) for _ in range(200)} == {0.5, 1.0, 1.5, 2.0}
     with pytest.raises(ValueError, match="> 0"):
-        adapter.JitteredTimer(timer, {"decode-1": [0.0]})
+        adapter.JitteredTimer(timer, {"decode": [(1, 0.0)]})
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        adapter.JitteredTimer(timer, {}, k=0)
+
+
+def test_a_live_fit_publishes_what_the_simulated_steps_took():
+    # Calibration says 50 ms + 5 ms per token; the steps really take 10 ms + 1 ms per token (COST).
+    # Before any step the heartbeat carries the calibration's fit; after 40 requests' steps fill
+    # the 512-step window, the steps' own model (the fit is exact on noise-free steps).
+    from core.cost_model import StepSample
+    calibration = tuple(StepSample(n, s, 0.0, 0.050 + 0.005 * n) for n, s in ((1, 1), (16, 1), (64, 1), (4, 4),
+                                                                                (8, 8), (32, 2), (128, 1), (2, 2)))
+    worker = dataclasses.replace(fitted_worker(COST, ENGINE, COST.kv_bytes_per_token), live_fit=True,
+                                 calibration=calibration)
+    sim = Simulation(ClusterSpec(0, 1, worker, worker, router=RouterSpec("round_robin")), decode_runs=True)
+    (w,) = sim.decode
+    before = w.published_cost(0.0)
+    assert [before.step_s(n, 1, 0.0) for n in (1, 16, 64)] == pytest.approx([0.055, 0.130, 0.370], rel=1e-3)
+    assert before.kv_load_bytes_per_s == COST.kv_load_bytes_per_s  # the spec's fields stay
+    requests = [SimRequest(list(range(1, 5 + i % 20)), 12 + i % 7, 0.2 * i) for i in range(60)]
+    sim.run(requests)
+    after = w.published_cost(sim.now_s)
+    assert w.stats.num_steps > 512 + len(calibration)
+    # (the steps ran one sequence at a time: base and per-sequence cost are one term, so compare
+    # predictions)
+    assert [after.step_s(n, 1, 0.0) for n in (1, 16, 64)] == pytest.approx([0.011, 0.026, 0.074], rel=1e-3)
+    assert_idle(sim)
+
+
+def test_cost_schedules_replay_each_workers_published_fits():
+    a, b, c = (CostModel(base_s=x, per_token_s=0.001, num_samples=1) for x in (0.01, 0.02, 0.03))
+    worker = dataclasses.replace(fitted_worker(COST, ENGINE, COST.kv_bytes_per_token),
+                                 cost_schedules=(((0.0, a), (1.0, b)), ((0.0, c),)))
+    sim = Simulation(ClusterSpec(0, 3, worker, worker, router=RouterSpec("round_robin")))
+    first, second, third = sim.decode
+    assert [first.published_cost(t) for t in (0.0, 0.5, 1.0, 7.0)] == [a, a, b, b]
+    assert second.published_cost(3.0) == c
+    assert third.published_cost(3.0) == b  # worker 2 of 3 takes schedule 2 mod 2
+    plain = Simulation(cluster(0, 1)).decode[0]
+    assert plain.published_cost(5.0) is plain.spec.cost  # no schedule, no live fit: the spec's
