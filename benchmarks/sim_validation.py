@@ -11,9 +11,12 @@ rows at 1/32 length, Poisson arrivals at a low rate, ``ignore_eos``) through the
 read the cost model each worker fitted of itself (``cost_*`` heartbeat fields: calibration plus
 the live passes, each timed as the whole pass, with the measured pool bandwidth); stop the
 cluster; then simulate the same request token ids at the same send times on workers timed by
-those cost models (their real Scheduler, the real router policy), with the measured router
-overhead and the cores shared as the launcher splits them (sim.cluster.CoreSharing). Nothing of
-the replay's TTFT or TBT goes into the simulation.
+the fits of their uncontended passes, each step drawn around its fit from the measured passes
+nearest to it (sim.adapter.JitteredTimer), the router (the real policy) reading the fits each
+real worker published as the replay went (recomputed from its pass log), with the measured
+router overhead and the cores shared as the launcher splits them (sim.cluster.CoreSharing, each
+role's measured exponent), 20 seeds. Nothing of the replay's TTFT or TBT goes into the
+simulation.
 
 Prints one row per configuration with the relative error of each percentile (target: within
 15 %), the same for variants without each modelled term (what each one is worth), the load
@@ -21,8 +24,8 @@ average around each run, and the per-pass analysis of the workers' DEBUG logs
 (benchmarks/step_timeline.py: host share of a pass, the measured slowdown of passes that ran
 beside another worker's); writes all of it as JSON to --out.
 
-About 2-2.5 minutes per configuration on a quiet 2-core machine (cluster start-up and
-calibration ~30-50 s, the replay ~110 s at 0.3 req/s, the simulation < 1 s).
+About 4 minutes per configuration on a quiet 2-core machine (cluster start-up and calibration
+~30-50 s, the replay ~215 s of 64 requests at 0.3 req/s, the simulations a few seconds).
 """
 
 from __future__ import annotations
@@ -415,14 +418,14 @@ def validate(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, a
         "router reads the simulated workers' live fits": (fitted, overhead, sharing, jitter, n, None, live),
         "router reads the final published fits": (fitted, overhead, sharing, jitter, n, seen),
         "router reads the simulated fits": (fitted, overhead, sharing, jitter, n),
-        "no step-time jitter (median-scaled fits)": (scaled, overhead, sharing, None, 1, seen),
-        "one core-sharing exponent": (fitted, overhead, one_exponent, jitter, n, seen),
-        "processor sharing (exponent 1)": (fitted, overhead, processor_sharing, jitter, n, seen),
+        "no step-time jitter (median-scaled fits)": (scaled, overhead, sharing, None, 1, None, None, replayed),
+        "one core-sharing exponent": (fitted, overhead, one_exponent, jitter, n, None, None, replayed),
+        "processor sharing (exponent 1)": (fitted, overhead, processor_sharing, jitter, n, None, None, replayed),
         "published fits": (published, overhead, one_exponent),
         "published fits, no core sharing": (published, overhead, None),
         "calibration fits only": (role_models(m.calibration_loads), overhead, one_exponent),
-        "no core sharing": (fitted, overhead, None, jitter, n, seen),
-        "no router overhead": (fitted, 0.0, sharing, jitter, n, seen),
+        "no core sharing": (fitted, overhead, None, jitter, n, None, None, replayed),
+        "no router overhead": (fitted, 0.0, sharing, jitter, n, None, None, replayed),
     }
     sims = {label: simulate(name, requests, arrivals, *v) for label, v in variants.items()}
     cost = lambda ls: {role: [{k: v for k, v in load.items() if k.startswith("cost_")} for load in loads]  # noqa: E731
