@@ -37,7 +37,6 @@ import json
 import math
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -55,10 +54,10 @@ from bench.runner import run  # noqa: E402
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
-from benchmarks.step_timeline import PASS, analyze_dir, quantiles, read_passes  # noqa: E402
-from core.cost_model import CostModel, StepSample, prefill_attn_pairs  # noqa: E402
+from benchmarks.step_timeline import (  # noqa: E402
+    analyze_dir, before_replay, published_schedules, quantiles, read_passes, worker_logs)
+from core.cost_model import CostModel, prefill_attn_pairs  # noqa: E402
 from core.worker_load import WorkerLoad  # noqa: E402
-from engine.step_stats import StepStats  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port, worker_threads  # noqa: E402
 from sim.adapter import JitteredTimer  # noqa: E402
@@ -73,7 +72,6 @@ CONFIGS = {"colocated-1": (0, 1), "1P+1D": (1, 1), "colocated-2": (0, 2), "2P+2D
 ENGINE = dict(block_size=16, num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
 TARGET_ERROR = 0.15
 PROBE_PROMPT_TOKENS = 16
-CALIBRATED = re.compile(r"cost model calibrated: (\d+) passes")  # engine.worker_runtime's log line
 
 
 def workload(args) -> list[BenchRequest]:
@@ -157,7 +155,7 @@ def probe_passes(log_dir: Path, since_s: float, until_s: float) -> list[tuple[st
     """(role, seconds) of the probe prompts' passes (PROBE_PROMPT_TOKENS tokens, one sequence)
     that any worker logged between ``since_s`` and ``until_s`` (wall clock), in time order: the
     router may prefill a short prompt on the decode worker (conditional disaggregation)."""
-    logs = sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")])
+    logs = worker_logs(log_dir)
     passes = [p for log in logs for p in read_passes(log, since_s)
               if p.end_s <= until_s and (p.sample.num_new_tokens, p.sample.num_seqs) == (PROBE_PROMPT_TOKENS, 1)]
     return [(p.worker.split("-")[0], p.sample.duration_s) for p in sorted(passes, key=lambda p: p.end_s)]
@@ -223,64 +221,6 @@ def uncontended_models(published: dict[str, CostModel], timeline: dict, median_s
         models[role] = dataclasses.replace(cost, base_s=med("base_ms", 1e3), per_token_s=med("per_token_us", 1e6),
                                            per_seq_s=med("per_seq_us", 1e6), per_attn_s=med("per_attn_us", 1e6))
     return models
-
-
-def before_replay(log_dir: Path, since_s: float) -> dict[str, list]:
-    """role -> the StepSamples of the passes the role's first worker logged before ``since_s``
-    (its start-up calibration and the probes: what its live cost-model fit held when the replay
-    began)."""
-    out: dict[str, list] = {}
-    for log in sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")]):
-        role = log.stem.split("-")[0]
-        if role not in out:
-            out[role] = [p.sample for p in read_passes(log) if p.end_s < since_s]
-    if "prefill" not in out and "decode" in out:
-        out["prefill"] = out["decode"]
-    return out
-
-
-def published_schedules(log_dir: Path, since_s: float, published: dict[str, CostModel]) -> dict[str, tuple]:
-    """role -> one schedule per worker of it (in log-name order, as the simulation numbers its
-    workers) of ((replay seconds, cost model), ...): the fit that worker published from each of
-    its passes on, recomputed from its pass log as the worker computes it (the real
-    engine.step_stats.StepStats over its start-up calibration's passes, then every pass it
-    logged after, window 512, refit every 16), with ``published``'s budget and KV bandwidth; the first entry is what it
-    published when the replay began. The router's view of the workers as the replay went, from
-    their pass timings only."""
-    out: dict[str, list] = {}
-    for log in sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")], key=lambda p: (len(p.stem), p.stem)):
-        role = log.stem.split("-")[0]
-        if role not in published:
-            continue
-        cost, stats, schedule, seen = published[role], StepStats(), [], []
-        fields = dict(max_num_batched_tokens=cost.max_num_batched_tokens, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
-                      kv_bytes_per_token=cost.kv_bytes_per_token)
-        for line in log.read_text().splitlines():
-            calibrated = CALIBRATED.search(line)
-            if calibrated:  # engine.calibration clears the fit first: it holds the calibration's passes only
-                stats = StepStats()
-                for sample in seen[-int(calibrated[1]):]:
-                    stats.record(sample)
-            elif '"pass:' in line:
-                entry = json.loads(line)
-                match = PASS.search(entry["msg"])
-                if match is None:
-                    continue
-                sample = StepSample(int(match[1]), int(match[2]), float(match[3]), float(match[5]) / 1e3,
-                                    float(match[4]) / 1e3)
-                seen.append(sample)
-                stats.record(sample)
-            else:
-                continue
-            model, at_s = stats.model(**fields), max(0.0, json.loads(line)["ts"] - since_s)
-            if schedule and schedule[-1][0] == at_s == 0.0:  # before the replay: only the last counts
-                schedule.pop()
-            if not schedule or model != schedule[-1][1]:
-                schedule.append((at_s, model))
-        out.setdefault(role, []).append(tuple(schedule))
-    if "prefill" not in out and "decode" in out:
-        out["prefill"] = out["decode"]
-    return {role: tuple(schedules) for role, schedules in out.items()}
 
 
 def worker_exponents(timeline: dict) -> dict[str, float]:

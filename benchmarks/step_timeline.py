@@ -22,10 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.cost_model import StepSample, StepTimeFit  # noqa: E402
+from core.cost_model import CostModel, StepSample, StepTimeFit  # noqa: E402
+from engine.step_stats import StepStats  # noqa: E402
 from sim.adapter import step_size  # noqa: E402
 
 PASS = re.compile(r"pass: (\d+) tokens, (\d+) seqs, ([\d.]+) k attention pairs, forward ([\d.]+) ms, pass ([\d.]+) ms")
+CALIBRATED = re.compile(r"cost model calibrated: (\d+) passes")  # engine.worker_runtime's log line
 ALONE, SHARED = 0.1, 0.9  # a pass contended for < 10 % / > 90 % of its time
 MIN_FIT_PASSES = 8
 
@@ -41,19 +43,80 @@ class Pass:
         return self.end_s - self.sample.duration_s
 
 
+def read_log(log: Path) -> list[Pass | int]:
+    """A worker's DEBUG log in order: a :class:`Pass` per pass line, and for the start-up
+    calibration's "cost model calibrated: N passes" line the int N."""
+    events: list[Pass | int] = []
+    for line in log.read_text().splitlines():
+        calibrated = CALIBRATED.search(line)
+        if calibrated:
+            events.append(int(calibrated[1]))
+        elif '"pass:' in line:
+            entry = json.loads(line)
+            m = PASS.search(entry["msg"])
+            if m is not None:
+                sample = StepSample(int(m[1]), int(m[2]), float(m[3]), float(m[5]) / 1e3, float(m[4]) / 1e3)
+                events.append(Pass(log.stem, entry["ts"], sample))
+    return events
+
+
 def read_passes(log: Path, since_s: float = 0.0) -> list[Pass]:
     """The passes a worker's DEBUG log holds that ended after ``since_s`` (wall clock)."""
-    passes = []
-    for line in log.read_text().splitlines():
-        if '"pass:' not in line:
+    return [e for e in read_log(log) if isinstance(e, Pass) and e.end_s >= since_s]
+
+
+def worker_logs(log_dir: Path) -> list[Path]:
+    """A local cluster's worker logs (prefill*.log, decode*.log) in the order the simulator
+    numbers their workers: decode, decode-1, decode-2, ..."""
+    return sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")], key=lambda p: (len(p.stem), p.stem))
+
+
+def before_replay(log_dir: Path, since_s: float) -> dict[str, list[StepSample]]:
+    """role -> the StepSamples of the passes the role's first worker logged before ``since_s``
+    (wall clock; its start-up calibration and the probes: what its live cost-model fit held
+    when the replay began); a colocated cluster's prefill role is its decode workers'."""
+    out: dict[str, list[StepSample]] = {}
+    for log in worker_logs(log_dir):
+        out.setdefault(log.stem.split("-")[0], [p.sample for p in read_passes(log) if p.end_s < since_s])
+    out.setdefault("prefill", out.get("decode", []))
+    return out
+
+
+def published_schedules(log_dir: Path, since_s: float, published: dict[str, CostModel]) -> dict[str, tuple]:
+    """role -> one schedule per worker of it (:func:`worker_logs` order) of ((seconds since
+    ``since_s``, cost model), ...): the fit that worker published from each of its passes on,
+    recomputed as the worker computes it (the real engine.step_stats.StepStats over its start-up
+    calibration's passes, since the calibration clears the fit first, then every pass it logged
+    after; window 512, refit every 16), with ``published``'s budget and KV bandwidth. The first
+    entry, at 0 s, is what it published when the replay began. The router's view of the workers
+    as the replay went, from their pass timings only; a colocated cluster's prefill role is its
+    decode workers'."""
+    out: dict[str, list] = {}
+    for log in worker_logs(log_dir):
+        role = log.stem.split("-")[0]
+        if role not in published:
             continue
-        entry = json.loads(line)
-        m = PASS.search(entry["msg"])
-        if m is None or entry["ts"] < since_s:
-            continue
-        sample = StepSample(int(m[1]), int(m[2]), float(m[3]), float(m[5]) / 1e3, float(m[4]) / 1e3)
-        passes.append(Pass(log.stem, entry["ts"], sample))
-    return passes
+        cost, stats, schedule, seen = published[role], StepStats(), [], []
+        fields = dict(max_num_batched_tokens=cost.max_num_batched_tokens, kv_load_bytes_per_s=cost.kv_load_bytes_per_s,
+                      kv_bytes_per_token=cost.kv_bytes_per_token)
+        at_s = 0.0
+        for event in read_log(log):
+            if isinstance(event, int):  # the calibration line: the fit holds its passes only
+                stats = StepStats()
+                for sample in seen[-event:]:
+                    stats.record(sample)
+            else:
+                seen.append(event.sample)
+                stats.record(event.sample)
+                at_s = max(0.0, event.end_s - since_s)
+            model = stats.model(**fields)
+            if schedule and schedule[-1][0] == at_s == 0.0:  # before the replay: only the last counts
+                schedule.pop()
+            if not schedule or model != schedule[-1][1]:
+                schedule.append((at_s, model))
+        out.setdefault(role, []).append(tuple(schedule))
+    out.setdefault("prefill", out.get("decode", []))
+    return {role: tuple(schedules) for role, schedules in out.items()}
 
 
 def quantiles(values: list[float], qs=(0.1, 0.5, 0.9)) -> list[float]:
@@ -145,7 +208,7 @@ def analyze_dir(log_dir: Path, since_s: float = 0.0, role_threads: dict[str, int
                 num_cores: int = 1) -> dict:
     """analyze() over every worker log (prefill*.log, decode*.log) of a local cluster's log folder;
     ``role_threads``: role -> threads of each of its workers."""
-    logs = sorted([*log_dir.glob("prefill*.log"), *log_dir.glob("decode*.log")])
+    logs = worker_logs(log_dir)
     threads = {log.stem: (role_threads or {}).get(log.stem.split("-")[0], 1) for log in logs}
     return analyze({log.stem: read_passes(log, since_s) for log in logs}, threads, num_cores)
 

@@ -63,7 +63,8 @@ class _Worker:
                                 kv_load_bytes_per_s=cost.kv_load_bytes_per_s, kv_bytes_per_token=cost.kv_bytes_per_token)
 
     def record(self, features, duration_s: float) -> None:
-        """Feeds one finished step to the live fit (no-op without one)."""
+        """Feeds one finished step (its sim.hardware.StepFeatures, seconds) to the live fit
+        (no-op without one)."""
         if self.stats is not None:
             self.stats.record(StepSample(features.num_new_tokens, features.num_seqs, features.attn_pairs, duration_s))
 
@@ -244,7 +245,8 @@ class Simulation:
             return
         duration_s = worker.spec.timer.step_s(features) * self._slowdown(worker)
         worker.busy, worker.busy_s, worker.num_steps = True, worker.busy_s + duration_s, worker.num_steps + 1
-        worker.step_sample = (features, duration_s)
+        if worker.stats is not None:
+            worker.step_sample = (features, duration_s)
         self._at(self.now_s + duration_s, self._step_done, worker, out)
         self._sharing_update(worker)
 
