@@ -19,7 +19,8 @@ from bench.metrics import SLO, summarize
 from bench.runner import run
 from bench.synthesis import SynthesisConfig
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, BenchRequest, WorkloadConfig, load_workload
-from launcher.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT
+from core.datasets import DATA_DIR_ENV, data_dir, default_file, where_to_get
+from launcher.prompts import BUILTIN_PROMPTS
 
 console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: one table row a line
 
@@ -49,24 +50,31 @@ def failure_message(records: list[dict]) -> str | None:
         message = (error.get("error", error) or {}).get("message", message)
     except (ValueError, AttributeError):
         pass
-    return f"all {len(records)} requests failed; the first ({first['error_kind']}): {message}"
+    hint = "; pass --api-key KEY (or set TANDEM_API_KEY)" if first["error_kind"] in ("http_401", "http_403") else ""
+    return f"all {len(records)} requests failed; the first ({first['error_kind']}): {message}{hint}"
 
 
-def served_model(url: str, timeout_s: float = 10.0) -> str:
-    """The first model GET /v1/models lists.
+def served_model(url: str, timeout_s: float = 10.0, api_key: str = "") -> str:
+    """The first model GET /v1/models lists (``api_key``: sent as a Bearer token).
 
     Raises:
         click.ClickException: nothing answers at ``url`` (refused, timed out: is the server up,
-            is --url right?), or it answers without listing a model (then --model helps).
+            is --url right?), it wants an API key (401, 403: --api-key), or it answers without
+            listing a model (then --model helps).
     """
     models_url = f"{url.rstrip('/')}/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(models_url, timeout=timeout_s)
+        response = httpx.get(models_url, timeout=timeout_s, headers=headers)
     except httpx.TimeoutException:
         raise click.ClickException(f"nothing answers at {url} (no reply within {timeout_s:g} s); "
                                    "is the server up, and --url right?") from None
     except httpx.TransportError as err:
         raise click.ClickException(f"nothing answers at {url} ({err}); is the server up, and --url right?") from None
+    if response.status_code in (401, 403):
+        said = "refused the API key" if api_key else "wants an API key"
+        raise click.ClickException(f"{models_url} answered HTTP {response.status_code}: the server {said}; "
+                                   "pass --api-key KEY (or set TANDEM_API_KEY)")
     if not response.is_success:
         raise click.ClickException(f"{models_url} answered HTTP {response.status_code}, not a model list; "
                                    "pass --model")
@@ -77,6 +85,36 @@ def served_model(url: str, timeout_s: float = 10.0) -> str:
     if not models:
         raise click.ClickException(f"{models_url} lists no model; pass --model")
     return models[0]["id"]
+
+
+def workload_path(kind: str, path: Path | None, folder: Path, say=None) -> Path | None:
+    """The file workload ``kind`` reads: ``path``, else its data set in the data folder ``folder``
+    (core.datasets), else for a prompt set None (the built-in prompts; ``say`` gets a note that
+    says so and where to get a real set).
+
+    Raises:
+        click.UsageError: a trace kind with no file, naming where to get it.
+    """
+    if path is not None:
+        return path
+    found = default_file(kind, folder)
+    if found is not None:
+        return found
+    if kind in TRACE_KINDS:
+        raise click.UsageError(f"--workload {kind} needs --path FILE; get {where_to_get(kind, folder)}")
+    if say is not None:
+        get = f"; get {where_to_get(kind, folder)}" if kind in ("sharegpt", "alpaca") else ""
+        say(f"[yellow]no --path and no {kind} prompt set in {folder}[/]: the {len(BUILTIN_PROMPTS)} built-in "
+            f"prompts, repeated (repeats hit the prefix cache: the numbers mean little){get}")
+    return None
+
+
+def data_dir_option(f):
+    """``--data-dir`` (env TANDEM_DATA_DIR): where data sets are looked for without --path."""
+    return click.option("--data-dir", "data_folder", envvar=DATA_DIR_ENV, default=None,
+                        type=click.Path(file_okay=False, path_type=Path),
+                        help="Folder of the public data sets (docs/data.md), read when --path is not given "
+                             "[env TANDEM_DATA_DIR; default: ~/.cache/tandem/data].")(f)
 
 
 def workload_label(kind: str, path: Path | None) -> str:
@@ -114,8 +152,12 @@ def _rates(text: str) -> list[float]:
 @click.option("--workload", "kind", type=click.Choice(PROMPT_SET_KINDS + TRACE_KINDS), default="sharegpt",
               show_default=True)
 @click.option("--path", type=click.Path(exists=True, path_type=Path), default=None,
-              help=f"Prompt set or trace file. Default for prompt sets: {SHAREGPT_DEFAULT} if present, "
-                   "else the built-in prompts, repeated.")
+              help="Prompt set or trace file. Default: the workload's data set in --data-dir (docs/data.md); "
+                   "for prompt sets without one, the built-in prompts, repeated.")
+@data_dir_option
+@click.option("--api-key", default="", envvar="TANDEM_API_KEY",
+              help="Sent as 'Authorization: Bearer KEY' (a router started with --api-key) [env TANDEM_API_KEY: "
+                   "the first of its space-separated keys].")
 @click.option("--num-requests", default=64, show_default=True, type=int, help="Cap on requests (0: all rows).")
 @click.option("--max-tokens", default=0, type=int,
               help="Output tokens per request. Prompt sets: default 64; traces: 0 keeps the trace's lengths.")
@@ -138,25 +180,20 @@ def _rates(text: str) -> list[float]:
 @click.option("--roofline-model", default="SmolLM2-135M-Instruct", show_default=True,
               help="Bundled name or HF folder whose weights/KV sizes give the decode bound ('' to skip).")
 @click.option("--no-progress", is_flag=True)
-def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int, max_tokens: int, ignore_eos: bool,
+def bench(url: str, model: str, kind: str, path: Path | None, data_folder: Path | None, api_key: str,
+          num_requests: int, max_tokens: int, ignore_eos: bool,
           length_scale: float, output_scale: float | None, max_total_tokens: int, arrival: str, concurrency: int,
           rate: float, rates: str, time_scale: float, max_in_flight: int, duration_s: float, slo_ttft_ms: float,
           slo_tbt_ms: float, output_dir: Path, seed: int, roofline_model: str, no_progress: bool) -> None:
     """Load-test an OpenAI-compatible endpoint with a prompt set or a real trace; write JSON and plots."""
     url = base_url(url)
-    if path is None:
-        if kind in TRACE_KINDS:
-            raise click.UsageError(f"--workload {kind} needs --path")
-        if SHAREGPT_DEFAULT.exists():
-            path = SHAREGPT_DEFAULT
-        else:
-            console.print(f"[yellow]no prompt set at {SHAREGPT_DEFAULT}[/]: sending the {len(BUILTIN_PROMPTS)} "
-                          "built-in prompts in turn (repeats hit the prefix cache); pass --path FILE for a real set")
+    api_key = (api_key.split() or [""])[0]
+    path = workload_path(kind, path, data_dir(data_folder), console.print)
     try:
         workload = WorkloadConfig(kind, path, num_requests, max_tokens or (64 if kind in PROMPT_SET_KINDS else 0),
                                   max_total_tokens=max_total_tokens,
                                   synthesis=SynthesisConfig(length_scale, output_scale, seed=seed))
-        client = ClientConfig(url, model or served_model(url), ignore_eos=ignore_eos)
+        client = ClientConfig(url, model or served_model(url, api_key=api_key), ignore_eos=ignore_eos, api_key=api_key)
         slo = SLO(slo_ttft_ms, slo_tbt_ms)
         base = ArrivalConfig(arrival, time_scale, rate, concurrency, max_in_flight, duration_s, seed)
     except ValueError as err:
@@ -166,7 +203,7 @@ def bench(url: str, model: str, kind: str, path: Path | None, num_requests: int,
         raise click.ClickException(f"no requests from {path}")
     settings = {"url": url, "model": client.model, "workload": workload_label(kind, path),
                 "path": str(path or "built-in prompts"),
-                "num_requests": len(requests),
+                "num_requests": len(requests), "max_tokens": workload.max_tokens,
                 "ignore_eos": ignore_eos, "length_scale": length_scale, "seed": seed}
     limit = roofline_inputs(roofline_model) if roofline_model else None
     if rates:

@@ -1,7 +1,7 @@
 """Parsers for public LLM-serving traces: Mooncake JSONL, Azure LLM inference CSV, BurstGPT CSV.
 
 Each parser returns ``TraceRow``s in file order with ``arrival_s`` relative to the first row, so
-arrivals and synthesis never see a trace's own format. Formats: /work/shared/data/README.md.
+arrivals and synthesis never see a trace's own format. Formats and sources: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""How well a worker's fitted cost model (core.cost_model) predicts its own steps (issue 7, part 2).
+"""How well a worker's fitted cost model (core.cost_model) predicts its own steps.
 
-Engine-level (no RPC), real model, real prompts (ShareGPT from ../shared/data, or synthetic
+Engine-level (no RPC), real model, real prompts (the ShareGPT set in the data folder, docs/data.md, or synthetic
 lengths without it). Prints the fitted coefficients and the mean absolute % error (MAPE) of:
 
 1. held-out steps of a mixed workload (prefill-only, decode-only and mixed passes), step_s vs the
@@ -37,7 +37,10 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.loader import ensure_hf_dir  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from launcher.prompts import SHAREGPT_DEFAULT, load_prompts  # noqa: E402
+from launcher.prompts import load_prompts  # noqa: E402
+from core.datasets import data_file  # noqa: E402
+
+SHAREGPT_DEFAULT = data_file("sharegpt")  # the data folder's ShareGPT set (docs/data.md)
 
 MAX_MODEL_LEN = 2048
 SYSTEM = "You are a careful assistant of a bicycle shop. Answer in plain English, briefly and precisely. " * 6

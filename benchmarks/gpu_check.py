@@ -1,4 +1,4 @@
-"""One GPU check for the Triton kernels (issue 8), under ten minutes on one H200.
+"""One GPU check for the Triton kernels, under ten minutes on one H200.
 
 1. the kernel tests (``tests/unit/engine/kernels``) on the GPU;
 2. each kernel timed (median of many, CUDA events) against its torch reference and against the

@@ -1,4 +1,4 @@
-"""Routing policies side by side on one shared-prefix workload (issue 7): round_robin,
+"""Routing policies side by side on one shared-prefix workload: round_robin,
 least_loaded, cache_aware and predicted_latency, each on a fresh local cluster of 2 prefill + 2
 decode workers (real processes, real model), same requests, same arrival times.
 
@@ -41,10 +41,11 @@ from bench.runner import run  # noqa: E402
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import TraceRow, read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
+from core.datasets import data_file  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_fast25_conversation_trace.jsonl"
+TRACE = data_file("mooncake")  # the data folder's Mooncake trace (docs/data.md)
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
 MAX_MODEL_LEN = 2048
 

@@ -57,6 +57,7 @@ from bench.workloads import BenchRequest  # noqa: E402
 from benchmarks.step_timeline import (  # noqa: E402
     analyze_dir, before_replay, published_schedules, quantiles, read_passes, worker_logs)
 from core.cost_model import CostModel, prefill_attn_pairs  # noqa: E402
+from core.datasets import data_file  # noqa: E402
 from core.worker_load import WorkerLoad  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port, worker_threads  # noqa: E402
@@ -66,7 +67,7 @@ from sim.simulator import Simulation  # noqa: E402
 from sim.workload import SimRequest  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_fast25_conversation_trace.jsonl"
+TRACE = data_file("mooncake")  # the data folder's Mooncake trace (docs/data.md)
 FALLBACK_TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake_conversation_slice.jsonl"
 CONFIGS = {"colocated-1": (0, 1), "1P+1D": (1, 1), "colocated-2": (0, 2), "2P+2D": (2, 2)}
 ENGINE = dict(block_size=16, num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)

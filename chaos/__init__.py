@@ -1,1 +1,1 @@
-"""``tandem chaos``: fault campaigns on a local cluster (docs/failover.md, issue 16)."""
+"""``tandem chaos``: fault campaigns on a local cluster (docs/failover.md)."""

@@ -51,10 +51,25 @@ def cluster_config(campaign: Campaign, model: str, log_dir: Path) -> ClusterConf
     return ClusterConfig(model=model, http_port=first, grpc_port=first + num_routers, log_dir=log_dir, **values)
 
 
+def data_path(path: Path) -> Path:
+    """A campaign's workload file: ``path`` itself when it exists or is absolute, else the file of
+    that name in the data folder (core.datasets.data_dir: TANDEM_DATA_DIR)."""
+    from core.datasets import data_dir
+
+    if path.is_absolute() or path.exists():
+        return path
+    return data_dir() / path
+
+
 def workload(campaign: Campaign) -> WorkloadConfig:
     values = dict(campaign.workload)
     values.setdefault("kind", "prompts")
-    values["path"] = Path(values["path"]) if values.get("path") else None
+    values["path"] = data_path(Path(values["path"])) if values.get("path") else None
+    if values["path"] is not None and not values["path"].is_file():
+        from core.datasets import DEFAULT_FOR_KIND, where_to_get
+
+        get = f"; get {where_to_get(values['kind'])}" if values["kind"] in DEFAULT_FOR_KIND else ""
+        raise ValueError(f"workload: no file {values['path']}{get}")
     if "synthesis" in values:
         values["synthesis"] = SynthesisConfig(**values["synthesis"])
     return WorkloadConfig(**values)

@@ -1,4 +1,4 @@
-"""A fault-injecting gRPC server interceptor, for chaos runs and tests only (issue 16).
+"""A fault-injecting gRPC server interceptor, for chaos runs and tests only.
 
 Off unless the process starts with ``TANDEM_CHAOS_FAULT_FILE`` set (read once, in
 :func:`interceptors_from_env`, by ``core.grpc_service.GrpcService``): production never sets it,

@@ -81,7 +81,7 @@ class GrpcService:
         self._credentials = security.server_credentials()
         # No SO_REUSEPORT (grpc sets it by default): a second server on a taken port must fail to
         # bind, not silently share the port's connections with the first.
-        # Fault injection only under a chaos option (issue 16; core.fault_injection), never in production.
+        # Fault injection only under a chaos option (core.fault_injection), never in production.
         interceptors += interceptors_from_env()
         self.interceptors = tuple(interceptors)
         self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],

@@ -99,7 +99,7 @@ class WorkerRegistry:
 
     def __init__(self, redis_url: str):
         # Timeouts: a hung Redis (SIGSTOP, a partition) fails a call instead of hanging it, so
-        # heartbeats, routers and the index mirror carry on and retry (issue 16).
+        # heartbeats, routers and the index mirror carry on and retry.
         self.redis = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S,
                                        socket_connect_timeout=REDIS_TIMEOUT_S)
 

@@ -45,8 +45,12 @@ def make_attention_backend(config: EngineConfig) -> AttentionBackend:
     if name == "cpu":
         return CpuAttentionBackend()
     if name == "triton":
-        from engine.triton_attention import TritonAttentionBackend  # imports triton: only when chosen
-
+        try:
+            from engine.triton_attention import TritonAttentionBackend  # imports triton: only when chosen
+        except ModuleNotFoundError as err:
+            if err.name != "triton":
+                raise
+            raise ValueError("the triton attention backend needs Triton: pip install 'tandem-serve[gpu]'") from None
         return TritonAttentionBackend()
     raise ValueError(f"attention backend {name!r} is not available in this build")
 

@@ -14,7 +14,7 @@ command per event cost ~45 ms of the pool's event loop per 1024 events, which de
 right behind a large put). The index is a routing hint; the
 pool's own ``Lookup`` is the truth, so a Redis outage only delays the mirror (batches are retried).
 
-Redis restarted with its data lost (issue 16): the node is the truth, so the index is rebuilt
+Redis restarted with its data lost: the node is the truth, so the index is rebuilt
 from it. The key ``tandem:kv_index_node:{node_id}`` says the node's index is in this Redis;
 :meth:`IndexMirror.watch` checks it every second and, when it is gone, queues one event per block
 the node holds (``BlockStore.index_events``) behind the events already queued, then marks it

@@ -195,8 +195,8 @@ class Tiers:
 
     def index_events(self) -> list[BlockEvent]:
         """What the index must say about this node now: "stored" for every committed
-        content-addressed DRAM block, "demoted" for every NVMe block (to rebuild a lost index;
-        issue 16). Mutates nothing."""
+        content-addressed DRAM block, "demoted" for every NVMe block (to rebuild a lost index).
+        Mutates nothing."""
         events = [BlockEvent("stored", key) for key, block in self.blocks.items()
                   if block.reservation is None and not key.is_scoped]
         if self.nvme is not None:

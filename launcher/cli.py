@@ -17,15 +17,10 @@ from chaos.cli import chaos as chaos_command
 from sim.cli import plan as plan_command
 from sim.cli import sim as sim_command
 from core.model_source import DEFAULT_MODEL, resolve_model
+from launcher import cluster_record
 from launcher.local_cluster import ClusterConfig, LocalCluster
-from launcher.preflight import (
-    ByteSize,
-    PreflightError,
-    check_engine_sizes,
-    check_max_model_len,
-    check_ports_free,
-)
-from launcher.prompts import SHAREGPT_DEFAULT, load_prompts
+from launcher.preflight import ByteSize, PreflightError, check_engine_sizes, check_ports_free
+from launcher.prompts import load_prompts
 from launcher.status import status_command
 from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
@@ -38,16 +33,19 @@ def main() -> None:
 
 
 def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None) -> Path | None:
-    """-f: the values file's settings become the defaults of every other option (flags win)."""
+    """-f: the settings the values file makes become the defaults of the other options (flags
+    win); what it leaves out keeps tandem up's own defaults (launcher.values)."""
     if path is None:
         return None
-    from launcher.values import load_values, up_options
+    from launcher.values import load_values, model_source_problem, read_file, up_options
 
     try:
-        options = up_options(load_values(path))
+        values = load_values(path)
+        options = up_options(values, read_file(path))
     except ValueError as err:
         raise click.BadParameter(str(err), ctx, _param) from None
     ctx.default_map = {**(ctx.default_map or {}), **options}
+    ctx.meta["values_model_problem"] = model_source_problem(values)  # an error unless --model is given
     return path
 
 
@@ -55,7 +53,7 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
 @click.option("-f", "--values", "values_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               is_eager=True, expose_value=False, callback=_values_file,
               help="A Helm values file (the chart's vocabulary and schema) setting the options below; "
-                   "flags override it.")
+                   "flags override it, and what it leaves out keeps tandem up's defaults (not the chart's).")
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and each service's command, "
                                                    "then exit.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Bundled name, .gguf file or HF folder.")
@@ -142,8 +140,12 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
               help="Shared secret the pool and worker RPCs demand (gRPC metadata); unset: none.")
 @click.option("--demo", is_flag=True, help="Send demo prompts, print answers with TTFT/TBT, then stop.")
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help=f"Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: {SHAREGPT_DEFAULT} "
-                   "if present, else built-in prompts.")
+              help="Prompt file for --demo (ShareGPT/AlpacaEval JSON or text lines). Default: the ShareGPT set in "
+                   "--data-dir if present (docs/data.md), else built-in prompts.")
+@click.option("--data-dir", "data_folder", envvar="TANDEM_DATA_DIR", default=None,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Folder of the public data sets (--demo's prompts) [env TANDEM_DATA_DIR; default: "
+                   "~/.cache/tandem/data].")
 @click.option("--num-prompts", default=8, show_default=True, type=int)
 @click.option("--max-tokens", default=64, show_default=True, type=int)
 @click.option("--ray", "use_ray", is_flag=True,
@@ -157,6 +159,9 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
                    "re-register, pools re-publish their block index); the router exiting always stops it. With --ray the actor "
                    "restarts its service the same way; a dead actor stops the cluster. --no-restart: any exit "
                    "stops the cluster (CI).")
+@click.option("--force", is_flag=True,
+              help="Start even when the cluster does not fit this machine (the memory its processes will take, "
+                   "the NVMe tier's disk): tandem up refuses it otherwise, naming what does not fit.")
 @click.option("--autoscale", is_flag=True,
               help="Start and drain prefill and decode workers from their heartbeats against the SLOs "
                    "(--ttft-slo-s/--tbt-slo-s, else 2 s / 0.2 s; docs/autoscaling.md).")
@@ -165,8 +170,8 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
 @click.option("--autoscale-interval-s", default=2.0, show_default=True, type=float, help="With --autoscale.")
 @click.option("--autoscale-cooldown-s", default=30.0, show_default=True, type=float,
               help="With --autoscale: no second change of a role within this many seconds.")
-def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
-       use_ray: bool, address: str | None, print_config: bool, autoscale: bool, max_prefill_workers: int,
+def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
+       use_ray: bool, address: str | None, print_config: bool, force: bool, autoscale: bool, max_prefill_workers: int,
        max_decode_workers: int, autoscale_interval_s: float, autoscale_cooldown_s: float, **kwargs) -> None:
     """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
     (or, with --ray, the same services as Ray actors)."""
@@ -184,23 +189,33 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         raise click.UsageError("--ray starts one pool node; --num-pool-nodes > 1 needs the local launcher")
     if kwargs["colocated"] and _given("num_prefill_workers"):
         raise click.UsageError("--colocated starts no prefill worker; drop --num-prefill-workers or --colocated")
+    problem = click.get_current_context().meta.get("values_model_problem")
+    if problem and not _given("model"):
+        raise click.UsageError(problem)
     given = {name: (kwargs[name], _source(name)) for name in kwargs}
+    if demo and prompts_path is None:
+        from core.datasets import data_dir, default_file
+
+        prompts_path = default_file("sharegpt", data_dir(data_folder))
     config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
                                        demo, check_ports=not (address or print_config))
+    fit = _check_model_and_machine(config, source, check_machine=not address, workers_on_gpu=use_ray)
     if print_config:
         from launcher.config_report import config_report
 
         console.print(config_report(config, given), markup=False, highlight=False, soft_wrap=True)
+        if fit is not None:
+            verdict = "; ".join(fit.problems()) or "fits"
+            console.print(f"# this machine: {verdict}\n# " + fit.report().replace("\n", "\n# "), markup=False,
+                          highlight=False, soft_wrap=True)
         return
+    if fit is not None and fit.problems() and not force:
+        raise click.ClickException(fit.message())
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
         from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
     _prepare_cpu_kernel()
-    try:
-        check_max_model_len(source.converted_dir, config.max_model_len)
-    except PreflightError as err:
-        raise click.ClickException(str(err)) from None
     stop, signals = _catch_stop_signals()
     if use_ray:
         try:
@@ -212,10 +227,13 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         cluster = RayCluster(config, address=address, interrupted=stop.is_set)
     else:
         cluster = LocalCluster(config, interrupted=stop.is_set)
+    record = None
     try:
         with console.status("starting services") as status:
             # A pipe or a log file gets no spinner: one line per step instead.
             cluster.start(on_progress=status.update if console.is_terminal else console.print)
+        record = cluster_record.write([r.http_url for r in getattr(cluster, "routers", None) or []]
+                                      or [cluster.http_url], config.log_dir)  # tandem status finds it
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
         console.print(f"[green]Tandem is up[/]: {_api_line(cluster)}  "
                       f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
@@ -237,11 +255,36 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print(f"[yellow]{err}[/]")
         raise click.exceptions.Exit(128 + signals[0]) from None  # as a shell reports a signal: 130 for SIGINT
     finally:
+        if record is not None:
+            cluster_record.remove(record)
         with console.status("stopping services"):
             cluster.stop()
         console.print("stopped")
 
 
+
+
+def _check_model_and_machine(config: ClusterConfig, source, check_machine: bool, workers_on_gpu: bool):
+    """--max-model-len against the model, and (``check_machine``) the cluster's fit on this machine
+    (launcher.machine_fit; a local Ray with GPUs keeps the workers' weights and KV there).
+
+    Raises:
+        click.ClickException: the context is longer than the model supports, or its shape is unreadable.
+    """
+    import shutil
+
+    from launcher import machine_fit, model_shape
+
+    try:
+        shape = model_shape.read_shape(source)
+        model_shape.check_max_model_len(shape, config.max_model_len)
+    except PreflightError as err:
+        raise click.ClickException(str(err)) from None
+    except (OSError, KeyError, ValueError) as err:
+        raise click.ClickException(f"cannot read the shape of model {source.path}: {err!r}") from None
+    if not check_machine:
+        return None
+    return machine_fit.check(config, shape, workers_on_gpu and shutil.which("nvidia-smi") is not None)
 
 
 def _api_line(cluster) -> str:
@@ -357,9 +400,7 @@ def _router_ports(kwargs: dict) -> dict[str, int]:
 
 
 def _demo_prompts(path: Path | None, num_prompts: int) -> list[str]:
-    """--demo's prompts: ``path``, else the ShareGPT file when present, else the built-in ones."""
-    if path is None and SHAREGPT_DEFAULT.exists():
-        path = SHAREGPT_DEFAULT
+    """--demo's prompts: ``path``, else the built-in ones."""
     try:
         prompts = load_prompts(path, num_prompts, max_chars=400)
     except (OSError, ValueError, KeyError, TypeError) as err:

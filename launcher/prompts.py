@@ -17,7 +17,6 @@ BUILTIN_PROMPTS = [
     "Translate 'good morning' into Spanish and German.",
 ]
 
-SHAREGPT_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sharegpt_v3_first_turn_500.json"
 
 
 def load_prompts(path: Path | None, limit: int, max_chars: int = 2000) -> list[str]:

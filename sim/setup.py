@@ -102,6 +102,9 @@ def build_worker(c: ClusterChoice, tp: int) -> WorkerSpec:
                               max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len)
         return fitted_worker(cost, engine, cost.kv_bytes_per_token)
     roofline = Roofline(lookup(GPUS, c.gpu, "GPU"), lookup(MODELS, c.model, "model"), tp)
+    if c.max_model_len > roofline.model.max_model_len:
+        raise ValueError(f"--max-model-len {c.max_model_len} exceeds {c.model}'s max_position_embeddings "
+                         f"({roofline.model.max_model_len})")
     engine = EngineConfig(block_size=c.block_size, num_kv_blocks=c.num_kv_blocks or roofline.num_kv_blocks(c.block_size),
                           max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                           max_model_len=c.max_model_len or roofline.model.max_model_len)

@@ -7,23 +7,34 @@
 #      and into check_manifests.py (selectors, ports, probes, env references)
 #   4. every values file in deploy/tools/testdata/bad-values/ must be rejected by the chart
 #
-# Usage: deploy/tools/validate.sh [TOOLS_DIR]   (default: <repo>/.cache/k8s-tools, installed on
-# first use by install_k8s_tools.sh). Env: KUBE_VERSION (default 1.37.0), KEEP_RENDERED=DIR keeps
-# the rendered YAML there.
+# Usage: deploy/tools/validate.sh [TOOLS_DIR]
+# The tools (helm, kubectl, kubernetes-validate, hadolint, and a python3 with PyYAML) are used from
+# PATH when all of them are there; otherwise from TOOLS_DIR (default: <repo>/.cache/k8s-tools),
+# installed there on first use by install_k8s_tools.sh. Passing TOOLS_DIR always uses that folder.
+# Env: KUBE_VERSION (default 1.37.0), KEEP_RENDERED=DIR keeps the rendered YAML there.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-tools="${1:-$repo/.cache/k8s-tools}"
 kube_version="${KUBE_VERSION:-1.37.0}"
 chart="$repo/deploy/k8s/helm/tandem"
 multinode="$repo/deploy/k8s/helm/values-multinode-gpu.yaml"
 secure="$repo/deploy/k8s/helm/values-secure.yaml"
 
-if [[ ! -x "$tools/bin/helm" || ! -x "$tools/bin/kubernetes-validate" ]]; then
-  "$repo/deploy/tools/install_k8s_tools.sh" "$tools"
+on_path() {
+  command -v helm >/dev/null && command -v kubectl >/dev/null && command -v kubernetes-validate >/dev/null \
+    && command -v hadolint >/dev/null && python3 -c 'import yaml' 2>/dev/null
+}
+if [[ $# -eq 0 ]] && on_path; then
+  echo "using helm, kubectl, kubernetes-validate and hadolint from PATH ($(command -v helm))"
+  python=python3
+else
+  tools="${1:-$repo/.cache/k8s-tools}"
+  if [[ ! -x "$tools/bin/helm" || ! -x "$tools/bin/kubernetes-validate" ]]; then
+    "$repo/deploy/tools/install_k8s_tools.sh" "$tools"
+  fi
+  export PATH="$tools/bin:$PATH"
+  python="$tools/venv/bin/python"  # has PyYAML (a kubernetes-validate dependency)
 fi
-export PATH="$tools/bin:$PATH"
-python="$tools/venv/bin/python"  # has PyYAML (a kubernetes-validate dependency)
 
 out="${KEEP_RENDERED:-$(mktemp -d)}"
 mkdir -p "$out"

@@ -25,11 +25,16 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepac
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
-        ValueError: unsupported model_type, or a weight missing from the checkpoint.
+        ValueError: unsupported model_type, a weight missing from the checkpoint, or
+            ``max_positions`` beyond the model's ``max_position_embeddings``.
     """
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_positions > limit:
+        raise ValueError(f"--max-model-len {max_positions} exceeds the model's max_position_embeddings ({limit}) "
+                         f"in {hf_dir}; pass --max-model-len {limit} or less")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     files = sorted(Path(hf_dir).glob("*.safetensors"))

@@ -1,4 +1,4 @@
-"""Request identity: the client's id for tracing, a unique id per worker attempt (issue 7).
+"""Request identity: the client's id for tracing, a unique id per worker attempt.
 
 A client may name its request (OpenAI ``x-request-id`` header, gRPC ``GenerateRequest.request_id``);
 that id is echoed back and carried in logs, but never used as a key inside the cluster: two

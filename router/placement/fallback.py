@@ -1,4 +1,4 @@
-"""A prefill-worker shortage never silently changes mode (issue 16).
+"""A prefill-worker shortage never silently changes mode.
 
 Once this router has seen a prefill worker, a request that runs colocated because none is live
 (``no_prefill_worker``) or because its prefill failed with no other prefill worker left

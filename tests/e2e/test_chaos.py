@@ -1,4 +1,4 @@
-"""The small fault campaign CI runs (issue 16): chaos/campaigns/ci.yaml through ``tandem chaos``'s
+"""The small fault campaign CI runs: chaos/campaigns/ci.yaml through ``tandem chaos``'s
 own code on a real local cluster (2 routers, 1 prefill + 2 decode workers, the real model).
 
 Every scenario must end with nothing lost, nothing wrong (greedy text equal to Hugging Face's) and

@@ -1,4 +1,4 @@
-"""Surviving worker death (issue 7): two prefill and two decode workers, real processes and the real
+"""Surviving worker death: two prefill and two decode workers, real processes and the real
 model; one worker is SIGKILLed in the middle of a 40-request concurrent run. Every request still
 ends with the Hugging Face greedy answer (streams resumed on the other decode worker included),
 and the survivors' KV gauges return to idle.

@@ -1,4 +1,4 @@
-"""Tensor-parallel workers in a real cluster (issue 17): prefill and decode at different TP degrees
+"""Tensor-parallel workers in a real cluster: prefill and decode at different TP degrees
 through the pool, greedy-equal to Hugging Face; and a TP=2 decode worker losing a rank mid-stream.
 
 Each test starts its own cluster (TP=2 on this machine: two gloo ranks of one thread each).

@@ -1,4 +1,4 @@
-"""Bad input at scale (issue 16): a property-based fuzzer (hypothesis) sends 1,200 generated
+"""Bad input at scale: a property-based fuzzer (hypothesis) sends 1,200 generated
 requests to the real router's HTTP and gRPC front-ends (scripted fake workers behind it, the
 fixture of test_router.py): wrong types, huge numbers, deep JSON, odd Unicode, token ids out of
 range, stop lists, n and logprobs combinations, truncated bodies, unknown fields.

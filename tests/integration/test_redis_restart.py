@@ -1,4 +1,4 @@
-"""Redis restarted with its data lost (issue 16): a real pool process re-registers and rebuilds its
+"""Redis restarted with its data lost: a real pool process re-registers and rebuilds its
 block index in the new Redis from what it holds (the pool is the truth), blocks put while Redis
 was gone included; a worker heartbeat re-registers by itself.
 

@@ -1,4 +1,4 @@
-"""Several routers share one Redis and must not fight over it (issue 16): a router writes nothing
+"""Several routers share one Redis and must not fight over it: a router writes nothing
 there. Proven with a Redis ACL user that may only read: the router's worker view and its pool
 prefix index work through it, and a write through it is refused, so any write a router made would
 fail here."""
