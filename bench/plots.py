@@ -41,6 +41,11 @@ def title_of(run: dict) -> str:
 
 
 def plot_cdfs(run: dict, path: Path) -> Path:
+    """:func:`cdf_figure` saved to ``path``."""
+    return _save(cdf_figure(run), path)
+
+
+def cdf_figure(run: dict):
     """TTFT, TBT and E2E empirical CDFs side by side, the SLOs as dashed lines, the settings in
     the title."""
     ok = [r for r in records_of(run) if r.ok]
@@ -62,10 +67,15 @@ def plot_cdfs(run: dict, path: Path) -> Path:
         ax.set_ylabel("fraction of requests" if name != "TBT (ms)" else "fraction of gaps")
         ax.grid(alpha=0.3)
     fig.suptitle(title_of(run))
-    return _save(fig, path)
+    return fig
 
 
 def plot_tbt_over_time(run: dict, path: Path) -> Path:
+    """:func:`tbt_figure` saved to ``path``."""
+    return _save(tbt_figure(run), path)
+
+
+def tbt_figure(run: dict):
     """Every inter-token gap at the moment it ended (s since the run started): within the TBT
     SLO in blue, over it in red (a dashed line at the SLO), the settings in the title."""
     ok = [r for r in records_of(run) if r.ok]
@@ -85,7 +95,7 @@ def plot_tbt_over_time(run: dict, path: Path) -> Path:
     ax.set_ylabel("TBT (ms)")
     ax.set_title(title_of(run), fontsize="medium")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
 def plot_sweep(sweep: dict, path: Path) -> Path:

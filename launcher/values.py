@@ -186,6 +186,7 @@ READS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("model.maxModelLen",), "block_size": ("engine.blockSize",),
     "max_num_batched_tokens": ("engine.maxNumBatchedTokens",), "max_num_seqs": ("engine.maxNumSeqs",),
     "num_scheduler_steps": ("engine.numSchedulerSteps",), "attention_backend": ("engine.attentionBackend",),
+    "linear_backend": ("engine.linearBackend",),
     "kv_transfer": ("transfer.backend",), "kv_load_failure_policy": ("transfer.kvLoadFailurePolicy",),
     "routing_policy": ("routing.policy",), "ttft_slo_s": ("routing.slo.ttftMs",), "tbt_slo_s": ("routing.slo.tbtMs",),
     "default_max_tokens": ("routing.defaultMaxTokens",), "request_timeout_s": ("routing.requestTimeoutS",),

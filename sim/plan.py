@@ -254,8 +254,21 @@ def ratio_text(disaggregated: PlanPoint | None, colocated: PlanPoint | None) -> 
 
 
 def plot(points: list[PlanPoint], path: Path, title: str) -> Path:
-    """Goodput vs GPUs: the best disaggregated and the colocated configuration of each size; a
-    run stopped early (its goodput only a lower bound) is a hollow marker with an upward arrow."""
+    """:func:`plan_figure` saved to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = plan_figure(points, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plan_figure(points: list[PlanPoint], title: str):
+    """Goodput vs GPUs: the best disaggregated and the colocated configuration of each size, the
+    GPU counts written out; a run stopped early (its goodput only a lower bound) is a hollow
+    marker with an upward arrow, named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,11 +301,7 @@ def plot(points: list[PlanPoint], path: Path, title: str) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def model_values(model: ModelSpec, max_model_len: int) -> dict:

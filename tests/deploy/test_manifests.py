@@ -134,6 +134,21 @@ def test_validate_sh_passes(tools: Path):
     assert "validate.sh: all checks passed" in result.stdout
 
 
+def test_validate_sh_uses_the_tools_already_on_path(tools: Path, tmp_path: Path):
+    """helm, kubectl, kubernetes-validate, hadolint and a python3 with PyYAML on PATH: used as
+    they are, nothing installed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("helm", "kubectl", "kubernetes-validate", "hadolint"):
+        (bin_dir / name).symlink_to(tools / name)
+    (bin_dir / "python3").symlink_to(TOOLS / "venv" / "bin" / "python")
+    result = subprocess.run(["bash", str(DEPLOY / "tools" / "validate.sh")], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert result.stdout.startswith(f"using helm, kubectl, kubernetes-validate and hadolint from PATH ({bin_dir}/helm)")
+    assert "k8s tools" not in result.stdout  # install_k8s_tools.sh did not run
+
+
 # ---- rendered objects agree with the services' code ----
 
 

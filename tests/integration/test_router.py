@@ -511,7 +511,7 @@ async def test_bench_cli_takes_a_v1_url_and_fails_when_every_request_fails(clust
 
     import bench.cli
 
-    monkeypatch.setattr(bench.cli, "SHAREGPT_DEFAULT", tmp_path / "no-sharegpt.json")  # a clone without ../shared
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "no-data"))  # a data folder without the ShareGPT set
     cluster.script_text("ok")
     args = ["--url", f"http://127.0.0.1:{cluster.router.http_port}/v1", "--num-requests", "2", "--concurrency", "1",
             "--max-tokens", "4", "--no-progress", "--roofline-model", "", "--output-dir", str(tmp_path / "out")]

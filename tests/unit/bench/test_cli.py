@@ -116,3 +116,77 @@ def test_a_server_without_a_model_list(models_server, status: int, body: bytes, 
 def test_the_first_listed_model_is_used(models_server) -> None:
     url = models_server(200, b'{"object": "list", "data": [{"id": "m1"}, {"id": "m2"}]}')
     assert served_model(url) == "m1"
+
+
+@pytest.fixture
+def keyed_server() -> Iterator:
+    """``start(key)`` -> the URL of a server that lists model m1 to ``Authorization: Bearer <key>``
+    and answers 401 otherwise (POST: 501, nothing is served)."""
+    servers = []
+
+    def start(key: str) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                ok = self.headers.get("authorization") == f"Bearer {key}"
+                body = b'{"data": [{"id": "m1"}]}' if ok else b'{"error": {"message": "invalid API key"}}'
+                self.send_response(200 if ok else 401)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_wanting_an_api_key_is_told_so_not_asked_for_a_model(keyed_server) -> None:
+    url = keyed_server("sk-1")
+    with pytest.raises(click.ClickException) as info:
+        served_model(url)
+    assert info.value.message == (f"{url}/v1/models answered HTTP 401: the server wants an API key; pass --api-key KEY "
+                                  "(or set TANDEM_API_KEY)")
+    with pytest.raises(click.ClickException) as info:
+        served_model(url, api_key="sk-wrong")
+    assert "the server refused the API key; pass --api-key KEY" in info.value.message
+    assert served_model(url, api_key="sk-1") == "m1"
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_bench_sends_the_api_key(keyed_server, tmp_path, monkeypatch, how: str) -> None:
+    """With the key the model list is read (then the fake server fails every POST with 501)."""
+    url = keyed_server("sk-1")
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "no-data"))
+    args = ["--url", url, "--roofline-model", "", "--no-progress", "--num-requests", "2", "--output-dir",
+            str(tmp_path / "out")]
+    if how == "flag":
+        args += ["--api-key", "sk-1"]
+    else:
+        monkeypatch.setenv("TANDEM_API_KEY", "sk-1 sk-2")  # the first of several
+    result = CliRunner().invoke(bench, args, terminal_width=400)
+    assert result.exit_code == 1
+    assert "Error: all 2 requests failed; the first (http_501)" in result.output  # (the server's HTML follows)
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["settings"]["model"] == "m1"
+
+
+def test_requests_refused_for_want_of_a_key_say_which_flag_sends_one() -> None:
+    body = json.dumps({"error": {"message": "missing API key"}})
+    assert failure_message([record("http_401", body)]) == (
+        "all 1 requests failed; the first (http_401): missing API key; pass --api-key KEY (or set TANDEM_API_KEY)")
+
+
+def test_a_trace_workload_without_a_file_names_where_to_get_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path))
+    result = CliRunner().invoke(bench, ["--workload", "azure", "--model", "m"], terminal_width=1000)
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1].startswith(
+        "Error: --workload azure needs --path FILE; get the Azure LLM inference trace 2023, conversation (19,366 "
+        "requests): https://raw.githubusercontent.com/Azure/AzurePublicDataset/")

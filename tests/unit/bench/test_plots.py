@@ -38,3 +38,40 @@ def test_the_sweep_figure_is_titled_with_the_sweeps_label():
         assert [ax.get_xlabel() for ax in fig.axes] == ["request rate (req/s)"] * 3
     finally:
         plots.plt.close(fig)
+
+
+def run_with_settings(slo: SLO = SLO(300.0, 120.0)) -> dict:
+    settings = {"model": "m", "num_requests": 4, "max_tokens": 3, "ignore_eos": True,
+                "arrival": {"mode": "concurrency", "concurrency": 2}}
+    return json.loads(json.dumps(run_json("sharegpt concurrency", settings, RunResult(RECORDS, duration_s=0.8),
+                                          summarize(RECORDS, 0.8, slo))))
+
+
+def test_the_title_carries_the_settings_and_the_slo():
+    assert plots.title_of(run_with_settings()) == (
+        "sharegpt concurrency\nm, 4 requests, max_tokens 3, ignore_eos, concurrency 2, SLO TTFT 300 ms, TBT 120 ms")
+
+
+def test_the_cdfs_draw_the_slos():
+    fig = plots.cdf_figure(run_with_settings())
+    try:
+        ttft, tbt, e2e = fig.axes
+        assert [line.get_xdata()[0] for line in ttft.get_lines() if line.get_linestyle() == "--"] == [300.0]
+        assert [line.get_xdata()[0] for line in tbt.get_lines() if line.get_linestyle() == "--"] == [120.0]
+        assert [t.get_text() for t in tbt.get_legend().get_texts()] == ["measured", "SLO 120 ms"]
+        assert e2e.get_legend() is None
+        assert fig.get_suptitle().startswith("sharegpt concurrency\nm, 4 requests")
+    finally:
+        plots.plt.close(fig)
+
+
+def test_tbt_over_time_colours_gaps_by_the_slo_and_says_what_the_shades_are():
+    # The gaps are 100 ms and 150 ms: with a 120 ms SLO, 4 within and 4 over.
+    fig = plots.tbt_figure(run_with_settings())
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+            "gap within the SLO (4)", "gap over the SLO (4)", "TBT SLO 120 ms", "darker dots: several gaps on one spot"]
+        assert [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "--"] == [120.0]
+    finally:
+        plots.plt.close(fig)

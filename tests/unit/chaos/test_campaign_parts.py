@@ -3,6 +3,8 @@ references, throughput recovery from token times, the markdown row."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.workloads import BenchRequest
@@ -91,3 +93,25 @@ def test_the_markdown_row_and_missed_targets():
     assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 2 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
                                      "| n/a | 3.0 | 1.2 |")
     assert failed([result]) == ["hang: {'leaked': 2}"]
+
+
+def test_a_campaigns_relative_trace_path_is_read_from_the_data_folder(tmp_path, monkeypatch):
+    """chaos/campaigns/soak.yaml names its trace by file name only: the data folder holds it."""
+    import yaml
+
+    from chaos.cli import workload
+    from chaos.schedule import load_campaign
+
+    soak = load_campaign(Path(__file__).parents[3] / "chaos" / "campaigns" / "soak.yaml")
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # not beside the caller
+    with pytest.raises(ValueError) as info:
+        workload(soak)
+    assert str(info.value).startswith(f"workload: no file {tmp_path / 'mooncake_fast25_conversation_trace.jsonl'}; "
+                                      "get the Mooncake FAST'25 conversation trace")
+    (tmp_path / "mooncake_fast25_conversation_trace.jsonl").write_text("")
+    assert workload(soak).path == tmp_path / "mooncake_fast25_conversation_trace.jsonl"
+    own = dict(yaml.safe_load(yaml.safe_dump(CAMPAIGN)), workload={"kind": "mooncake", "path": str(tmp_path / "t.jsonl")})
+    (tmp_path / "t.jsonl").write_text("")
+    assert workload(parse_campaign(own)).path == tmp_path / "t.jsonl"  # an absolute path is itself

@@ -4,18 +4,29 @@ workers, pool nodes and router rates; histogram percentiles as Prometheus comput
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import click
+import pytest
 from click.testing import CliRunner
 from prometheus_client import generate_latest
 from rich.console import Console
 
 import launcher.cli
-from launcher import status
-from launcher.status import Snapshot, histogram_quantile, metrics_url, render
+from launcher import cluster_record, status
+from launcher.status import Snapshot, choose_url, histogram_quantile, metrics_url, render
 from router.cluster_metrics import ClusterCollector
 from router.metrics import RouterMetrics
 from tests.unit.router.test_cluster_metrics import FakeView
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch) -> None:
+    """No cluster recorded by a real tandem up on this machine takes part."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def router_text(num_finished: int) -> str:
@@ -81,3 +92,50 @@ def test_an_unreachable_router_is_one_clear_error() -> None:
     result = CliRunner().invoke(launcher.cli.main, ["status", "--url", "http://127.0.0.1:9", "--once"])
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot read http://127.0.0.1:9/metrics:")
+
+
+def test_a_url_without_a_scheme_is_taken_as_http() -> None:
+    assert metrics_url("127.0.0.1:18500") == "http://127.0.0.1:18500/metrics"
+    assert choose_url("127.0.0.1:18500", []) == ("http://127.0.0.1:18500", "")
+
+
+def test_without_url_the_cluster_tandem_up_runs_here_is_shown(tmp_path: Path) -> None:
+    folder = tmp_path / "records"
+    assert choose_url(None, cluster_record.running(folder)) == (
+        "http://127.0.0.1:8000", "no cluster started by tandem up is recorded here: the default port")
+    path = cluster_record.write(["http://127.0.0.1:18500"], tmp_path / "logs", folder)
+    records = cluster_record.running(folder)
+    assert [(r.pid, r.urls) for r in records] == [(os.getpid(), ("http://127.0.0.1:18500",))]
+    assert choose_url(None, records)[0] == "http://127.0.0.1:18500"
+    assert choose_url("h:1", records)[0] == "http://h:1"  # --url wins
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = folder / f"{gone.stdout.strip()}.json"
+    stale.write_text(path.read_text().replace(str(os.getpid()), gone.stdout.strip()))
+    assert len(cluster_record.running(folder)) == 1 and not stale.exists()  # a dead tandem up's file goes
+    second = folder / "1.json"  # pid 1 is alive: a second cluster
+    second.write_text(path.read_text().replace(f'"pid": {os.getpid()}', '"pid": 1')
+                      .replace("18500", "18600"))
+    with pytest.raises(click.UsageError) as info:
+        choose_url(None, cluster_record.running(folder))
+    assert info.value.message.startswith("2 clusters started by tandem up run here (")
+    assert "pid 1: http://127.0.0.1:18600" in info.value.message and info.value.message.endswith("); pass --url")
+    cluster_record.remove(path)
+    assert [r.urls for r in cluster_record.running(folder)] == [("http://127.0.0.1:18600",)]
+
+
+def test_status_reads_the_recorded_cluster_and_prints_whole_rows(tmp_path: Path, monkeypatch) -> None:
+    cluster_record.write(["http://127.0.0.1:18500"], tmp_path / "logs")  # under TANDEM_CACHE_DIR
+    read = []
+    monkeypatch.setattr(status, "scrape", lambda url, key="": read.append(url) or Snapshot.parse(router_text(1), 1.0))
+    result = CliRunner().invoke(launcher.cli.main, ["status", "--once"])
+    assert result.exit_code == 0, result.output
+    assert read == ["http://127.0.0.1:18500/metrics"]
+    assert "Tandem cluster at http://127.0.0.1:18500" in result.output
+    assert max(len(line) for line in result.output.splitlines()) > 100  # piped: not cut at 80 columns
+
+
+def test_an_unreachable_default_router_says_to_pass_url() -> None:
+    result = CliRunner().invoke(launcher.cli.main, ["status", "--url", "127.0.0.1:9", "--once"])
+    assert result.exit_code == 1
+    assert result.output.endswith("; is a cluster up there? pass --url with its router's address (tandem up prints "
+                                  "it)\n")

@@ -122,3 +122,65 @@ def test_fine_splits_follow_what_a_stopped_run_saw_and_stop_once_they_cannot_win
     monkeypatch.setattr(planner, "_evaluate_job", fake16)
     finder.size(16)
     assert seen == {0: None, 4: None, 8: None, 12: None, 10: 60, 14: 60}
+
+
+def test_plan_helm_values_name_the_model_its_source_and_a_context_it_supports(tmp_path):
+    """`tandem plan --helm-values` for Llama-3.1-8B: the repo, bf16 and its 131,072 positions; on a
+    machine without the repo `tandem up -f` says so instead of failing on the context or serving
+    the bundled model under that name."""
+    values = tmp_path / "values.yaml"
+    result = CliRunner().invoke(plan, ["--path", str(SLICE), "--gpus", "2", "--time-scale", "0.01", "--out",
+                                       str(tmp_path), "--helm-values", str(values), "--jobs", "1"])
+    assert result.exit_code == 0, result.output
+    model = yaml.safe_load(values.read_text())["model"]
+    assert model == {"name": "Llama-3.1-8B-Instruct", "dtype": "bfloat16", "maxModelLen": 131072,
+                     "source": {"type": "huggingface", "huggingface": {"repo": "meta-llama/Llama-3.1-8B-Instruct"}}}
+    import huggingface_hub.constants
+
+    from launcher.cli import main
+
+    original = huggingface_hub.constants.HF_HUB_CACHE
+    huggingface_hub.constants.HF_HUB_CACHE = str(tmp_path / "empty-hf-cache")
+    try:
+        up = CliRunner().invoke(main, ["up", "-f", str(values), "--print-config"], terminal_width=400)
+    finally:
+        huggingface_hub.constants.HF_HUB_CACHE = original
+    assert up.exit_code == 2 and "the Hugging Face repo meta-llama/Llama-3.1-8B-Instruct (revision main)" in up.output
+
+
+def test_plan_helm_values_for_the_bundled_model_start_with_tandem_up(tmp_path):
+    overrides = planner.helm_values(planner.PlanPoint(2, 1, 1, 1, 1.0, 1.0, 0, 0, False),
+                                    planner.ClusterChoice(1, 1, model="smollm2-135m", block_size=16), 1024, 2048,
+                                    planner.SLO())
+    assert overrides["model"] == {"name": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "maxModelLen": 2048,
+                                  "source": {"type": "pypi", "pypi": {"model": "SmolLM2-135M-Instruct"}}}
+    planner.validate_values(overrides, ROOT / "deploy/k8s/helm/tandem")
+    with pytest.raises(ValueError, match="max_model_len 9000 exceeds smollm2-135m's 8192"):
+        planner.model_values(planner.MODELS["smollm2-135m"], 9000)
+
+
+def test_stopped_runs_print_as_bounds_and_close_goodputs_as_a_tie():
+    point = lambda p, good, aborted=False: planner.PlanPoint(4, 1, p, 4 - p or 4, good, 0.95, 0, 0, aborted)  # noqa: E731
+    assert planner.bound("12.50", True) == ">= 12.50" and planner.bound("12.50", False) == "12.50"
+    assert planner.ratio_text(point(2, 16.0, aborted=True), point(0, 2.0)) == ">= 8.00x"
+    assert planner.ratio_text(point(2, 16.0), point(0, 2.0, aborted=True)) == "<= 8.00x"
+    assert planner.ratio_text(point(2, 16.0, True), point(0, 2.0, True)) == "? (both stopped early)"
+    assert planner.ratio_text(point(2, 20.31), point(0, 20.25)) == "1.00x"
+    disaggregated, colocated = point(2, 20.31), point(0, 20.25)
+    assert planner.ties([disaggregated, colocated], disaggregated, 0.9) == colocated
+    assert planner.ties([disaggregated, point(0, 15.0)], disaggregated, 0.9) is None  # 26 % apart
+    assert planner.ties([disaggregated, point(0, 20.25, aborted=True)], disaggregated, 0.9) is None
+
+
+def test_the_plot_writes_gpu_counts_and_marks_stopped_runs():
+    points = [planner.PlanPoint(n, 1, p, n - p or n, float(n), 0.9, 0, 0, aborted=(n == 2 and p == 1))
+              for n in (2, 4, 8) for p in (0, 1)]
+    fig = planner.plan_figure(points, "t")
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "4", "8"]
+        assert "stopped early: goodput is a lower bound" in [t.get_text() for t in ax.get_legend().get_texts()]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -69,3 +69,28 @@ def test_sim_command_rejects_an_unknown_fit(tmp_path):
     result = CliRunner().invoke(sim, ["--path", str(DATA / "mooncake_conversation_slice.jsonl"), "--cost-model", str(bad),
                                       "--num-kv-blocks", "64", "--max-model-len", "64", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "no fitted cost model" in result.output
+
+
+def test_a_trace_without_its_file_is_a_one_line_usage_error_naming_where_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path))
+    result = CliRunner().invoke(sim, ["--num-requests", "200"], terminal_width=1000)
+    assert result.exit_code == 2
+    last = result.output.splitlines()[-1]
+    assert last.startswith("Error: --workload mooncake needs --path FILE; get the Mooncake FAST'25 conversation "
+                           "trace (12,031 requests, prefix hash chains of 512-token blocks): https://raw."
+                           "githubusercontent.com/kvcache-ai/Mooncake/")
+    assert f"saved as {tmp_path / 'mooncake_fast25_conversation_trace.jsonl'}" in last
+    (tmp_path / "mooncake_fast25_conversation_trace.jsonl").write_text(
+        (DATA / "mooncake_conversation_slice.jsonl").read_text())
+    found = CliRunner().invoke(sim, ["--out", str(tmp_path / "out"), "--no-plots", "--time-scale", "0.01"])
+    assert found.exit_code == 0, found.output  # the data folder's trace, without --path
+
+
+def test_a_prompt_set_without_its_file_says_it_replays_the_built_in_prompts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path))
+    result = CliRunner().invoke(sim, ["--workload", "sharegpt", "--rate", "2", "--max-tokens", "8", "--num-requests",
+                                      "4", "--out", str(tmp_path / "out"), "--no-plots"], terminal_width=1000)
+    assert result.exit_code == 0, result.output
+    assert " ".join(result.output.split()).startswith(  # the note, wrapped at the console's width
+        f"no --path and no sharegpt prompt set in {tmp_path}: the 8 built-in prompts, repeated (repeats hit the "
+        "prefix cache: the numbers mean little); get the 500 ShareGPT V3 first-turn prompts")

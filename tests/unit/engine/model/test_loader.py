@@ -109,3 +109,13 @@ def test_folder_without_safetensors(tmp_path):
                 num_key_value_heads=1).save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path, "float32", "cpu", 16)
+
+
+def test_a_context_beyond_the_models_positions_is_refused_by_the_worker(checkpoint):
+    """The workers check --max-model-len themselves (a Helm deployment has no tandem up before it)."""
+    folder, _ = checkpoint
+    with pytest.raises(ValueError) as info:
+        load_model(folder, "float32", "cpu", 257)  # the tiny model's max_position_embeddings: 256
+    assert str(info.value) == (f"--max-model-len 257 exceeds the model's max_position_embeddings (256) in {folder}; "
+                               "pass --max-model-len 256 or less")
+    assert load_model(folder, "float32", "cpu", 256).config.max_position_embeddings == 256
