@@ -287,8 +287,8 @@ def plan_figure(points: list[PlanPoint], title: str):
             ax.plot([n], [best[n].goodput_rps], marker="o", color=line.get_color(),
                     markerfacecolor="white" if stopped else line.get_color())
             if stopped:
-                ax.annotate("", xy=(n, best[n].goodput_rps * 1.12), xytext=(n, best[n].goodput_rps),
-                            arrowprops={"arrowstyle": "->", "color": line.get_color()})
+                ax.annotate("", xy=(n, best[n].goodput_rps), xytext=(0, 20), textcoords="offset points",
+                            arrowprops={"arrowstyle": "<-", "color": line.get_color()})  # head up: at least this
     if any(p.aborted for p in points):
         ax.plot([], [], marker="o", ls="", color="grey", markerfacecolor="white",
                 label="stopped early: goodput is a lower bound")

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from launcher import cluster_record
 from launcher.local_cluster import free_port
 from tests.conftest import poll_until
 
@@ -45,8 +46,12 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
         )
         assert curl.returncode == 0, curl.stderr
         assert "Paris" in httpx.Response(200, content=curl.stdout).json()["choices"][0]["text"]
+        # tandem status finds this cluster without --url (launcher.cluster_record), until it stops
+        ours = [r for r in cluster_record.running() if r.pid == proc.pid]
+        assert [r.urls for r in ours] == [(f"http://127.0.0.1:{http_port}",)]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+        assert [r for r in cluster_record.running() if r.pid == proc.pid] == []
         poll_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
                    timeout_s=10, message="every service process gone")
     finally:
