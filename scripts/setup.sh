@@ -40,14 +40,16 @@ torch_kind="${TANDEM_TORCH:-}"
 if [ -z "$torch_kind" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then torch_kind=cuda; else torch_kind=cpu; fi
 fi
-extras=""
-[ "$torch_kind" = cuda ] && extras="gpu"
-[ "$mode" = --test ] && extras="dev,ray,gpu"
+serve_extras=""
+[ "$torch_kind" = cuda ] && serve_extras="gpu"
+test_set="torch=$torch_kind extras=dev,ray,gpu nixl=yes"  # a superset of what serving needs
+if [ "$mode" = --test ]; then extras="dev,ray,gpu" want="$test_set"; else extras="$serve_extras"
+  want="torch=$torch_kind extras=$serve_extras nixl=no"; fi
 
 stamp=.venv/.tandem-installed
-want="torch=$torch_kind extras=$extras nixl=$([ "$mode" = --test ] && echo yes || echo no)"
-if [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ] && grep -qxF "$want" "$stamp"; then
-  echo "== setup done (already installed: $want)"
+if [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ] \
+    && { grep -qxF "$want" "$stamp" || grep -qxF "$test_set" "$stamp"; }; then
+  echo "== setup done (already installed: $(cat "$stamp"))"
   exit 0
 fi
 .venv/bin/pip install -q --upgrade pip
