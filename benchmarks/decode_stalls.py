@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.arrivals import ArrivalConfig  # noqa: E402
-from bench.client import ClientConfig, run  # noqa: E402
+from bench.client import ClientConfig  # noqa: E402
+from bench.runner import run  # noqa: E402
 from bench.hf_baseline import chat_token_ids  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from benchmarks.step_timeline import Pass, read_passes  # noqa: E402
@@ -83,6 +84,10 @@ def main() -> None:
     parser.add_argument("--colocated", action="store_true")
     parser.add_argument("--stall-factor", type=float, default=2.0)
     parser.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeatable)")
+    parser.add_argument("--num-threads", type=int, default=0, help="tandem up --num-threads (0: every core)")
+    parser.add_argument("--pin", action="store_true",
+                        help="after start, pin the decode worker to CPU 0 and the prefill worker to CPU 1 "
+                             "(taskset -a): dedicated cores instead of shared ones")
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results/decode_stalls"))
     parser.add_argument("--out", type=Path, default=Path("bench-results/decode_stalls.json"))
     args = parser.parse_args()
@@ -92,9 +97,15 @@ def main() -> None:
     prompts = chat_token_ids(ensure_hf_dir(source), texts)
     requests = [BenchRequest(p, args.max_tokens, expected_input_tokens=len(p)) for p in prompts]
     config = ClusterConfig(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(), colocated=args.colocated,
-                           log_dir=args.log_dir, extra_worker_args=("--log-level", "DEBUG", *args.worker_arg))
+                           log_dir=args.log_dir, num_threads=args.num_threads,
+                           extra_worker_args=("--log-level", "DEBUG", *args.worker_arg))
     with LocalCluster(config) as cluster:
         cluster.start()
+        if args.pin:
+            for role, cpu in (("decode", "0"), ("prefill", "1")):
+                for service in cluster.worker_services(role):
+                    subprocess.run(["taskset", "-a", "-p", "-c", cpu, str(service.process.pid)], check=True,
+                                   capture_output=True)
         client = ClientConfig(url=cluster.http_url, model=source.name, ignore_eos=True, timeout_s=600)
         asyncio.run(run(requests[:1], ArrivalConfig("concurrency", concurrency=1), client, show_progress=False,
                         label="warm-up"))
@@ -104,7 +115,8 @@ def main() -> None:
     decode_log = sorted(args.log_dir.glob("decode*.log"))[0]
     passes = read_passes(decode_log, started_s)
     report = analyze(result.records, started_s, passes, args.stall_factor)
-    report["mode"] = "colocated" if args.colocated else "1P+1D"
+    report["mode"] = ("colocated" if args.colocated else "1P+1D") + (" pinned" if args.pin else "") + \
+        (f" {args.num_threads} threads" if args.num_threads else "")
     report["out_tok_per_s"] = round(sum(len(r.chunk_times_s) for r in result.records if r.ok) / result.duration_s, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -147,6 +147,9 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
     timings: dict[str, dict[str, list[float | None]]] = {}
     for key, (weight, num_buckets) in sorted(shapes.items()):
         prepared = {b: prepare_weight(b, weight) for b in candidates if backend_supports(b, weight)}
+        if len(prepared) == 1:  # nothing to choose from (a CUDA weight: F.linear only)
+            choices[key] = list(prepared) * num_buckets
+            continue
         per_bucket = [time_backends_ms(prepared, weight, min(bucket_m(k), MAX_TIMED_M)) for k in range(num_buckets)]
         timings[key] = {b: [round(t[b], 4) for t in per_bucket] for b in prepared}
         choices[key] = [fastest(t) for t in per_bucket]

@@ -198,3 +198,11 @@ def test_busy_machine_measurement_is_remeasured_once_the_machine_is_quiet(tmp_pa
 def test_summary_counts_shapes_and_buckets():
     plan = LinearPlan({"a": ["onednn", "onednn", "mkl"], "b": ["onednn"]}, took_s=3.21)
     assert plan.summary() == "linear backends: onednn for 2 shapes (3 buckets), mkl for 1 shapes (1 buckets), chosen in 3.2 s"
+
+
+def test_a_single_candidate_is_chosen_without_timing(monkeypatch):
+    """float16 (and a CUDA weight) leave only F.linear: nothing is timed, the layer stays unplanned."""
+    monkeypatch.setattr(linear_chooser, "time_backends_ms", lambda *a: pytest.fail("timed a lone candidate"))
+    model = torch.nn.Sequential(make_linear(False, dtype=torch.float16))
+    plan = linear_chooser.measure(linear_chooser._layer_buckets(model, LinearSetup("auto", 2, 4)), BACKENDS)
+    assert plan.choices == {f"{OUT}x{IN}": ["torch"] * 3}
