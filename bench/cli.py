@@ -146,8 +146,9 @@ def _rates(text: str) -> list[float]:
 
 
 @click.command("bench")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
-              help="Server URL, with or without the trailing /v1.")
+@click.option("--url", default=None,
+              help="Server URL, with or without the trailing /v1. Default: the cluster tandem up runs on this "
+                   "machine, else http://127.0.0.1:8000.")
 @click.option("--model", default="", help="Model name to send; default: the first of GET /v1/models.")
 @click.option("--workload", "kind", type=click.Choice(PROMPT_SET_KINDS + TRACE_KINDS), default="sharegpt",
               show_default=True)
@@ -180,12 +181,17 @@ def _rates(text: str) -> list[float]:
 @click.option("--roofline-model", default="SmolLM2-135M-Instruct", show_default=True,
               help="Bundled name or HF folder whose weights/KV sizes give the decode bound ('' to skip).")
 @click.option("--no-progress", is_flag=True)
-def bench(url: str, model: str, kind: str, path: Path | None, data_folder: Path | None, api_key: str,
+def bench(url: str | None, model: str, kind: str, path: Path | None, data_folder: Path | None, api_key: str,
           num_requests: int, max_tokens: int, ignore_eos: bool,
           length_scale: float, output_scale: float | None, max_total_tokens: int, arrival: str, concurrency: int,
           rate: float, rates: str, time_scale: float, max_in_flight: int, duration_s: float, slo_ttft_ms: float,
           slo_tbt_ms: float, output_dir: Path, seed: int, roofline_model: str, no_progress: bool) -> None:
     """Load-test an OpenAI-compatible endpoint with a prompt set or a real trace; write JSON and plots."""
+    if url is None:
+        from launcher import cluster_record
+        from launcher.status import choose_url
+
+        url = choose_url(None, cluster_record.running())[0]
     url = base_url(url)
     api_key = (api_key.split() or [""])[0]
     path = workload_path(kind, path, data_dir(data_folder), console.print)

@@ -190,3 +190,16 @@ def test_a_trace_workload_without_a_file_names_where_to_get_it(tmp_path, monkeyp
     assert result.output.splitlines()[-1].startswith(
         "Error: --workload azure needs --path FILE; get the Azure LLM inference trace 2023, conversation (19,366 "
         "requests): https://raw.githubusercontent.com/Azure/AzurePublicDataset/")
+
+
+def test_without_url_bench_loads_the_cluster_tandem_up_runs_here(keyed_server, tmp_path, monkeypatch) -> None:
+    from launcher import cluster_record
+
+    url = keyed_server("sk-1")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TANDEM_DATA_DIR", str(tmp_path / "no-data"))
+    cluster_record.write([url], tmp_path / "logs")
+    result = CliRunner().invoke(bench, ["--api-key", "sk-1", "--roofline-model", "", "--no-progress", "--num-requests",
+                                        "1", "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 1  # the fake server serves no completion
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["settings"]["url"] == url
