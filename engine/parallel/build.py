@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.model_source import ModelSource, resolve_model
+from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
 from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers
@@ -70,7 +71,7 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource) -> tuple[to
     if torch.distributed.is_initialized():
         raise RuntimeError("one tensor-parallel engine per process (torch.distributed has one default group): "
                            "shut the other engine down first")
-    group, processes = start_ranks(config)
+    group, processes = start_ranks(config, build_rank_runner)
     try:
         model, layout = load_sharded(config, source, group)
     except Exception:
@@ -81,8 +82,6 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource) -> tuple[to
 
 def build_rank_runner(config: EngineConfig, group: RankGroup) -> ModelRunner:
     """A rank > 0's plain ModelRunner over its shard and its KV heads (its sampler is unused)."""
-    from engine.engine import make_attention_backend  # engine.engine imports this package lazily
-
     model, layout = load_sharded(config, resolve_model(config.model), group)
     if config.compiled:
         compile_layers(model)
