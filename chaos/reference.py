@@ -42,7 +42,7 @@ def _load(model: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.model_source import resolve_model
-    from engine.loader import ensure_hf_dir
+    from engine.model.gguf_convert import ensure_hf_dir
 
     hf_dir = ensure_hf_dir(resolve_model(model))
     # One thread: batch-1 generation of a small model gains little from more, and a multi-threaded

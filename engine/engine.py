@@ -18,8 +18,8 @@ from core.worker_load import WorkerLoad
 from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
 from engine.kv_connector.swap import HostSwapSpace, SwapSpace
-from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers, warm_up
+from engine.model.gguf_convert import ensure_hf_dir
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput

@@ -10,8 +10,8 @@ import torch
 from core.model_source import ModelSource, resolve_model
 from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
-from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers
+from engine.model.gguf_convert import ensure_hf_dir
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, RankGroup
