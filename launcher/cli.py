@@ -196,7 +196,7 @@ def up(demo: bool, prompts_path: Path | None, num_prompts: int, max_tokens: int,
         console.print(config_report(config, given), markup=False, highlight=False, soft_wrap=True)
         return
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
-        from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
+        from engine.model.gguf_convert import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
     _prepare_cpu_kernel()
