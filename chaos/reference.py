@@ -1,4 +1,4 @@
-"""Greedy reference answers from Hugging Face transformers on the same checkpoint (DESIGN.md §8).
+"""Greedy reference answers from Hugging Face transformers on the same checkpoint (docs/design.md §8).
 
 Computed once per (prompt, max_tokens) and cached in a JSON file, so a campaign pays for them
 only on its first run. torch and transformers are imported inside the functions.

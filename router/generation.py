@@ -1,11 +1,11 @@
-"""One request through the cluster, shared by both front-ends (DESIGN.md §2, steps 2-6).
+"""One request through the cluster, shared by both front-ends (docs/design.md §2, steps 2-6).
 
 ``generate`` picks a prefill worker, streams the first token as soon as Prefill answers (TTFT),
 hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
 strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
 cancelled and the pool is told to release the request.
 
-Failures (issue 7): a worker that breaks an RPC or a stream is marked down in the view at once. A
+Failures: a worker that breaks an RPC or a stream is marked down in the view at once. A
 failed prefill is retried once on another prefill worker (or, when none is left, prefilled by the
 decode worker, colocated). A decode stream that breaks mid-answer is resumed on another decode
 worker from prompt + the tokens already sent (``DecodeRequest.output_token_ids``), at most

@@ -1,4 +1,4 @@
-"""The correctness reference (DESIGN.md §8): Hugging Face transformers on the same checkpoint, fp32.
+"""The correctness reference (docs/design.md §8): Hugging Face transformers on the same checkpoint, fp32.
 
 Loaded once per test session (cached); greedy references are cached per (prompt, max_tokens).
 """

@@ -1,4 +1,4 @@
-"""What a routing decision is and what it is predicted to cost (DESIGN.md §2 step 2, §7).
+"""What a routing decision is and what it is predicted to cost (docs/design.md §2 step 2, §7).
 
 A :class:`Placement` names the decode worker and, when disaggregated, the prefill worker of one
 request. :class:`Predictor` turns a candidate placement into predicted TTFT and TBT from the

@@ -1,4 +1,4 @@
-"""Noticing a worker that hangs, and failing over the calls that wait on it (issue 16).
+"""Noticing a worker that hangs, and failing over the calls that wait on it.
 
 A hung worker (SIGSTOP, a wedged event loop) keeps its TCP connections open: its RPCs neither
 answer nor fail, so nothing in gRPC notices. What stops is its heartbeat. :class:`LossWatch`

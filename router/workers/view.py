@@ -9,7 +9,7 @@ heartbeat newer than the failure *and* a grpc.health.v1 probe answering SERVING;
 disappears from the registry is forgotten (a restarted worker registers afresh) once its
 heartbeat is older than the loss bound.
 
-Hung workers (issue 16): a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
+Hung workers: a worker whose heartbeat stops moving for its bound (its TTL + 2 s)
 and that does not answer a health check with SERVING is **lost** (router.workers.loss): marked down, and the calls still waiting on it fail over.
 
 When the registry may have lost entries without their workers leaving, the workers known before

@@ -1,4 +1,4 @@
-"""Hung workers (issue 16): a worker whose heartbeat stops is lost, and the calls waiting on it
+"""Hung workers: a worker whose heartbeat stops is lost, and the calls waiting on it
 fail over; a worker that only vanished from the registry (Redis restarted) is kept.
 
 The fakes of test_failover.py stand in for workers; the fake decode stream here hangs after some
