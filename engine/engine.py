@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_connector.swap import HostSwapSpace, SwapSpace
 from engine.model.compile import compile_layers, warm_up
 from engine.model.gguf_convert import ensure_hf_dir
+from engine.model.linear_chooser import LinearSetup
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -96,7 +97,7 @@ class LLMEngine:
             model, parallel = start_tensor_parallel(config, source)
         else:
             model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len,
-                               config.linear_setup)
+                               LinearSetup.from_config(config))
         engine = cls(config, model, source, save_kv_on_finish, swap_space, parallel)
         if config.compiled:
             compile_layers(model)

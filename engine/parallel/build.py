@@ -12,6 +12,7 @@ from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
 from engine.model.compile import compile_layers
 from engine.model.gguf_convert import ensure_hf_dir
+from engine.model.linear_chooser import LinearSetup
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, RankGroup
@@ -51,7 +52,7 @@ def load_sharded(config: EngineConfig, source: ModelSource, group: RankGroup) ->
         shard_model(model, layouts[0], group)
 
     model = load_model(ensure_hf_dir(source), config.dtype, group.device, config.max_model_len,
-                       config.linear_setup, shard=shard)
+                       LinearSetup.from_config(config), shard=shard)
     return model, layouts[0]
 
 
