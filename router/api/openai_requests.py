@@ -6,10 +6,11 @@ and an OpenAI field this server does not implement (``echo``, ``best_of``, ``too
 parameter never changes the output silently. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
 (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
-absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and ignored. Types are strict, as OpenAI's API is: a number sent
-as a string (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a
-number sent as a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the
-field's name; an integer is a valid float. One prompt per request; ``n`` choices of it.
+absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
+ignored. Types are strict, as OpenAI's API is: a number sent as a string
+(``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a number sent as
+a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the field's name;
+an integer is a valid float. One prompt per request; ``n`` choices of it.
 """
 
 from __future__ import annotations
