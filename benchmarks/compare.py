@@ -166,7 +166,7 @@ def main(prompts_path: Path, num_prompts: int, max_tokens: int, concurrency: int
                       "are using the CPUs and will distort every row")
     source = resolve_model(DEFAULT_MODEL)
     subprocess.run([*TANDEM, "up", "--help"], capture_output=True, check=True)  # fail early on a broken CLI
-    from engine.loader import ensure_hf_dir
+    from engine.model.gguf_convert import ensure_hf_dir
 
     model_dir = ensure_hf_dir(source)
     texts = load_prompts(prompts_path, num_prompts, max_chars=max_prompt_chars)

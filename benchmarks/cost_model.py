@@ -35,7 +35,7 @@ from core.sampling_params import SamplingParams  # noqa: E402
 from engine.calibration import calibrate  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.loader import ensure_hf_dir  # noqa: E402
+from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from launcher.prompts import load_prompts  # noqa: E402
 from core.datasets import data_file  # noqa: E402

@@ -27,7 +27,7 @@ from core.request import Request  # noqa: E402
 from core.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.loader import ensure_hf_dir  # noqa: E402
+from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
 
 PATHS = {  # name: EngineConfig overrides
     "eager/cpu": dict(enforce_eager=True, attention_backend="cpu"),

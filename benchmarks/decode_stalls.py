@@ -32,7 +32,7 @@ from bench.hf_baseline import chat_token_ids  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from benchmarks.step_timeline import Pass, read_passes  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from engine.loader import ensure_hf_dir  # noqa: E402
+from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
 from launcher.local_cluster import ClusterConfig, LocalCluster, free_port  # noqa: E402
 from launcher.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 

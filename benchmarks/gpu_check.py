@@ -287,7 +287,7 @@ def model_dir(model: str, smoke: bool, scratch: Path) -> tuple[Path, str]:
     if not smoke:
         try:
             from core.model_source import resolve_model
-            from engine.loader import ensure_hf_dir
+            from engine.model.gguf_convert import ensure_hf_dir
 
             return ensure_hf_dir(resolve_model(model)), model
         except Exception as exc:  # noqa: BLE001 - any failure means "not available on this machine"

@@ -290,7 +290,7 @@ def main(systems: str, prompts_path: Path, num_prompts: int, concurrency: int, m
     machine = machine_info(device)
     console.print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs, {machine['uptime_at_start']}")
     subprocess.run([*TANDEM, "up", "--help"], capture_output=True, check=True)  # fail early on a broken CLI
-    from engine.loader import ensure_hf_dir
+    from engine.model.gguf_convert import ensure_hf_dir
 
     source = resolve_model(DEFAULT_MODEL)
     texts, prompts_from = load_workload(prompts_path, num_prompts, max_prompt_chars)

@@ -1,4 +1,4 @@
-"""Greedy reference answers from Hugging Face transformers on the same checkpoint (DESIGN.md §8).
+"""Greedy reference answers from Hugging Face transformers on the same checkpoint (docs/design.md §8).
 
 Computed once per (prompt, max_tokens) and cached in a JSON file, so a campaign pays for them
 only on its first run. torch and transformers are imported inside the functions.
@@ -42,7 +42,7 @@ def _load(model: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.model_source import resolve_model
-    from engine.loader import ensure_hf_dir
+    from engine.model.gguf_convert import ensure_hf_dir
 
     hf_dir = ensure_hf_dir(resolve_model(model))
     # One thread: batch-1 generation of a small model gains little from more, and a multi-threaded

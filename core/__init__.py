@@ -1,1 +1,1 @@
-"""Torch-free vocabulary shared by every Tandem service (DESIGN.md §3)."""
+"""Torch-free vocabulary shared by every Tandem service (docs/design.md §3)."""

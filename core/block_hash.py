@@ -1,4 +1,4 @@
-"""Content addressing of full KV blocks by a hash chain (DESIGN.md §4, vLLM prefix caching).
+"""Content addressing of full KV blocks by a hash chain (docs/design.md §4, vLLM prefix caching).
 
 ``block_hash[i] = H(block_hash[i-1], token_ids of block i, extra_keys)``: one hash names the whole
 prefix up to and including its block, so two prompts share block ``i`` only if they share every

@@ -1,4 +1,4 @@
-"""What a KV block *is*: the spec that namespaces every key in the pool (DESIGN.md §4)."""
+"""What a KV block *is*: the spec that namespaces every key in the pool (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layout of the pool's block index in Redis (DESIGN.md §6), shared by the pool that writes it
+"""Layout of the pool's block index in Redis (docs/design.md §6), shared by the pool that writes it
 (kv_pool/index_mirror.py) and the router that reads it (router/placement/prefix_index.py).
 
 - hash ``tandem:kv_index:{spec_fingerprint}``: field = block hash as 16 hex chars, value =

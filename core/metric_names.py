@@ -1,4 +1,4 @@
-"""The names of the Prometheus metrics Tandem's services export (DESIGN.md §9b).
+"""The names of the Prometheus metrics Tandem's services export (docs/design.md §9b).
 
 Where a vLLM metric means the same thing (same quantity, unit and type), Tandem exports it under
 vLLM's own name (``vllm/v1/metrics/loggers.py``), so what reads vLLM's metrics works unchanged:

@@ -1,8 +1,8 @@
 """Where a model's files are: the bundled SmolLM2 GGUF, any GGUF file, or a Hugging Face folder.
 
-GGUF loads through transformers' Python reader (15-30 s), so :func:`engine.loader.ensure_hf_dir`
-converts it once into a safetensors folder under the cache directory; every later load reads that
-folder (~0.5 s). This module only finds paths and never imports torch.
+GGUF loads through transformers' Python reader (15-30 s), so
+:func:`engine.model.gguf_convert.ensure_hf_dir` converts it once into a safetensors folder under
+the cache directory; every later load reads that folder (~0.5 s). This module only finds paths and never imports torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every worker builds the same ring from the same registry, so the prefill worker that writes a
 block and the decode worker that reads it agree on its node without asking anyone. When a node
 joins or dies only the keys of its arcs move (``vnodes`` points per node keep arcs even); blocks
-whose node changed are simply not found there and get recomputed (DESIGN.md §5).
+whose node changed are simply not found there and get recomputed (docs/design.md §1).
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
+from typing import Any
 
 from core.block_key import BlockKey
 from core.request import FinishReason
-from core.sampling_params import SamplingParams
+from core.sampling_params import SAMPLING_FIELDS, SamplingParams
 from core.worker_load import WorkerLoad
 from tandem.v1 import common_pb2, prefill_worker_pb2
 
@@ -28,46 +29,40 @@ def finish_reason_from_proto(value: int) -> FinishReason:
     return _FINISH_REASON_FROM_PROTO.get(value, FinishReason.ABORT)
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams, default_temperature: float = 1.0) -> SamplingParams:
-    """Builds validated SamplingParams; unset optional fields take their defaults.
+# An unset optional field means SamplingParams' default, except where the wire says otherwise
+# (common.proto): a gRPC caller that names no temperature gets greedy sampling.
+WIRE_DEFAULTS: dict[str, Any] = {"temperature": 0.0}
+
+
+def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]:
+    """Each SamplingParams field as ``msg`` carries it, by name, unchecked: an unset optional
+    field is its WIRE_DEFAULTS value or None (SamplingParams' default), a repeated one a tuple."""
+    fields: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(msg, name)
+        if isinstance(value, MutableSequence):  # a repeated field
+            fields[name] = tuple(value)
+        elif msg.DESCRIPTOR.fields_by_name[name].has_presence and not msg.HasField(name):
+            fields[name] = WIRE_DEFAULTS.get(name)
+        else:
+            fields[name] = value
+    return fields
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Builds validated SamplingParams (see sampling_fields_from_proto for unset fields).
 
     Raises:
-        ValueError: a field is out of range (see SamplingParams).
+        SamplingParamsError: a field is out of range (a ValueError; see SamplingParams).
     """
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else default_temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        min_tokens=msg.min_tokens,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-    )
+    return SamplingParams.from_optional(**sampling_fields_from_proto(msg))
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
+    """Every field set, a None (no seed, no logprobs) left unset."""
+    return common_pb2.SamplingParams(
+        **{name: value for name in SAMPLING_FIELDS if (value := getattr(params, name)) is not None}
     )
-    if params.seed is not None:
-        msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    return msg
 
 
 def token_logprob_to_proto(

@@ -1,4 +1,4 @@
-"""Worker registry in Redis: one key per worker, refreshed by heartbeat, expiring by TTL (DESIGN.md §6).
+"""Worker registry in Redis: one key per worker, refreshed by heartbeat, expiring by TTL (docs/design.md §6).
 
 Key ``tandem:workers:{role}:{worker_id}`` holds a JSON :class:`WorkerInfo`; a worker that stops
 heartbeating disappears by itself after ``ttl_s``. Its ``load`` is a

@@ -1,4 +1,4 @@
-"""A generation request as every scheduler sees it: token counts, not phases (DESIGN.md §7)."""
+"""A generation request as every scheduler sees it: token counts, not phases (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A worker's live load: what its heartbeat publishes and the router places by (DESIGN.md §6).
+"""A worker's live load: what its heartbeat publishes and the router places by (docs/design.md §6).
 
 One typed value from the engine to the router: ``LLMEngine.stats()`` builds it, the worker's
 heartbeat writes it into its registry entry (:meth:`WorkerLoad.to_wire`), the router parses it

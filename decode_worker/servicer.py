@@ -98,7 +98,7 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
 
     def _convert(self, request, manifest: Manifest | None) -> Request:
         """Raises ValueError on a malformed request or a manifest of another KV spec."""
-        params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
+        params = sampling_params_from_proto(request.sampling_params)
         # EOS known before resumed outputs are appended: one inside them ends the request there.
         engine_request = Request(request.request_id, list(request.prompt_token_ids), params,
                                  eos_token_id=self.engine.engine.eos_token_id)

@@ -110,7 +110,7 @@ class TorchAttentionBackend:
 
 @dataclass
 class ForwardContext:
-    """The one piece of ambient state (STYLE.md §7): what attention layers read during a forward."""
+    """The one piece of ambient state (docs/style.md principle 7): what attention layers read during a forward."""
 
     meta: AttentionMetadata
     backend: AttentionBackend

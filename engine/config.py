@@ -68,13 +68,6 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     @property
-    def linear_setup(self):
-        """The :class:`engine.model.linear_chooser.LinearSetup` of this engine's model."""
-        from engine.model.linear_chooser import LinearSetup
-
-        return LinearSetup(self.linear_backend, self.max_num_seqs, self.max_num_batched_tokens)
-
-    @property
     def compiled(self) -> bool:
         """Whether the engine runs the torch.compile'd forward."""
         if self.enforce_eager is None:

@@ -15,12 +15,12 @@ from core.kv_cache_spec import KVCacheSpec
 from core.model_source import ModelSource, resolve_model
 from core.request import Request
 from core.worker_load import WorkerLoad
-from engine.attention import AttentionBackend, TorchAttentionBackend
+from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
-from engine.cpu_attention import CpuAttentionBackend
 from engine.kv_connector.swap import HostSwapSpace, SwapSpace
-from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers, warm_up
+from engine.model.gguf_convert import ensure_hf_dir
+from engine.model.linear_chooser import LinearSetup
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ExternalKV, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -35,32 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def make_attention_backend(config: EngineConfig) -> AttentionBackend:
-    """``auto`` picks Triton on a CUDA device and the CPU backend elsewhere."""
-    name = config.attention_backend
-    if name == "auto":
-        name = "triton" if config.device.startswith("cuda") else "cpu"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "cpu":
-        return CpuAttentionBackend()
-    if name == "triton":
-        try:
-            from engine.triton_attention import TritonAttentionBackend  # imports triton: only when chosen
-        except ModuleNotFoundError as err:
-            if err.name != "triton":
-                raise
-            raise ValueError("the triton attention backend needs Triton: pip install 'tandem-serve[gpu]'") from None
-        return TritonAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is not available in this build")
-
-
 class LLMEngine:
     """Runs requests to completion on one model and one paged KV cache.
 
     ``save_kv_on_finish``: a finished request's prompt blocks are packed into
     ``RequestOutput.saved_kv`` before they are freed (what a prefill worker ships to the pool).
-    Not thread-safe: one thread drives it (see :class:`engine.engine_thread.EngineThread`).
+    Not thread-safe: one thread drives it (:class:`engine.async_engine.AsyncEngine` runs it on its
+    :func:`~engine.async_engine.engine_thread`).
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, source: ModelSource, save_kv_on_finish=False,
@@ -116,7 +97,7 @@ class LLMEngine:
             model, parallel = start_tensor_parallel(config, source)
         else:
             model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len,
-                               config.linear_setup)
+                               LinearSetup.from_config(config))
         engine = cls(config, model, source, save_kv_on_finish, swap_space, parallel)
         if config.compiled:
             compile_layers(model)

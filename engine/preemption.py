@@ -1,4 +1,4 @@
-"""PreemptionPolicy: which running request gives its blocks up, and how it comes back (DESIGN.md §7).
+"""PreemptionPolicy: which running request gives its blocks up, and how it comes back (docs/design.md §7).
 
 When a running request cannot get a block the scheduler preempts the *youngest* running request
 (the last admitted; vLLM's choice: it has the least work to lose and FCFS order is kept) and

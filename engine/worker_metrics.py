@@ -1,4 +1,4 @@
-"""A worker's Prometheus metrics (DESIGN.md §9b), read from its live load at scrape time.
+"""A worker's Prometheus metrics (docs/design.md §9b), read from its live load at scrape time.
 
 Under vLLM's names (core.metric_names), so the Gateway API Inference Extension's endpoint picker
 and KEDA triggers written for vLLM read a worker as they read a vLLM server:

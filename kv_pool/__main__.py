@@ -47,7 +47,7 @@ def _option(flag: str, **kwargs):
 @_option("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 turns it off.")
 @_option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(log_level: str, **flags) -> None:
-    """Run one KV pool node (DESIGN.md §4-§6) until SIGTERM."""
+    """Run one KV pool node (docs/design.md §4-§6) until SIGTERM."""
     try:
         config = PoolConfig(**flags)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""The DRAM block store: a pure data structure, no I/O (DESIGN.md §4-§5).
+"""The DRAM block store: a pure data structure, no I/O (docs/design.md §4-§5).
 
 Life of a block::
 

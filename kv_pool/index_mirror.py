@@ -1,4 +1,4 @@
-"""Mirrors one pool node's content-addressed index into Redis (DESIGN.md §6).
+"""Mirrors one pool node's content-addressed index into Redis (docs/design.md §6).
 
 For every block stored or evicted on this node:
 

@@ -1,4 +1,4 @@
-"""Which requests hold which pool blocks, and until when (DESIGN.md §5). Knows no bytes.
+"""Which requests hold which pool blocks, and until when (docs/design.md §5). Knows no bytes.
 
 A request's entry lives while it holds a lease or owns a request-scoped block; its deadline only
 moves later (every lease and every scoped reservation extends it). When the deadline lapses the

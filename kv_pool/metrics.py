@@ -1,4 +1,4 @@
-"""Prometheus metrics of one pool node (DESIGN.md §9b).
+"""Prometheus metrics of one pool node (docs/design.md §9b).
 
 Block counts and the store's cumulative counters are read from ``BlockStore.stats()`` at scrape
 time, so the store needs no metric calls; transfer bytes are counted by the servicer.

@@ -1,5 +1,5 @@
 """The storage under the block store: DRAM slots (arena + block table) over an optional NVMe
-tier, and the moves between them (DESIGN.md §4, "DRAM + NVMe").
+tier, and the moves between them (docs/design.md §1, "DRAM + NVMe").
 
     place ──► DRAM slot ──(LRU eviction, kv_pool.eviction)──► demoted to NVMe ──(full)──► dropped
                   ▲                                                 │
@@ -195,8 +195,8 @@ class Tiers:
 
     def index_events(self) -> list[BlockEvent]:
         """What the index must say about this node now: "stored" for every committed
-        content-addressed DRAM block, "demoted" for every NVMe block (to rebuild a lost index).
-        Mutates nothing."""
+        content-addressed DRAM block, "demoted" for every NVMe block (to rebuild a lost index;
+        docs/failover.md). Mutates nothing."""
         events = [BlockEvent("stored", key) for key, block in self.blocks.items()
                   if block.reservation is None and not key.is_scoped]
         if self.nvme is not None:

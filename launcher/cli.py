@@ -215,7 +215,7 @@ def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prom
     if fit is not None and fit.problems() and not force:
         raise click.ClickException(fit.message())
     with console.status(f"preparing model {source.name} (first run converts the GGUF once)"):
-        from engine.loader import ensure_hf_dir  # torch import: only when starting a cluster
+        from engine.model.gguf_convert import ensure_hf_dir  # torch import: only when starting a cluster
 
         ensure_hf_dir(source)
     _prepare_cpu_kernel()

@@ -1,4 +1,4 @@
-"""LocalCluster: every Tandem service as its own process on this machine (DESIGN.md §9).
+"""LocalCluster: every Tandem service as its own process on this machine (docs/design.md §9).
 
 Start order: Redis → KV pool → prefill workers → decode workers → routers; stop order is the
 reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left

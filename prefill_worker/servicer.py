@@ -46,7 +46,7 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         rid = request.request_id
         started = time.monotonic()
         try:
-            params = sampling_params_from_proto(request.sampling_params, default_temperature=0.0)
+            params = sampling_params_from_proto(request.sampling_params)
             engine_request = Request(rid, list(request.prompt_token_ids), dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)))
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -1,4 +1,5 @@
-"""The router's one error type and how each kind maps onto HTTP and gRPC.
+"""The router's one error type, how each kind maps onto HTTP and gRPC, and the two failures
+of a worker call that the router acts on (fail over, or prefill elsewhere).
 
 Every failure the router reports to a client is a :class:`RouterError`; the front-ends only
 translate its :class:`ErrorKind` (and the metrics count rejections by ``kind.value``).
@@ -81,6 +82,24 @@ class RouterError(Exception):
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
         _, error_type, code, _ = _TRANSPORT[self.kind]
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
+
+
+class WorkerFailedError(RouterError):
+    """The worker broke (died, reset the connection, ended a stream early), not the request:
+    the caller marks it down and may retry the request elsewhere."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message, ErrorKind.UNAVAILABLE)
+        self.address = address
+
+
+class KVSaveFailedError(RouterError):
+    """A prefill worker could not write the prompt's KV to the pool (the pool broke, not the
+    worker): the caller prefills on the decode worker instead and marks nobody down."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message, ErrorKind.UNAVAILABLE)
+        self.address = address
 
 
 def as_json(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""One request through the cluster, shared by both front-ends (DESIGN.md §2, steps 2-6).
+"""One request through the cluster, shared by both front-ends (docs/design.md §2, steps 2-6).
 
 ``generate`` picks a prefill worker, streams the first token as soon as Prefill answers (TTFT),
 hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from core.request import FinishReason
 from core.registry import WorkerInfo
-from router.errors import ErrorKind, RouterError
+from router.errors import ErrorKind, KVSaveFailedError, RouterError, WorkerFailedError
 from router.placement.fallback import ColocatedFallbacks
 from router.output.logprobs import TokenLogprob
 from router.metrics import RouterMetrics
@@ -36,7 +36,7 @@ from router.placement.prediction import Placement
 from router.placement.placer import Placer
 from router.tokenizer import ModelTokenizer
 from router.api.validation import ValidatedRequest
-from router.workers.clients import DecodeTokens, KVSaveFailedError, PrefillResult, WorkerClients, WorkerFailedError
+from router.workers.clients import DecodeTokens, PrefillResult, WorkerClients
 from router.workers.loss import stream_unless_lost, unless_lost
 from router.workers.view import WorkerView
 

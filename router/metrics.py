@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (DESIGN.md §9b): the request histograms and token counters
+"""The router's Prometheus metrics (docs/design.md §9b): the request histograms and token counters
 under vLLM's names (core.metric_names), the rest under ``tandem:``.
 
 Each :class:`RouterMetrics` owns its registry, so several routers (tests) never collide.

@@ -1,4 +1,4 @@
-"""The correctness reference (DESIGN.md §8): Hugging Face transformers on the same checkpoint, fp32.
+"""The correctness reference (docs/design.md §8): Hugging Face transformers on the same checkpoint, fp32.
 
 Loaded once per test session (cached); greedy references are cached per (prompt, max_tokens).
 """
@@ -16,7 +16,7 @@ PROMPTS = BUILTIN_PROMPTS  # eight real prompts written for Tandem's tests and d
 
 @functools.lru_cache(maxsize=1)
 def hf_dir() -> Path:
-    from engine.loader import ensure_hf_dir
+    from engine.model.gguf_convert import ensure_hf_dir
 
     return ensure_hf_dir(resolve_model(DEFAULT_MODEL))
 

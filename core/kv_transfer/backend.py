@@ -1,6 +1,6 @@
 """The one interface every KV transfer backend implements (gRPC, shared memory, NIXL).
 
-Both directions keep the pool's ownership rules (DESIGN.md §5): a read leases the blocks to the
+Both directions keep the pool's ownership rules (docs/design.md §5): a read leases the blocks to the
 request before any byte moves (the pool cannot evict or reuse their slots mid-copy), a write is
 a two-phase put (nothing is visible until the pool commits it). Backends move bytes and report
 the writer's checksums; verifying them is the caller's business (``engine.kv_connector.pool_io``).

@@ -1,4 +1,4 @@
-"""Per-block checksums (DESIGN.md §4 integrity): computed by the writer, kept by the pool, checked
+"""Per-block checksums (docs/design.md §4 integrity): computed by the writer, kept by the pool, checked
 by the reader.
 
 xxh3-64 of the block's bytes (~25 GB/s on one core here). 0 means "no checksum": a writer without

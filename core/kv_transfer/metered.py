@@ -1,4 +1,4 @@
-"""KV transfer metrics per backend: bytes, seconds and errors (DESIGN.md §9b).
+"""KV transfer metrics per backend: bytes, seconds and errors (docs/design.md §9b).
 
 :class:`MeteredBackend` wraps any :class:`TransferBackend` and counts, with labels ``backend``
 (grpc, shm, nixl) and ``direction`` (read: pool -> this process, write: this process -> pool):

@@ -2,7 +2,7 @@
 
 A block's bytes are its ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` slice of the cache
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous, native dtype
-(DESIGN.md §4). How the bytes reach the pool is the worker's business.
+(docs/design.md §4). How the bytes reach the pool is the worker's business.
 
 Payloads to load are ``bytes`` (gRPC, NIXL, host swap) or :class:`ArenaBlock` views of a pool's
 shared-memory arena mapped into this process (``engine.kv_connector.pool_io`` on the shm backend): those are

@@ -1,4 +1,4 @@
-"""KVConnector: a worker's one road to the KV pool (DESIGN.md §3 "KV connector to the pool").
+"""KVConnector: a worker's one road to the KV pool (docs/design.md §3 "KV connector to the pool").
 
 It owns where the pool is (:class:`PoolLocator`: the ring of pool nodes), how bytes move
 (:class:`PoolIO`: a transfer backend per node, checksums written and verified), the pool -> worker
@@ -6,7 +6,7 @@ bandwidth meter the router's cost model reads, and the release of every request 
 Operations: load a cached prefix, load a manifest, save a prompt's blocks, swap out / swap in
 (:meth:`swap_space`), release.
 
-Who releases a request's pool state (leases and request-scoped blocks; DESIGN.md §5)
+Who releases a request's pool state (leases and request-scoped blocks; docs/design.md §5)
 -------------------------------------------------------------------------------------
 Exactly one connector holds a request at any time, and only the holder releases it, once:
 
@@ -24,7 +24,7 @@ Exactly one connector holds a request at any time, and only the holder releases 
 - *abort*: before the prefill answers, the prefill connector releases (the RPC is cancelled);
   once a Decode RPC with the manifest arrived, the decode connector does, whatever happens next.
 - *failure*: a worker that fails an RPC releases what it holds before answering; a worker that
-  dies holds nothing past the lease deadline, which the pool enforces by itself (DESIGN.md §5)
+  dies holds nothing past the lease deadline, which the pool enforces by itself (docs/design.md §5)
   — as it does for a manifest the router never delivers.
 - *migration*: the resumed attempt has its own request id; its connector leases the stored
   prefix, loads it and releases it.

@@ -1,4 +1,4 @@
-"""A KV manifest as domain data: which pool blocks hold a prompt's KV (DESIGN.md §2 step 3)."""
+"""A KV manifest as domain data: which pool blocks hold a prompt's KV (docs/design.md §2 step 3)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Blocks are spread over pool nodes by consistent hashing (:class:`core.pool_ring.
 node that fails only loses its share, which readers then recompute. How the bytes move is a
 :mod:`core.kv_transfer` backend chosen per pool node (``--kv-transfer``);
 this module adds what every backend shares: checksums computed on write and verified on read
-(DESIGN.md §4), with a corrupt block reported to the pool (which drops it) and the read cut
+(docs/design.md §4), with a corrupt block reported to the pool (which drops it) and the read cut
 before it, so the caller recomputes that part instead of using wrong KV. Blocking backend calls
 run in worker threads so the event loop and the engine's step loop never wait on the network.
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from core.model_source import cache_dir
+from engine.config import EngineConfig
 from engine.model.linear import (BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m, m_bucket,
                                  planned_layers, prepare_weight, run_backend)
 
@@ -65,6 +66,11 @@ class LinearSetup:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     use_cache: bool = True
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LinearSetup:
+        """The setup of an engine's model: its ``linear_backend``, and the M its steps can reach."""
+        return cls(config.linear_backend, config.max_num_seqs, config.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         if self.backend not in LINEAR_BACKEND_CHOICES:

@@ -1,4 +1,5 @@
-"""Builds an engine model from a Hugging Face folder (config.json + safetensors)."""
+"""Builds an engine model from a Hugging Face folder (config.json + safetensors); a GGUF file is
+converted to one first (engine.model.gguf_convert)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from core.model_source import ModelSource, resolve_model
+from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
-from engine.loader import ensure_hf_dir
 from engine.model.compile import compile_layers
+from engine.model.gguf_convert import ensure_hf_dir
+from engine.model.linear_chooser import LinearSetup
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, RankGroup
@@ -50,7 +52,7 @@ def load_sharded(config: EngineConfig, source: ModelSource, group: RankGroup) ->
         shard_model(model, layouts[0], group)
 
     model = load_model(ensure_hf_dir(source), config.dtype, group.device, config.max_model_len,
-                       config.linear_setup, shard=shard)
+                       LinearSetup.from_config(config), shard=shard)
     return model, layouts[0]
 
 
@@ -70,7 +72,7 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource) -> tuple[to
     if torch.distributed.is_initialized():
         raise RuntimeError("one tensor-parallel engine per process (torch.distributed has one default group): "
                            "shut the other engine down first")
-    group, processes = start_ranks(config)
+    group, processes = start_ranks(config, build_rank_runner)
     try:
         model, layout = load_sharded(config, source, group)
     except Exception:
@@ -81,8 +83,6 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource) -> tuple[to
 
 def build_rank_runner(config: EngineConfig, group: RankGroup) -> ModelRunner:
     """A rank > 0's plain ModelRunner over its shard and its KV heads (its sampler is unused)."""
-    from engine.engine import make_attention_backend  # engine.engine imports this package lazily
-
     model, layout = load_sharded(config, resolve_model(config.model), group)
     if config.compiled:
         compile_layers(model)

@@ -1,7 +1,9 @@
 """Starts a worker's tensor-parallel ranks and takes the worker down when one dies.
 
 The worker process is rank 0 (scheduler, pool I/O, gRPC); ranks 1..N-1 are child processes
-(``multiprocessing`` spawn) that load their shard and run :func:`engine.parallel.runner.serve_rank`.
+(``multiprocessing`` spawn) that build their runner with the function rank 0 passes
+(:func:`engine.parallel.build.build_rank_runner`: it loads their shard) and run
+:func:`engine.parallel.runner.serve_rank`.
 A rank that dies ends the worker: rank 0 watches every child's exit (:class:`RankProcesses`),
 and a collective that fails raises RankFailure on the survivors; children get SIGKILL when the
 thread that started them ends (PR_SET_PDEATHSIG: the worker's engine thread, and so its process),
@@ -25,9 +27,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.parallel.group import RankGroup, rank_device
-from engine.parallel.runner import STOP, StepMessage
+from engine.model_runner import ModelRunner
+from engine.parallel.runner import STOP, StepMessage, serve_rank
 
 log = logging.getLogger(__name__)
+
+# Builds a rank's runner over its shard, in the rank's process; a module-level function, so that
+# spawn can pass it to the child by name.
+BuildRunner = Callable[[EngineConfig, RankGroup], ModelRunner]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -83,9 +90,10 @@ class RankProcesses:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def start_ranks(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
+def start_ranks(config: EngineConfig, build_runner: BuildRunner) -> tuple[RankGroup, RankProcesses]:
     """Spawns ranks 1..N-1 of ``config.tensor_parallel_size`` and joins the group as rank 0
-    (blocks until every rank joined). Each child loads its shard itself.
+    (blocks until every rank joined). Each child builds its runner with ``build_runner`` (it
+    loads its shard itself).
 
     Raises:
         RuntimeError: a rank died before the group formed.
@@ -94,26 +102,23 @@ def start_ranks(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
     rendezvous_dir = Path(tempfile.mkdtemp(prefix="tandem-tp-"))
     rendezvous = str(rendezvous_dir / "rendezvous")
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=rank_main, args=(rank, config, rendezvous), name=f"tp-rank-{rank}",
-                                 daemon=True) for rank in range(1, tp)]
+    processes = [context.Process(target=rank_main, args=(rank, config, rendezvous, build_runner),
+                                 name=f"tp-rank-{rank}", daemon=True) for rank in range(1, tp)]
     for process in processes:
         process.start()
     group = RankGroup.join(0, tp, rendezvous, rank_device(config.device, 0))
     return group, RankProcesses(processes, rendezvous_dir)
 
 
-def rank_main(rank: int, config: EngineConfig, rendezvous: str) -> None:
-    """Entry point of rank ``rank`` > 0: joins the group, loads its shard, serves rank 0."""
+def rank_main(rank: int, config: EngineConfig, rendezvous: str, build_runner: BuildRunner) -> None:
+    """Entry point of rank ``rank`` > 0: joins the group, builds its runner, serves rank 0."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when this rank stops
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
-    from engine.parallel.build import build_rank_runner  # imports the model code in the child only
-    from engine.parallel.runner import serve_rank
-
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     group = RankGroup.join(rank, config.tensor_parallel_size, rendezvous, rank_device(config.device, rank))
-    runner = build_rank_runner(config, group)
+    runner = build_runner(config, group)
     serve_rank(runner, group)
     group.destroy()
 

@@ -6,7 +6,7 @@ then every rank runs the same forward over its shard, and rank 0 samples from th
 logits. The other ranks never see a request.
 
 KV in the pool is TP-independent: a block is ``[num_layers, 2, block_size, num_kv_heads,
-head_dim]`` with every KV head (DESIGN.md §4). Rank 0 does all pool I/O ("one rank gathers"):
+head_dim]`` with every KV head (docs/design.md §4). Rank 0 does all pool I/O ("one rank gathers"):
 
 - load: rank 0 reads each block once from the pool and sends each rank the bytes of the heads it
   owns, ``(tp - 1) / tp`` of the block over the TP group (a replicated head goes to each holder);

@@ -3,7 +3,8 @@
 Errors end the RPC with a status: bad input INVALID_ARGUMENT, unknown model NOT_FOUND, worker
 overload RESOURCE_EXHAUSTED, no healthy worker or a worker failure UNAVAILABLE (also mid-stream,
 after some deltas were sent), a router shutting down UNAVAILABLE "router shutting down" (new
-requests at once, running ones after the grace period; router.shutdown). Absent ``temperature`` means greedy here (0), unlike OpenAI's 1.0.
+requests at once, running ones after the grace period; router.shutdown). Absent ``temperature``
+means greedy here (0), unlike OpenAI's 1.0.
 With ``n`` > 1 the choices' events interleave, each carrying its ``index``.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from core.proto_convert import finish_reason_to_proto, token_logprob_to_proto
+from core.proto_convert import finish_reason_to_proto, sampling_fields_from_proto, token_logprob_to_proto
 from router.errors import RouterError
 from router.api.choices import ChoiceEvent, generate_choices
 from router.generation import Finished, Generation
@@ -28,27 +29,16 @@ SERVICE_NAME = "tandem.v1.Router"
 
 
 def request_input_from_proto(msg: router_pb2.GenerateRequest) -> RequestInput:
-    """The request's fields as the validator takes them; unset optionals take gRPC defaults."""
-    params = msg.sampling_params
+    """The request's fields as the validator takes them; unset optionals take gRPC defaults
+    (core.proto_convert.WIRE_DEFAULTS: greedy unless a temperature is sent)."""
     prompt = msg.WhichOneof("prompt")
     return RequestInput(
         model=msg.model or None,
         prompt=msg.text if prompt == "text" else None,
         prompt_token_ids=tuple(msg.token_ids.ids) if prompt == "token_ids" else None,
         messages=tuple({"role": m.role, "content": m.content} for m in msg.chat.messages) if prompt == "chat" else None,
-        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        temperature=params.temperature if params.HasField("temperature") else 0.0,
-        top_p=params.top_p if params.HasField("top_p") else 1.0,
-        top_k=params.top_k,
-        seed=params.seed if params.HasField("seed") else None,
+        sampling=sampling_fields_from_proto(msg.sampling_params),
         stop=tuple(msg.stop),
-        stop_token_ids=tuple(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
         n=msg.n or 1,
     )
 

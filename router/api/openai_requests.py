@@ -3,22 +3,25 @@
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
 and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
-parameter never changes the output silently. vLLM's extra fields (``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) are honoured; ``user``, ``metadata``
-and the like are accepted and ignored. Types are strict, as OpenAI's API is: a number sent
-as a string (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a
-number sent as a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the
-field's name; an integer is a valid float. One prompt per request; ``n`` choices of it.
+parameter never changes the output silently. The sampling fields are SamplingParams' own
+(core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
+(``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
+absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
+ignored. Types are strict, as OpenAI's API is: a number sent as a string
+(``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a number sent as
+a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the field's name;
+an integer is a valid float. One prompt per request; ``n`` choices of it.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_validator
 
-from core.sampling_params import MAX_TOP_LOGPROBS
+from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from router.errors import as_json
 from router.api.validation import InvalidRequestError, RequestInput
 
@@ -111,21 +114,30 @@ class StreamOptions(_OpenAIModel):
     include_obfuscation: bool | None = None  # accepted, ignored: no padding is sent
 
 
-class _SamplingFields(_OpenAIModel):
+def _body_type(hint: Any) -> Any:
+    """A SamplingParams field's type in a JSON body: optional (null: the default), a tuple sent
+    as a list."""
+    if typing.get_origin(hint) is tuple:
+        hint = list[typing.get_args(hint)[0]]
+    return hint | None
+
+
+# Every SamplingParams field is a body field of the same name and type, absent or null meaning
+# its default (so a field added to SamplingParams is accepted here as it is).
+_SamplingParamsFields = create_model(
+    "_SamplingParamsFields",
+    __base__=_OpenAIModel,
+    **{name: (_body_type(hint), None) for name, hint in typing.get_type_hints(SamplingParams).items()
+       if name in SAMPLING_FIELDS},
+)
+
+
+class _SamplingFields(_SamplingParamsFields):
+    """The fields both bodies share: SamplingParams' (inherited, see above) and these."""
+
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None  # absent: 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int = 0
-    seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None  # absent or null: 0
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # absent or null: 1 (disabled)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted and ignored: end-user and caching metadata.
@@ -138,34 +150,20 @@ class _SamplingFields(_OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _input(self, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> RequestInput:
+    def _input(self, prompt: dict[str, Any], **sampling: Any) -> RequestInput:
+        """The request for the validator: the prompt, and every SamplingParams field as sent,
+        ``sampling`` replacing those a body spells its own way (chat's ``max_completion_tokens``
+        and ``logprobs`` / ``top_logprobs``)."""
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return RequestInput(
-            model=self.model,
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logprobs=logprobs,
-            n=self.n,
-            **prompt,
-        )
+        fields = {name: getattr(self, name) for name in SAMPLING_FIELDS} | sampling
+        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
     unsupported_fields = COMPLETION_UNSUPPORTED
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # the k best tokens' logprobs per position (0: the sampled one's)
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for several prompts in one request or an unsupported field."""
@@ -175,8 +173,8 @@ class CompletionRequest(_SamplingFields):
                 raise InvalidRequestError(f"a list of {len(prompt)} prompts is not supported yet; send one", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._input(self.max_tokens, self.logprobs, prompt=prompt)
-        return self._input(self.max_tokens, self.logprobs, prompt_token_ids=tuple(prompt))
+            return self._input({"prompt": prompt})
+        return self._input({"prompt_token_ids": tuple(prompt)})
 
 
 class ContentPart(BaseModel):
@@ -232,7 +230,7 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._input(max_tokens, logprobs, messages=messages)
+        return self._input({"messages": messages}, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:

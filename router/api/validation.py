@@ -10,10 +10,11 @@ a worker thread, so one huge prompt never stalls the event loop that serves ever
 from __future__ import annotations
 
 import asyncio
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from core.sampling_params import SamplingParams, SamplingParamsError
 from router.errors import ErrorKind, RouterError, as_json
 from router.tokenizer import ModelTokenizer
 
@@ -30,28 +31,30 @@ class RequestInput:
     """A request as a front-end received it, before any check.
 
     Exactly one of ``prompt`` (text), ``prompt_token_ids`` and ``messages`` (chat) is set.
-    ``max_tokens`` None means the configured default, clamped to what the context leaves.
-    ``logprobs`` None returns none; k returns the sampled token's and the k best tokens'.
+    ``sampling``: the SamplingParams fields the client sent, by name (core.sampling_params
+    declares them); an absent or None field takes SamplingParams' default, except ``max_tokens``,
+    which takes the configured default clamped to what the context leaves.
     """
 
     model: str | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
     n: int = 1
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.get("max_tokens")
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, with ``max_tokens`` as the validator resolved it.
+
+        Raises:
+            SamplingParamsError: the first field out of its range.
+        """
+        return SamplingParams.from_optional(**{**self.sampling, "max_tokens": max_tokens})
 
 
 MAX_N = 64  # choices per request: each is a sub-request on the workers
@@ -105,69 +108,28 @@ class Validator:
                 "model",
                 ErrorKind.MODEL_NOT_FOUND,
             )
-        self._check_sampling(request)
+        self._check_request(request)
         self._check_text(request)
         prompt_token_ids = self._tokenize(request)
         chat = request.messages is not None
         max_tokens = self._max_tokens(len(prompt_token_ids), request.max_tokens, "messages" if chat else "prompt", chat)
-        if request.min_tokens > max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
-            )
-        params = SamplingParams(
-            temperature=float(request.temperature),
-            top_p=float(request.top_p),
-            top_k=request.top_k,
-            seed=request.seed,
-            max_tokens=max_tokens,
-            stop_token_ids=request.stop_token_ids,
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-            presence_penalty=float(request.presence_penalty),
-            frequency_penalty=float(request.frequency_penalty),
-            repetition_penalty=float(request.repetition_penalty),
-            logprobs=request.logprobs,
-        )
+        try:
+            params = request.to_sampling_params(max_tokens)
+        except SamplingParamsError as err:
+            raise InvalidRequestError(str(err), err.param) from None
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n)
 
-    def _check_sampling(self, request: RequestInput) -> None:
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}", "max_tokens")
-        if not 0.0 <= request.temperature <= MAX_TEMPERATURE:  # also refuses NaN and infinities
-            raise InvalidRequestError(
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {request.temperature}", "temperature"
-            )
-        if not 0.0 < request.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {request.top_p}", "top_p")
-        if request.top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be -1, 0 (disabled) or positive, got {request.top_k}", "top_k"
-            )
-        if request.seed is not None and not 0 <= request.seed < 2**64:
-            raise InvalidRequestError(f"seed must be in [0, 2**64), got {request.seed}", "seed")
-        self._check_extras(request)
-        if any(not s for s in request.stop):
-            raise InvalidRequestError("stop strings must not be empty", "stop")
-        self._check_token_ids(request.stop_token_ids, "stop_token_ids")
-
-    def _check_extras(self, request: RequestInput) -> None:
-        """min_tokens, penalties, logprobs and n (OpenAI's ranges)."""
-        if request.min_tokens < 0:
-            raise InvalidRequestError(f"min_tokens must be >= 0, got {request.min_tokens}", "min_tokens")
-        for param in ("presence_penalty", "frequency_penalty"):
-            value = getattr(request, param)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{param} must be in [-2, 2], got {value}", param)
-        if not 0.0 < request.repetition_penalty < math.inf:
-            raise InvalidRequestError(
-                f"repetition_penalty must be > 0 and finite, got {request.repetition_penalty}", "repetition_penalty"
-            )
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}", "logprobs"
-            )
+    def _check_request(self, request: RequestInput) -> None:
+        """What the API allows beyond SamplingParams' own ranges: OpenAI's temperature range,
+        ``n`` and the stop strings."""
+        temperature = request.sampling.get("temperature")
+        if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN, infinities
+            raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
         if not 1 <= request.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {request.n}", "n")
+        if any(not s for s in request.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
 
     def _check_text(self, request: RequestInput) -> None:
         """Chat roles, text that is valid Unicode (JSON can carry a lone UTF-16 surrogate, which

@@ -1,4 +1,5 @@
-"""Routing policies: where a request runs (DESIGN.md §2 step 2, STYLE.md "a policy is an object").
+"""Routing policies: where a request runs (docs/design.md §2 step 2; docs/style.md principle 2:
+"a policy is an object").
 
 Every policy answers two questions behind :class:`RoutingPolicy`:
 

@@ -1,4 +1,4 @@
-"""What a routing decision is and what it is predicted to cost (DESIGN.md §2 step 2, §7).
+"""What a routing decision is and what it is predicted to cost (docs/design.md §2 step 2, §7).
 
 A :class:`Placement` names the decode worker and, when disaggregated, the prefill worker of one
 request. :class:`Predictor` turns a candidate placement into predicted TTFT and TBT from the
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from core.cost_model import CostModel
 from core.registry import WorkerInfo
+from core.sampling_params import DEFAULT_MAX_TOKENS
 from router.placement.state import PlacementView
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
@@ -45,7 +46,7 @@ class RoutingRequest:
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE  # of block_hashes
     block_hashes: tuple[int, ...] = ()  # the prompt's full blocks (core.block_hash chain)
     num_pool_cached_tokens: int = 0  # leading prompt tokens whose KV the pool holds

@@ -19,7 +19,7 @@ from core.failure_metadata import KV_LOAD_FAILURE_KEY, KV_SAVE_FAILURE_KEY
 from core.grpc_service import CHANNEL_OPTIONS, cluster_aio_channel
 from core.proto_convert import finish_reason_from_proto, sampling_params_to_proto, token_logprob_from_proto
 from core.request import FinishReason
-from router.errors import ErrorKind, RouterError, kind_from_grpc
+from router.errors import ErrorKind, KVSaveFailedError, RouterError, WorkerFailedError, kind_from_grpc
 from router.output.logprobs import TokenLogprob
 from router.api.validation import ValidatedRequest
 from router.workers.view import Health
@@ -69,24 +69,6 @@ def logprobs_from_proto(messages) -> tuple[TokenLogprob, ...]:
 class DecodeFinished:
     finish_reason: FinishReason
     num_output_tokens: int  # the first token included
-
-
-class WorkerFailedError(RouterError):
-    """The worker broke (died, reset the connection, ended a stream early), not the request:
-    the caller marks it down and may retry the request elsewhere."""
-
-    def __init__(self, message: str, address: str):
-        super().__init__(message, ErrorKind.UNAVAILABLE)
-        self.address = address
-
-
-class KVSaveFailedError(RouterError):
-    """A prefill worker could not write the prompt's KV to the pool (the pool broke, not the
-    worker): the caller prefills on the decode worker instead and marks nobody down."""
-
-    def __init__(self, message: str, address: str):
-        super().__init__(message, ErrorKind.UNAVAILABLE)
-        self.address = address
 
 
 def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:

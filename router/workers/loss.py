@@ -16,7 +16,7 @@ The router confirms a stale heartbeat with a health check before it loses the wo
 heartbeats ran late) is spared and its clock restarts. Losing a worker sets its
 :meth:`LossWatch.lost_event`; :func:`unless_lost` and
 :func:`stream_unless_lost` race a call against that event and raise
-:class:`~router.workers.clients.WorkerFailedError` when it fires, so the caller retries the prefill
+:class:`~router.errors.WorkerFailedError` when it fires, so the caller retries the prefill
 or migrates the decode stream (router.generation) exactly as after a broken connection. The
 abandoned call is cancelled: when the worker wakes (SIGCONT) it finds the RPC cancelled and
 aborts the request, and the router never reads from it again, so nothing is served twice.
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from core.registry import WorkerInfo
+from router.errors import WorkerFailedError
 
 T = TypeVar("T")
 DEFAULT_LOSS_AFTER_S = 5.0  # for a worker that does not say its heartbeat TTL
@@ -114,9 +115,6 @@ class LossWatch:
 
 
 def _lost_error(address: str) -> Exception:
-    # Imported here: router.workers.clients imports router.workers.view, which imports this module.
-    from router.workers.clients import WorkerFailedError
-
     return WorkerFailedError("worker stopped heartbeating (hung or unreachable); its call was abandoned", address)
 
 

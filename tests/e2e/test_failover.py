@@ -34,7 +34,7 @@ MAX_TOKENS = 24
 NUM_REQUESTS = 40
 REQUEST_TIMEOUT_S = 150.0
 PUT_RESERVATION_TTL_S = PoolConfig().put_reservation_ttl_s
-# Leases and scoped blocks of a worker that died lapse by themselves after this (DESIGN.md §5):
+# Leases and scoped blocks of a worker that died lapse by themselves after this (docs/design.md §5):
 # the pool's default for scoped blocks, and what the workers' KV connectors ask for their leases.
 LEASE_TTL_S = PoolConfig().lease_ttl_s
 

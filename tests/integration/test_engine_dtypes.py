@@ -1,6 +1,6 @@
 """bfloat16 and float16 engines against transformers in the same dtype, real model, on CPU.
 
-Half precision cannot promise float32's token-for-token equality (DESIGN.md §8 is a float32
+Half precision cannot promise float32's token-for-token equality (docs/design.md §8 is a float32
 claim): the engine and transformers round at different places (fused QKV / gate-up GEMMs, the
 attention kernels, inductor's fusions), and SmolLM2's bf16 logits have exact ties. What holds,
 measured on this repository's eight prompts, 16 greedy tokens each, and asserted below:

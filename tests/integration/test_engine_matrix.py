@@ -1,5 +1,5 @@
 """Every scheduling technique, alone and combined, leaves greedy output equal to the Hugging Face
-reference (DESIGN.md §8): static / continuous batching; prefix cache on / off (with a warm shared
+reference (docs/design.md §8): static / continuous batching; prefix cache on / off (with a warm shared
 prefix); a token budget that chunks every prompt / a large one; a decode cache so small that
 preemption happens / an ample one; num_scheduler_steps 1 / 4 / 8; overlap on / off; colocated /
 disaggregated (prefill engine → KV bytes → decode engine).

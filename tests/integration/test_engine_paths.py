@@ -1,5 +1,5 @@
 """Every execution path of the engine's forward gives the Hugging Face reference's greedy tokens
-on the real model (DESIGN.md §8): eager or compiled (``enforce_eager``) x the CPU backend (C
+on the real model (docs/design.md §8): eager or compiled (``enforce_eager``) x the CPU backend (C
 decode kernel, SDPA prompt chunks) or the readable torch backend; each with whole prompts, a
 chunked-prefill budget (mixed steps of decode rows and prompt chunks) and a prefix-cache hit.
 

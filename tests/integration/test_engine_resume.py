@@ -1,6 +1,6 @@
 """A request resumed on another engine (decode migration) continues the greedy answer exactly:
 prompt + the tokens already sent are recomputed (or loaded from pool blocks), then sampling goes
-on, equal to the Hugging Face reference token for token (DESIGN.md §8)."""
+on, equal to the Hugging Face reference token for token (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""DESIGN.md §3's import rules, checked on the source (docs/architecture.md lists them).
+"""docs/design.md §3's import rules, checked on the source (docs/architecture.md lists them).
 
 - ``core`` imports no torch and no other first-party package;
 - ``router`` and ``kv_pool`` import only ``core`` (their images stay CPU-only and small);
-- ``engine`` imports only ``core``; the workers import ``core`` and ``engine``, never each other.
+- ``engine`` imports only ``core``; the workers import ``core`` and ``engine``, never each other;
+- no module imports itself back: the source has no import cycle, in any package.
 
 Statically every ``import`` in every module counts, function-level ones included; dynamically,
 importing every module of ``core``, ``router`` and ``kv_pool`` in a fresh interpreter must not
@@ -15,11 +16,14 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Not searched for cycles: the tests, and the generated stubs (tandem.v1, which import nothing of ours).
+NOT_SOURCE = {"tests", "proto"}
 FIRST_PARTY = {"core", "engine", "prefill_worker", "decode_worker", "kv_pool", "router", "launcher", "bench",
                "benchmarks", "tandem", "tests"}
 # Package -> the first-party packages it may import (tandem: the generated stubs) and whether torch.
@@ -85,3 +89,90 @@ print(json.dumps(loaded))
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+def source_modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file of every first-party module under ``root`` (a package by its
+    ``__init__.py``), outside NOT_SOURCE and hidden folders."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] in NOT_SOURCE or any(part.startswith(".") for part in parts):
+            continue
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_modules(name: str, path: Path, modules: Collection[str]) -> set[str]:
+    """The modules of ``modules`` that module ``name`` imports, at module or function level,
+    relative imports resolved: ``from a.b import c`` is ``a.b.c`` when that is a module, else
+    ``a.b``; a name outside ``modules`` counts as its nearest enclosing module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target:
+                found.add(target)
+    return found - {name}
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Every set of modules under ``root`` that import each other in a loop (the strongly
+    connected components of the import graph with more than one module), each sorted."""
+    modules = source_modules(root)
+    graph = {name: sorted(imported_modules(name, path, modules)) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(name: str) -> None:  # Tarjan's algorithm
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = []
+            while not component or component[-1] != name:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_no_module_imports_itself_back() -> None:
+    assert import_cycles(ROOT) == []
+
+
+def test_the_check_catches_an_import_cycle(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for name, text in {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.sub import b\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/b.py": "def f():\n    from ..c import g  # lazily: still a cycle\n",
+        "pkg/c.py": "import os\nimport pkg.a\ng = 1\n",
+        "pkg/d.py": "from pkg import a, c\n",  # imports the cycle, is not part of it
+    }.items():
+        (tmp_path / name).write_text(text)
+    assert import_cycles(tmp_path) == [["pkg.a", "pkg.c", "pkg.sub.b"]]

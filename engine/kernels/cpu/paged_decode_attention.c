@@ -8,7 +8,7 @@
  * its test live in engine/kernels/cpu_decode_attention.py and
  * tests/unit/engine/kernels/test_cpu_decode_attention_kernel.py.
  *
- * Layout (DESIGN.md section 4): one layer's K (or V) cache is [num_blocks, block_size,
+ * Layout (docs/design.md §4): one layer's K (or V) cache is [num_blocks, block_size,
  * num_kv_heads, head_dim], contiguous; token p of a sequence lives in block
  * block_table[p / block_size], row p % block_size.
  *

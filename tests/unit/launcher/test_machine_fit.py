@@ -113,12 +113,12 @@ def test_the_chart_sized_values_file_is_refused_before_anything_starts(tmp_path:
 
 def test_force_starts_what_does_not_fit(tmp_path: Path, monkeypatch) -> None:
     """Past the check the launcher prepares the model: stopped there, before any service starts."""
-    import engine.loader
+    import engine.model.gguf_convert as gguf_convert
 
     def prepared(_source):
         raise RuntimeError("the model is prepared: the fit check let it through")
 
-    monkeypatch.setattr(engine.loader, "ensure_hf_dir", prepared)
+    monkeypatch.setattr(gguf_convert, "ensure_hf_dir", prepared)
     values = tmp_path / "my-values.yaml"
     values.write_text(CHART_SIZES)
     result = up("-f", str(values), *ports(), "--log-dir", str(tmp_path / "logs"), "--force", available=16 * GIB,

@@ -19,7 +19,7 @@ import pytest
 from core.registry import WorkerInfo
 from core.request import FinishReason
 from core.sampling_params import SamplingParams
-from router.errors import ErrorKind, RouterError
+from router.errors import ErrorKind, RouterError, WorkerFailedError
 from router.generation import MAX_MIGRATIONS, Finished, Generation, TextDelta
 from router.metrics import RouterMetrics
 from router.api.request_ids import MAX_REQUEST_ID_CHARS, client_request_id
@@ -28,7 +28,7 @@ from router.placement.state import PlacementBook
 from router.placement.policies import make_policy
 from router.api.validation import InvalidRequestError, ValidatedRequest
 from router.workers.clients import (
-    DecodeFinished, DecodeTokens, PrefillResult, WorkerFailedError, _router_error,
+    DecodeFinished, DecodeTokens, PrefillResult, _router_error,
 )
 from router.workers.view import Health, WorkerView
 from tandem.v1 import common_pb2

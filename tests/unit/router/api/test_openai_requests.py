@@ -7,6 +7,7 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from core.sampling_params import SAMPLING_FIELDS, SamplingParams
 from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
 from router.api.validation import InvalidRequestError
 
@@ -17,10 +18,28 @@ def test_completion_fields_and_vllm_extras() -> None:
          "logit_bias": {}, "user": "u", "stream": True, "stream_options": {"include_usage": True}}
     )
     request = body.to_input()
-    assert (request.prompt, request.stop, request.top_k, request.ignore_eos, request.stop_token_ids) == (
+    params = request.to_sampling_params(16)
+    assert (request.prompt, request.stop, params.top_k, params.ignore_eos, params.stop_token_ids) == (
         "hi", ("\n",), 5, True, (7,))
-    assert (request.temperature, request.top_p, request.max_tokens) == (1.0, 1.0, None)
+    assert (params.temperature, params.top_p, request.max_tokens) == (1.0, 1.0, None)
     assert body.include_usage
+
+
+# A value other than the default for every SamplingParams field, as a JSON body sends it.
+SENT = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "max_tokens": 9, "min_tokens": 2,
+        "stop_token_ids": [5, 6], "ignore_eos": True, "logprobs": 3, "presence_penalty": 0.25,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.5}
+
+
+def test_every_sampling_field_is_a_body_field_that_reaches_the_params() -> None:
+    assert set(SENT) == set(SAMPLING_FIELDS)  # a new field needs a value here
+    request = CompletionRequest.model_validate({"prompt": "x", **SENT}).to_input()
+    assert request.to_sampling_params(9) == SamplingParams(**{**SENT, "stop_token_ids": (5, 6)})
+    nulls = CompletionRequest.model_validate({"prompt": "x", **dict.fromkeys(SENT)}).to_input()
+    assert nulls.to_sampling_params(16) == SamplingParams() and nulls.max_tokens is None
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], **SENT, "logprobs": True, "top_logprobs": 3}).to_input()
+    assert chat.to_sampling_params(9) == request.to_sampling_params(9)
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
@@ -60,10 +79,12 @@ def test_sampling_extras_and_completion_logprobs() -> None:
         {"prompt": "hi", "n": 3, "logprobs": 2, "min_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": None,
          "repetition_penalty": 1.2}
     ).to_input()
-    assert (request.n, request.logprobs, request.min_tokens) == (3, 2, 4)
-    assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty) == (0.5, 0.0, 1.2)
+    params = request.to_sampling_params(8)
+    assert (request.n, params.logprobs, params.min_tokens) == (3, 2, 4)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, 0.0, 1.2)
     plain = CompletionRequest(prompt="hi").to_input()
-    assert (plain.logprobs, plain.repetition_penalty, plain.n) == (None, 1.0, 1)
+    assert (plain.to_sampling_params(16).logprobs, plain.to_sampling_params(16).repetition_penalty, plain.n) == (
+        None, 1.0, 1)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +93,8 @@ def test_sampling_extras_and_completion_logprobs() -> None:
 )
 def test_chat_logprobs_flag_and_top_logprobs(body: dict, logprobs: int | None) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    assert ChatCompletionRequest.model_validate({"messages": messages, **body}).to_input().logprobs == logprobs
+    request = ChatCompletionRequest.model_validate({"messages": messages, **body}).to_input()
+    assert request.to_sampling_params(16).logprobs == logprobs
 
 
 @pytest.mark.parametrize(
@@ -177,7 +199,7 @@ def test_unsupported_fields_with_a_value_are_refused(model, body: dict, message:
 def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> None:
     completion = {"prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logit_bias": {}, "user": "u",
                   "top_k": 3, "min_tokens": 1, "repetition_penalty": 1.1, "ignore_eos": True, "stop_token_ids": [2]}
-    assert CompletionRequest.model_validate(completion).to_input().top_k == 3
+    assert CompletionRequest.model_validate(completion).to_input().to_sampling_params(16).top_k == 3
     chat = {"messages": [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "x"}],
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True,
             "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "modalities": ["text"],
@@ -253,7 +275,9 @@ def test_token_id_lists_have_strict_types(body: dict, message: str, param: str) 
 
 def test_an_integer_is_a_valid_float() -> None:
     request = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 1}).to_input()
-    assert (request.temperature, request.top_p) == (1.0, 1.0)
+    params = request.to_sampling_params(16)
+    assert (params.temperature, params.top_p) == (1.0, 1.0)
+    assert type(params.temperature) is float and type(params.top_p) is float
 
 
 def test_quoted_strings_stay_readable_and_encodable() -> None:

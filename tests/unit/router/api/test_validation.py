@@ -9,6 +9,7 @@ import pytest
 
 from core.model_source import DEFAULT_MODEL
 from router.errors import ErrorKind
+from core.sampling_params import SAMPLING_FIELDS
 from router.api.validation import InvalidRequestError, RequestInput, Validator
 
 MAX_MODEL_LEN = 64
@@ -19,6 +20,12 @@ def validator(tokenizer) -> Validator:
     return Validator(tokenizer, DEFAULT_MODEL, MAX_MODEL_LEN, default_max_tokens=16)
 
 
+def make_input(**kwargs) -> RequestInput:
+    """A RequestInput; the SamplingParams fields among ``kwargs`` go into its ``sampling``."""
+    sampling = {name: kwargs.pop(name) for name in SAMPLING_FIELDS if name in kwargs}
+    return RequestInput(sampling=sampling, **kwargs)
+
+
 def ids(n: int) -> tuple[int, ...]:
     return tuple(100 + i for i in range(n))
 
@@ -26,68 +33,68 @@ def ids(n: int) -> tuple[int, ...]:
 @pytest.mark.parametrize(
     ("request_input", "message", "param"),
     [
-        (RequestInput(prompt=""), "prompt is empty", "prompt"),
-        (RequestInput(prompt_token_ids=()), "prompt is empty", "prompt"),
-        (RequestInput(prompt_token_ids=ids(70)), "prompt has 70 tokens but the context is 64", "prompt"),
+        (make_input(prompt=""), "prompt is empty", "prompt"),
+        (make_input(prompt_token_ids=()), "prompt is empty", "prompt"),
+        (make_input(prompt_token_ids=ids(70)), "prompt has 70 tokens but the context is 64", "prompt"),
         (
-            RequestInput(prompt_token_ids=ids(60), max_tokens=10),
+            make_input(prompt_token_ids=ids(60), max_tokens=10),
             "prompt has 60 tokens and max_tokens is 10: 70 tokens exceed the context of 64",
             "max_tokens",
         ),
         (
-            RequestInput(prompt_token_ids=ids(64)),
+            make_input(prompt_token_ids=ids(64)),
             "prompt has 64 tokens, which fills the context of 64; no room is left to generate",
             "prompt",
         ),
-        (RequestInput(prompt="hi", max_tokens=0), "max_tokens must be >= 1, got 0", "max_tokens"),
-        (RequestInput(prompt="hi", temperature=-0.5), "temperature must be in [0, 2], got -0.5", "temperature"),
-        (RequestInput(prompt="hi", temperature=float("nan")), "temperature must be in [0, 2], got nan", "temperature"),
-        (RequestInput(prompt="hi", temperature=2.5), "temperature must be in [0, 2], got 2.5", "temperature"),
-        (RequestInput(prompt="hi", temperature=float("inf")), "temperature must be in [0, 2], got inf", "temperature"),
-        (RequestInput(prompt="hi", top_p=float("nan")), "top_p must be in (0, 1], got nan", "top_p"),
-        (RequestInput(prompt="hi", presence_penalty=float("-inf")), "presence_penalty must be in [-2, 2], got -inf",
+        (make_input(prompt="hi", max_tokens=0), "max_tokens must be >= 1, got 0", "max_tokens"),
+        (make_input(prompt="hi", temperature=-0.5), "temperature must be in [0, 2], got -0.5", "temperature"),
+        (make_input(prompt="hi", temperature=float("nan")), "temperature must be in [0, 2], got nan", "temperature"),
+        (make_input(prompt="hi", temperature=2.5), "temperature must be in [0, 2], got 2.5", "temperature"),
+        (make_input(prompt="hi", temperature=float("inf")), "temperature must be in [0, 2], got inf", "temperature"),
+        (make_input(prompt="hi", top_p=float("nan")), "top_p must be in (0, 1], got nan", "top_p"),
+        (make_input(prompt="hi", presence_penalty=float("-inf")), "presence_penalty must be in [-2, 2], got -inf",
          "presence_penalty"),
-        (RequestInput(prompt="hi", top_p=0.0), "top_p must be in (0, 1], got 0.0", "top_p"),
-        (RequestInput(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5", "top_p"),
-        (RequestInput(prompt="hi", top_k=-2), "top_k must be -1, 0 (disabled) or positive, got -2", "top_k"),
-        (RequestInput(prompt="hi", seed=-1), "seed must be in [0, 2**64), got -1", "seed"),
-        (RequestInput(prompt="hi", stop=("ok", "")), "stop strings must not be empty", "stop"),
+        (make_input(prompt="hi", top_p=0.0), "top_p must be in (0, 1], got 0.0", "top_p"),
+        (make_input(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5", "top_p"),
+        (make_input(prompt="hi", top_k=-2), "top_k must be -1, 0 (disabled) or positive, got -2", "top_k"),
+        (make_input(prompt="hi", seed=-1), "seed must be in [0, 2**64), got -1", "seed"),
+        (make_input(prompt="hi", stop=("ok", "")), "stop strings must not be empty", "stop"),
         (
-            RequestInput(prompt_token_ids=(1, 49152)),
+            make_input(prompt_token_ids=(1, 49152)),
             "prompt has token id 49152, outside the vocabulary [0, 49152)",
             "prompt",
         ),
         (
-            RequestInput(prompt="hi", stop_token_ids=(-3,)),
+            make_input(prompt="hi", stop_token_ids=(-3,)),
             "stop_token_ids has token id -3, outside the vocabulary [0, 49152)",
             "stop_token_ids",
         ),
-        (RequestInput(messages=()), "messages must not be empty", "messages"),
-        (RequestInput(prompt="hi", min_tokens=-1), "min_tokens must be >= 0, got -1", "min_tokens"),
-        (RequestInput(prompt="hi", max_tokens=3, min_tokens=4), "min_tokens (4) must not exceed max_tokens (3)",
+        (make_input(messages=()), "messages must not be empty", "messages"),
+        (make_input(prompt="hi", min_tokens=-1), "min_tokens must be >= 0, got -1", "min_tokens"),
+        (make_input(prompt="hi", max_tokens=3, min_tokens=4), "min_tokens (4) must not exceed max_tokens (3)",
          "min_tokens"),
-        (RequestInput(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5",
+        (make_input(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5",
          "presence_penalty"),
-        (RequestInput(prompt="hi", frequency_penalty=-2.1), "frequency_penalty must be in [-2, 2], got -2.1",
+        (make_input(prompt="hi", frequency_penalty=-2.1), "frequency_penalty must be in [-2, 2], got -2.1",
          "frequency_penalty"),
-        (RequestInput(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0 and finite, got 0.0",
+        (make_input(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be > 0 and finite, got 0.0",
          "repetition_penalty"),
-        (RequestInput(prompt="hi", repetition_penalty=float("inf")),
+        (make_input(prompt="hi", repetition_penalty=float("inf")),
          "repetition_penalty must be > 0 and finite, got inf", "repetition_penalty"),
-        (RequestInput(prompt="hi \ud800"), "prompt is not valid Unicode: lone surrogate U+D800 at character 3",
+        (make_input(prompt="hi \ud800"), "prompt is not valid Unicode: lone surrogate U+D800 at character 3",
          "prompt"),
-        (RequestInput(messages=({"role": "user", "content": "ok"}, {"role": "user", "content": "a\udfffb"})),
+        (make_input(messages=({"role": "user", "content": "ok"}, {"role": "user", "content": "a\udfffb"})),
          "messages.1.content is not valid Unicode: lone surrogate U+DFFF at character 1", "messages.1.content"),
-        (RequestInput(prompt="hi", stop=("x", "\ud83d")),
+        (make_input(prompt="hi", stop=("x", "\ud83d")),
          "stop.1 is not valid Unicode: lone surrogate U+D83D at character 0", "stop.1"),
-        (RequestInput(messages=({"role": "bot", "content": "x"},)),
+        (make_input(messages=({"role": "bot", "content": "x"},)),
          'messages.0.role must be one of "system", "user", "assistant", "developer", got "bot"', "messages.0.role"),
-        (RequestInput(messages=({"role": "user", "content": "x"}, {"role": "tool", "content": "42"})),
+        (make_input(messages=({"role": "user", "content": "x"}, {"role": "tool", "content": "42"})),
          'messages.1.role "tool" is not supported: this server does not call tools', "messages.1.role"),
-        (RequestInput(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21", "logprobs"),
-        (RequestInput(prompt="hi", logprobs=-1), "logprobs must be in [0, 20], got -1", "logprobs"),
-        (RequestInput(prompt="hi", n=0), "n must be in [1, 64], got 0", "n"),
-        (RequestInput(prompt="hi", n=65), "n must be in [1, 64], got 65", "n"),
+        (make_input(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21", "logprobs"),
+        (make_input(prompt="hi", logprobs=-1), "logprobs must be in [0, 20], got -1", "logprobs"),
+        (make_input(prompt="hi", n=0), "n must be in [1, 64], got 0", "n"),
+        (make_input(prompt="hi", n=65), "n must be in [1, 64], got 65", "n"),
     ],
 )
 def test_bad_input(validator: Validator, request_input: RequestInput, message: str, param: str) -> None:
@@ -99,7 +106,7 @@ def test_bad_input(validator: Validator, request_input: RequestInput, message: s
 
 def test_unknown_model_is_not_found(validator: Validator) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        validator.validate(RequestInput(model="gpt-4", prompt="hi"))
+        validator.validate(make_input(model="gpt-4", prompt="hi"))
     assert info.value.message == f'model "gpt-4" does not exist; this cluster serves "{DEFAULT_MODEL}"'
     assert (info.value.param, info.value.kind, info.value.http_status) == ("model", ErrorKind.MODEL_NOT_FOUND, 404)
     assert info.value.to_openai()["error"]["code"] == "model_not_found"
@@ -107,14 +114,14 @@ def test_unknown_model_is_not_found(validator: Validator) -> None:
 
 def test_long_chat_names_messages(validator: Validator) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        validator.validate(RequestInput(messages=({"role": "user", "content": "word " * 80},)))
+        validator.validate(make_input(messages=({"role": "user", "content": "word " * 80},)))
     assert info.value.param == "messages"
     assert info.value.message.startswith("prompt has ") and info.value.message.endswith(" but the context is 64")
 
 
 def test_completion_prompt_is_tokenized_and_params_kept(validator: Validator, tokenizer) -> None:
     request = validator.validate(
-        RequestInput(model=DEFAULT_MODEL, prompt="Hello world", max_tokens=5, temperature=0.0, top_p=0.9,
+        make_input(model=DEFAULT_MODEL, prompt="Hello world", max_tokens=5, temperature=0.0, top_p=0.9,
                      top_k=20, seed=7, stop=("\n",), stop_token_ids=(13,), ignore_eos=True)
     )
     assert request.prompt_token_ids == tokenizer.encode("Hello world")
@@ -124,21 +131,21 @@ def test_completion_prompt_is_tokenized_and_params_kept(validator: Validator, to
 
 
 def test_default_max_tokens_is_clamped_to_the_context(validator: Validator) -> None:
-    assert validator.validate(RequestInput(prompt_token_ids=ids(10))).sampling_params.max_tokens == 16
-    assert validator.validate(RequestInput(prompt_token_ids=ids(60))).sampling_params.max_tokens == 4
+    assert validator.validate(make_input(prompt_token_ids=ids(10))).sampling_params.max_tokens == 16
+    assert validator.validate(make_input(prompt_token_ids=ids(60))).sampling_params.max_tokens == 4
 
 
 def test_chat_default_max_tokens_is_the_rest_of_the_context(validator: Validator) -> None:
-    request = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},)))
+    request = validator.validate(make_input(messages=({"role": "user", "content": "hi"},)))
     assert request.sampling_params.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
-    explicit = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},), max_tokens=5))
+    explicit = validator.validate(make_input(messages=({"role": "user", "content": "hi"},), max_tokens=5))
     assert explicit.sampling_params.max_tokens == 5
 
 
 def test_developer_role_is_rendered_as_system(validator: Validator) -> None:
-    as_developer = validator.validate(RequestInput(messages=({"role": "developer", "content": "Be brief."},
+    as_developer = validator.validate(make_input(messages=({"role": "developer", "content": "Be brief."},
                                                              {"role": "user", "content": "hi"})))
-    as_system = validator.validate(RequestInput(messages=({"role": "system", "content": "Be brief."},
+    as_system = validator.validate(make_input(messages=({"role": "system", "content": "Be brief."},
                                                           {"role": "user", "content": "hi"})))
     assert as_developer.prompt_token_ids == as_system.prompt_token_ids
 
@@ -171,7 +178,7 @@ def test_text_that_cannot_fit_is_refused_without_tokenizing(tokenizer, chat: boo
     counting = dataclasses.replace(tokenizer, hf=hf)
     validator = Validator(counting, DEFAULT_MODEL, MAX_MODEL_LEN, default_max_tokens=16)
     text = "lorem ipsum dolor sit amet " * 200  # 5400 characters: at least 67 tokens > 64
-    request = RequestInput(messages=({"role": "user", "content": text},)) if chat else RequestInput(prompt=text)
+    request = make_input(messages=({"role": "user", "content": text},)) if chat else make_input(prompt=text)
     with pytest.raises(InvalidRequestError) as info:
         validator.validate(request)
     param = "messages" if chat else "prompt"
@@ -179,7 +186,7 @@ def test_text_that_cannot_fit_is_refused_without_tokenizing(tokenizer, chat: boo
         f"{param} has 5400 characters, so at least 67 tokens (a token covers at most 81 characters), "
         "but the context is 64", param)
     assert hf.calls == 0
-    validator.validate(RequestInput(prompt="lorem ipsum"))  # short text is tokenized as before
+    validator.validate(make_input(prompt="lorem ipsum"))  # short text is tokenized as before
     assert hf.calls == 1
 
 
@@ -197,20 +204,20 @@ async def test_validate_async_tokenizes_off_the_event_loop(validator: Validator)
             return original(text)
 
     spied = Validator(dataclasses.replace(validator.tokenizer, hf=Spy()), DEFAULT_MODEL, MAX_MODEL_LEN, 16)
-    request = await spied.validate_async(RequestInput(prompt="Hello world"))
+    request = await spied.validate_async(make_input(prompt="Hello world"))
     assert request.prompt_token_ids == validator.tokenizer.encode("Hello world")
     assert threads and loop_thread not in threads
 
 
 def test_chat_uses_the_template_with_generation_prompt(validator: Validator, tokenizer) -> None:
-    request = validator.validate(RequestInput(messages=({"role": "user", "content": "hi"},)))
+    request = validator.validate(make_input(messages=({"role": "user", "content": "hi"},)))
     text = tokenizer.hf.decode(request.prompt_token_ids)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_sampling_extras_reach_the_params(validator: Validator) -> None:
     request = validator.validate(
-        RequestInput(prompt="hi", max_tokens=8, min_tokens=8, presence_penalty=-2.0, frequency_penalty=2.0,
+        make_input(prompt="hi", max_tokens=8, min_tokens=8, presence_penalty=-2.0, frequency_penalty=2.0,
                      repetition_penalty=1.3, logprobs=0, n=4)
     )
     params = request.sampling_params

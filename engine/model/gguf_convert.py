@@ -1,4 +1,5 @@
-"""Loads checkpoints through transformers: a HF folder, or a GGUF file converted once to one."""
+"""Converts a GGUF checkpoint once into a Hugging Face folder (config, safetensors, tokenizer),
+which engine.model.loader then loads; a Hugging Face folder passes through as it is."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from core.registry import WorkerInfo
 from core.request import FinishReason
 from router.workers.clients import DecodeTokens
 from router.workers.loss import LossWatch, stream_unless_lost, unless_lost
-from router.workers.clients import WorkerFailedError
+from router.errors import WorkerFailedError
 from router.workers.view import Health, WorkerView
 from tests.unit.router.test_failover import POOL, FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
 

@@ -7,7 +7,8 @@ import pytest
 
 from core.failure_metadata import KV_SAVE_FAILURE_KEY
 from router.placement.fallback import ColocatedFallbacks
-from router.workers.clients import KVSaveFailedError, WorkerFailedError, _router_error
+from router.errors import KVSaveFailedError, WorkerFailedError
+from router.workers.clients import _router_error
 from router.metrics import RouterMetrics
 from tests.unit.router.test_failover import counter, make_generation, run
 
