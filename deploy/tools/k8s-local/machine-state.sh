@@ -7,7 +7,7 @@
 # with the snapshot and prints every difference (exit status 1 if any).
 
 # Kernel settings that move by themselves (counters, random values, per-boot state): not compared.
-VOLATILE_SYSCTLS='^(fs\.(dentry-state|file-nr|inode-nr|inode-state|aio-nr|quota\.)|kernel\.(random\.|ns_last_pid|pty\.nr|sched_domain|tainted)|net\.netfilter\.nf_conntrack_count|net\.ipv4\.(tcp_mem|udp_mem)|vm\.(stat_refresh|drop_caches))'
+VOLATILE_SYSCTLS='^(fs\.(dentry-state|file-nr|inode-nr|inode-state|aio-nr|quota\.)|kernel\.(random\.|ns_last_pid|pty\.nr|sched_domain|tainted)|net\.ipv4\.tcp_fastopen_key|net\.netfilter\.nf_conntrack_count|net\.ipv4\.(tcp_mem|udp_mem)|vm\.(stat_refresh|drop_caches))'
 
 sysctl_snapshot() { sysctl -a 2>/dev/null | grep -Ev "$VOLATILE_SYSCTLS" | sort; }
 
@@ -127,7 +127,7 @@ restore_network() {
     ip link show "$link" >/dev/null 2>&1 && ip link del "$link"
   done
   # veths left by pods whose network namespace outlived the bridge (none normally).
-  comm -13 "$BEFORE_DIR/links" <(links_snapshot) | grep '^veth' | while read -r link; do
+  { comm -13 "$BEFORE_DIR/links" <(links_snapshot) | grep '^veth' || true; } | while read -r link; do
     ip link del "$link" 2>/dev/null || true
   done
   return 0

@@ -393,7 +393,7 @@ node_processes() {
   local pid cmd
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
     [[ "$pid" == "$$" || "$pid" == "$PPID" ]] && continue
-    cmd="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || continue
+    cmd="$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null)" || continue
     [[ -n "$cmd" ]] || continue
     if [[ "$cmd" == *"$STATE_DIR"* || "$cmd" == *"$RUN_DIR"* ]] \
       || grep -q ':/kubepods' "/proc/$pid/cgroup" 2>/dev/null; then
