@@ -8,6 +8,7 @@ from core.kv_cache_spec import DTYPE_BYTES
 from core.model_source import DEFAULT_MODEL
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch")  # engine.model.linear.LINEAR_BACKEND_CHOICES
 SCHEDULING_POLICIES = ("continuous", "static")
 
 
@@ -55,12 +56,23 @@ class EngineConfig:
     # are opaque MKL / C calls either way, and the custom-op boundaries cost what fusing the
     # elementwise ops saves; docs/bench.md).
     enforce_eager: bool | None = None
+    # GEMM backend of the linear layers (engine.model.linear): "auto" measures the candidates on
+    # the model's shapes once per machine and keeps the fastest per shape and M bucket; "onednn",
+    # "mkl" or "torch" forces one wherever it can run.
+    linear_backend: str = "auto"
     # torch intra-op threads; 0 leaves torch's default.
     num_threads: int = 0
     # Seed of the generator used by requests without their own seed.
     seed: int = 0
     # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
     tensor_parallel_size: int = 1
+
+    @property
+    def linear_setup(self):
+        """The :class:`engine.model.linear_chooser.LinearSetup` of this engine's model."""
+        from engine.model.linear_chooser import LinearSetup
+
+        return LinearSetup(self.linear_backend, self.max_num_seqs, self.max_num_batched_tokens)
 
     @property
     def compiled(self) -> bool:
@@ -86,6 +98,8 @@ class EngineConfig:
             # Overlap packs finished requests' KV on the engine thread while the forward thread
             # runs the next pass: two threads would drive the ranks' collectives at once.
             raise ValueError(f"enable_overlap needs tensor_parallel_size 1, got {self.tensor_parallel_size}")
+        if self.linear_backend not in LINEAR_BACKEND_CHOICES:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKEND_CHOICES}, got {self.linear_backend!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -26,7 +26,7 @@ from core.registry import Heartbeat, WorkerInfo, WorkerRegistry, worker_key
 from core.worker_load import WorkerLoad
 from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
-from engine.config import EngineConfig
+from engine.config import LINEAR_BACKEND_CHOICES, EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolLocator
 from engine.worker_metrics import WorkerCollector
@@ -71,6 +71,10 @@ def engine_options(f):
         click.option("--attention-backend", default=d.attention_backend, show_default=True,
                      type=click.Choice(["auto", "torch", "cpu", "triton"]),
                      help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference."),
+        click.option("--linear-backend", default=d.linear_backend, show_default=True,
+                     type=click.Choice(list(LINEAR_BACKEND_CHOICES)),
+                     help="GEMM backend of the linear layers; auto measures them once per machine on the "
+                          "model's shapes and keeps the fastest per shape and batch size."),
         click.option("--enforce-eager/--no-enforce-eager", default=None,
                      help="Eager model (--enforce-eager) or torch.compile'd per layer (--no-enforce-eager; "
                           "~5-10 s on the first start, cached afterwards). Default: compiled on CUDA, eager "

@@ -116,6 +116,9 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
 @click.option("--attention-backend", default="auto", show_default=True,
               type=click.Choice(["auto", "torch", "cpu", "triton"]),
               help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference.")
+@click.option("--linear-backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "onednn", "mkl", "torch"]),
+              help="GEMM backend of the workers' linear layers; auto measures them once per machine.")
 @click.option("--enforce-eager/--no-enforce-eager", default=None,
               help="Workers' model eager (--enforce-eager) or torch.compile'd (--no-enforce-eager). "
                    "Default: compiled on CUDA, eager on the CPU.")
@@ -379,6 +382,7 @@ def _engine_flags(kwargs: dict) -> tuple[str, ...]:
         "--enable-overlap" if overlap else "--no-enable-overlap",
         "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
         "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
+        "--linear-backend", kwargs.pop("linear_backend"),
         "--kv-transfer", kwargs.pop("kv_transfer"),
         "--kv-load-failure-policy", kwargs.pop("kv_load_failure_policy"),
         *(() if eager is None else ("--enforce-eager" if eager else "--no-enforce-eager",)),
