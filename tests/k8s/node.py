@@ -3,7 +3,7 @@ helm as subprocesses (the node's own kubectl 1.20), the workers' GetStats over t
 (pods are network namespaces on this machine's bridge).
 
 Settings (the defaults of deploy/tools/k8s-local): TANDEM_K8S_STATE_DIR, TANDEM_K8S_NAMESPACE,
-TANDEM_K8S_RELEASE, TANDEM_K8S_TOOLS (helm), TANDEM_K8S_URL (the router's NodePort).
+TANDEM_K8S_RELEASE, TANDEM_K8S_TOOLS or TANDEM_K8S_HELM (helm), TANDEM_K8S_URL (the router's NodePort).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class Node:
         state = Path(os.environ.get("TANDEM_K8S_STATE_DIR", "/var/lib/tandem-k8s"))
         self.kubectl_bin = state / "bin" / "kubectl"
         self.kubeconfig = state / "pki" / "admin.kubeconfig"
-        self.helm_bin = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools")) / "bin" / "helm"
+        tools = Path(os.environ.get("TANDEM_K8S_TOOLS", REPO / ".cache" / "k8s-tools"))
+        self.helm_bin = Path(os.environ.get("TANDEM_K8S_HELM", tools / "bin" / "helm"))
         self.namespace = os.environ.get("TANDEM_K8S_NAMESPACE", "tandem")
         self.release = os.environ.get("TANDEM_K8S_RELEASE", "tandem")
         self.url = os.environ.get("TANDEM_K8S_URL", "http://127.0.0.1:30080")

@@ -7,7 +7,8 @@
 #
 # Env: TANDEM_K8S_RELEASE (tandem), TANDEM_K8S_NAMESPACE (tandem), TANDEM_K8S_VALUES (the values
 # file, default deploy/k8s/helm/values-single-node-cpu.yaml), TANDEM_K8S_TOOLS (where
-# install_k8s_tools.sh put helm, default <repo>/.cache/k8s-tools). Needs node.sh up and images.sh.
+# install_k8s_tools.sh put helm, default <repo>/.cache/k8s-tools), TANDEM_K8S_HELM (another helm
+# binary). Needs node.sh up and images.sh.
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -19,10 +20,11 @@ TOOLS="${TANDEM_K8S_TOOLS:-$REPO_ROOT/.cache/k8s-tools}"
 CHART="$REPO_ROOT/deploy/k8s/helm/tandem"
 HTTP_NODE_PORT=30080
 
-helm_node() { "$TOOLS/bin/helm" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+HELM="${TANDEM_K8S_HELM:-$TOOLS/bin/helm}"
+helm_node() { "$HELM" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 
 cmd_install() {
-  [[ -x "$TOOLS/bin/helm" ]] || "$REPO_ROOT/deploy/tools/install_k8s_tools.sh" "$TOOLS"
+  [[ -x "$HELM" ]] || "$REPO_ROOT/deploy/tools/install_k8s_tools.sh" "$TOOLS"
   service_pid kube-apiserver >/dev/null || die "the node is not up: node.sh up"
   local tag image
   tag="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$CHART/Chart.yaml")"
