@@ -557,3 +557,15 @@ def test_the_autoscaler_targets_are_its_own_or_the_routers(tools, own, ttft_s, t
         sets += ["--set", "autoscaler.slo.ttftMs=60000", "--set", "autoscaler.slo.tbtMs=20"]
     env = env_of(main_container(find(helm_template(tools, *sets), "Deployment", "-autoscaler")))
     assert (env["TANDEM_AUTOSCALER_TTFT_SLO_S"]["value"], env["TANDEM_AUTOSCALER_TBT_SLO_S"]["value"]) == (ttft_s, tbt_s)
+
+
+def test_every_package_of_the_tree_is_installed_by_a_non_editable_install():
+    """The images install Tandem with ``pip install /src`` (not editable): a package missing from
+    pyproject.toml's list is missing from every image (the pool once failed on core.kv_transfer)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tops = {p.split(".")[0] for p in listed} - {"tandem"}
+    found = {str(init.parent.relative_to(REPO)).replace(os.sep, ".")
+             for top in tops for init in (REPO / top).rglob("__init__.py")}
+    assert found - listed == set()

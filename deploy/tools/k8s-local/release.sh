@@ -34,8 +34,12 @@ cmd_install() {
   wait_quiet
   local started=$SECONDS
   log "helm upgrade --install $RELEASE (values $(basename "$VALUES")), waiting for every pod"
+  # Helm 4 applies server-side by default; the 1.20 API server's server-side apply rejects Service
+  # ports without an explicit protocol ("associative list ... omits key field protocol").
+  local apply=()
+  [[ "$("$HELM" version --short)" == v3.* ]] || apply=(--server-side=false)
   helm_node upgrade --install "$RELEASE" "$CHART" --namespace "$NAMESPACE" --create-namespace \
-    -f "$VALUES" --wait --timeout 15m "$@"
+    -f "$VALUES" "${apply[@]}" --wait --timeout 15m "$@"
   log "release $RELEASE ready in $((SECONDS - started)) s"
   kubectl_node -n "$NAMESPACE" get pods -o wide
   local url="http://127.0.0.1:$HTTP_NODE_PORT"
