@@ -80,9 +80,14 @@ def prefill_pressure(load: WorkerLoad, config: AutoscaleConfig) -> float:
 
 
 def decode_pressure(load: WorkerLoad, config: AutoscaleConfig) -> float:
-    """One decode worker's: step time over the TBT SLO, KV blocks and batch slots in use over
-    ``kv_usage_high``, its prompt backlog's predicted TTFT over the TTFT SLO."""
-    pressures = [load.recent_step_time_s / config.tbt_slo_s, prefill_pressure(load, config)]
+    """One decode worker's: step time over the TBT SLO (while it runs requests), KV blocks and
+    batch slots in use over ``kv_usage_high``, its prompt backlog's predicted TTFT over the TTFT SLO.
+
+    The step time is the mean of the worker's last passes, which stays as it was when the worker
+    goes idle: an idle worker's last passes say nothing about its load now, so they count only
+    while requests run (else a load that ended above half the SLO would never scale down)."""
+    step_s = load.recent_step_time_s if load.num_requests_running else 0.0
+    pressures = [step_s / config.tbt_slo_s, prefill_pressure(load, config)]
     if load.num_total_blocks:
         pressures.append(load.num_used_blocks / load.num_total_blocks / config.kv_usage_high)
     if load.max_num_seqs:

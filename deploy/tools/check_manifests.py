@@ -32,6 +32,8 @@ KNOWN_KINDS = {
     ("v1", "Namespace"), ("v1", "Pod"), ("v1", "PersistentVolumeClaim"),
     ("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"), ("apps/v1", "DaemonSet"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"), ("policy/v1", "PodDisruptionBudget"),
+    # what the chart renders for clusters before 1.23 / 1.21 (Kubernetes 1.20: the local node)
+    ("autoscaling/v2beta2", "HorizontalPodAutoscaler"), ("policy/v1beta1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"), ("networking.k8s.io/v1", "Ingress"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
@@ -347,6 +349,14 @@ def check_tandem_service(c: dict, where: str) -> Iterator[str]:
         grpc = (c.get(probe_name) or {}).get("grpc")
         if grpc and grpc.get("service") != health_service:
             yield f"{where}: {probe_name} asks health of {grpc.get('service')!r}, not {health_service!r}"
+        # The exec form (gRPC TLS, or Kubernetes < 1.24): python -m core.health_probe --port N --service S
+        command = ((c.get(probe_name) or {}).get("exec") or {}).get("command") or []
+        if "core.health_probe" in command:
+            flags = dict(zip(command, command[1:]))
+            if flags.get("--service") != health_service:
+                yield f"{where}: {probe_name} execs a health check of {flags.get('--service')!r}, not {health_service!r}"
+            if "grpc" in ports and flags.get("--port") != str(ports["grpc"]):
+                yield f"{where}: {probe_name} execs a health check of port {flags.get('--port')}, not grpc={ports['grpc']}"
     probes = [c.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe")]
     if not all(probes):
         yield f"{where}: needs startup, readiness and liveness probes"

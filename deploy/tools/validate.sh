@@ -19,6 +19,7 @@ kube_version="${KUBE_VERSION:-1.37.0}"
 chart="$repo/deploy/k8s/helm/tandem"
 multinode="$repo/deploy/k8s/helm/values-multinode-gpu.yaml"
 secure="$repo/deploy/k8s/helm/values-secure.yaml"
+single_node="$repo/deploy/k8s/helm/values-single-node-cpu.yaml"
 
 on_path() {
   command -v helm >/dev/null && command -v kubectl >/dev/null && command -v kubernetes-validate >/dev/null \
@@ -53,13 +54,15 @@ check_rendered() {
 
 step "hadolint"
 hadolint --config "$repo/deploy/docker/hadolint.yaml" \
-  "$repo/deploy/docker/Dockerfile.cpu" "$repo/deploy/docker/Dockerfile.gpu" && echo "Dockerfiles clean" \
+  "$repo/deploy/docker/Dockerfile.cpu" "$repo/deploy/docker/Dockerfile.gpu" "$repo/deploy/docker/Dockerfile.redis" \
+  && echo "Dockerfiles clean" \
   || fail "hadolint"
 
 step "helm lint --strict"
 helm lint --strict "$chart" || fail "helm lint (default values)"
 helm lint --strict "$chart" -f "$multinode" || fail "helm lint (multinode values)"
 helm lint --strict "$chart" -f "$secure" || fail "helm lint (secure values)"
+helm lint --strict "$chart" -f "$single_node" || fail "helm lint (single-node CPU values)"
 
 step "helm template | kubernetes-validate | check_manifests (Kubernetes $kube_version)"
 helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" >"$out/helm-default.yaml" \
@@ -74,6 +77,22 @@ helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" 
 helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" -f "$secure" \
   >"$out/helm-secure.yaml" \
   && check_rendered helm-secure "$out/helm-secure.yaml" || fail "helm template (secure values)"
+
+helm template tandem "$chart" --namespace tandem --kube-version "$kube_version" -f "$single_node" \
+  >"$out/helm-single-node.yaml" \
+  && check_rendered helm-single-node "$out/helm-single-node.yaml" || fail "helm template (single-node CPU values)"
+
+# The same chart for Kubernetes 1.20 (the local node of deploy/tools/k8s-local): API versions and
+# probes chosen from .Capabilities. kubernetes-validate has no 1.20 schemas; the semantic checks run,
+# and tests/deploy/test_manifests.py checks the API versions against what 1.20 serves.
+step "helm template --kube-version 1.20.2 | check_manifests"
+for values in "$single_node" "$repo/deploy/k8s/helm/values-local.yaml"; do
+  name="helm-1.20-$(basename "$values" .yaml)"
+  helm template tandem "$chart" --namespace tandem --kube-version 1.20.2 -f "$values" --set autoscaler.enabled=true \
+    --set autoscaler.slo.ttftMs=2000 --set autoscaler.slo.tbtMs=200 >"$out/$name.yaml" \
+    && "$python" "$repo/deploy/tools/check_manifests.py" "$out/$name.yaml" && echo "$name: ok" \
+    || fail "helm template for 1.20 ($(basename "$values"))"
+done
 
 step "kubectl kustomize | kubernetes-validate | check_manifests"
 for overlay in "$repo"/deploy/k8s/overlays/*/; do

@@ -495,3 +495,92 @@ def test_the_autoscaler_renders_with_least_privilege_and_owns_the_worker_replica
     assert env["TANDEM_AUTOSCALER_DECODE_DEPLOYMENT"]["value"] == "tandem-decode"
     default = {o["metadata"]["name"] for o in helm_template(tools) if o["kind"] == "Deployment"}
     assert "tandem-autoscaler" not in default
+
+
+SINGLE_NODE = DEPLOY / "k8s" / "helm" / "values-single-node-cpu.yaml"
+# The API group/versions Kubernetes 1.20 serves, of those the chart renders.
+SERVED_BY_1_20 = {"v1", "apps/v1", "policy/v1beta1", "autoscaling/v2beta2", "networking.k8s.io/v1",
+                  "rbac.authorization.k8s.io/v1", "monitoring.coreos.com/v1"}
+
+
+def probes_of(objects: list[dict]):
+    """(module, probe name, probe) of every Tandem service container."""
+    for module, container in tandem_containers(objects):
+        for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            yield module, name, container[name]
+
+
+@pytest.mark.parametrize("kube_version", ["1.20.2", "1.33.0"])
+def test_api_versions_and_probes_follow_the_kubernetes_version(tools, kube_version):
+    objects = helm_template(tools, "--kube-version", kube_version, "--set", "autoscaler.enabled=true",
+                            "--set", "decode.autoscaling.enabled=true",
+                            "--set", "decode.autoscaling.metrics[0].type=Pods",
+                            "--set", "metrics.serviceMonitor.enabled=true")
+    versions = {(o["kind"], o["apiVersion"]) for o in objects}
+    old = kube_version == "1.20.2"
+    assert ("PodDisruptionBudget", "policy/v1beta1" if old else "policy/v1") in versions
+    assert ("HorizontalPodAutoscaler", "autoscaling/v2beta2" if old else "autoscaling/v2") in versions
+    if old:
+        assert {v for _, v in versions} <= SERVED_BY_1_20
+    for module, name, probe in probes_of(objects):
+        if module == "router" and name == "readinessProbe":
+            assert probe["httpGet"]["path"] == "/health"  # 200 while a prefill and a decode worker are up
+        elif not old:
+            assert "grpc" in probe, (module, name)
+        elif module == "router" or name == "livenessProbe":
+            assert "tcpSocket" in probe or "httpGet" in probe, (module, name)  # no Python start per check
+        else:  # kubelet 1.20 has no gRPC probe: the same health check, exec'd
+            assert probe["exec"]["command"][:3] == ["python", "-m", "core.health_probe"], (module, name)
+    assert check_manifests.check([check_manifests.Obj(o) for o in objects]) == []
+
+
+def test_a_model_baked_into_the_image_is_neither_fetched_nor_mounted(tools):
+    objects = helm_template(tools, "--set", "model.source.type=image", "--set", "model.source.path=SmolLM2-135M-Instruct")
+    assert find(objects, "ConfigMap", "-config")["data"]["model"] == "/opt/tandem/models/SmolLM2-135M-Instruct"
+    assert find(objects, "ConfigMap", "-config")["data"]["model-source"] == "none"
+    for component in ("-router", "-prefill", "-decode"):
+        assert "initContainers" not in find(objects, "Deployment", component)["spec"]["template"]["spec"]
+
+
+def test_single_node_cpu_values_fit_two_cores_without_gpu_or_registry(tools):
+    objects = helm_template(tools, "--kube-version", "1.20.2", "-f", str(SINGLE_NODE))
+    millicores = 0
+    for o in objects:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = o["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            requests = c["resources"].get("requests", {})
+            assert not any("gpu" in k for k in {**requests, **c["resources"].get("limits", {})}), c["name"]
+            assert c["imagePullPolicy"] == "Never", c["name"]  # built on the node, never pulled
+            cpu = str(requests["cpu"])
+            millicores += int(cpu[:-1]) if cpu.endswith("m") else int(float(cpu) * 1000)
+    # 2 decode workers (scaled, or a rollout's surge pod) and a surge prefill worker still fit 2 cores.
+    decode = main_container(find(objects, "Deployment", "-decode"))["resources"]["requests"]["cpu"]
+    assert millicores + 2 * int(decode[:-1]) <= 2000
+    ports = {p["name"]: p["nodePort"] for p in find(objects, "Service", "-router")["spec"]["ports"]}
+    assert ports == {"http": 30080, "grpc": 30050}
+    for worker in ("-prefill", "-decode"):
+        strategy = find(objects, "Deployment", worker)["spec"]["strategy"]["rollingUpdate"]
+        assert strategy == {"maxSurge": 1, "maxUnavailable": 0}  # the new pod Ready before the old drains
+
+
+@pytest.mark.parametrize("own, ttft_s, tbt_s", [(True, "60", "0.02"), (False, "2", "0.2")])
+def test_the_autoscaler_targets_are_its_own_or_the_routers(tools, own, ttft_s, tbt_s):
+    sets = ["--set", "autoscaler.enabled=true"]
+    if own:
+        sets += ["--set", "autoscaler.slo.ttftMs=60000", "--set", "autoscaler.slo.tbtMs=20"]
+    env = env_of(main_container(find(helm_template(tools, *sets), "Deployment", "-autoscaler")))
+    assert (env["TANDEM_AUTOSCALER_TTFT_SLO_S"]["value"], env["TANDEM_AUTOSCALER_TBT_SLO_S"]["value"]) == (ttft_s, tbt_s)
+
+
+def test_every_package_of_the_tree_is_installed_by_a_non_editable_install():
+    """The images install Tandem with ``pip install /src`` (not editable): a package missing from
+    pyproject.toml's list is missing from every image (the pool once failed on core.kv_transfer)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tops = {p.split(".")[0] for p in listed} - {"tandem"}
+    found = {str(init.parent.relative_to(REPO)).replace(os.sep, ".")
+             for top in tops for init in (REPO / top).rglob("__init__.py")}
+    assert found - listed == set()

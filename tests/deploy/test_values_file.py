@@ -17,7 +17,7 @@ from tests.deploy.test_manifests import tools  # noqa: F401  (the fixture)
 
 LOCAL = DEPLOY / "k8s" / "helm" / "values-local.yaml"
 COMPARED = {
-    "router": {"model", "served-model-name", "max-model-len", "routing-policy", "ttft-slo-s", "tbt-slo-s",
+    "router": {"model", "served-model-name", "max-model-len", "routing-policy", "disaggregation", "ttft-slo-s", "tbt-slo-s",
                "default-max-tokens", "request-timeout-s", "http-port", "grpc-port"},
     "prefill_worker": {"model", "dtype", "block-size", "num-kv-blocks", "max-num-seqs", "max-num-batched-tokens",
                        "max-model-len", "attention-backend", "linear-backend", "num-scheduler-steps", "kv-transfer"},

