@@ -43,7 +43,7 @@ k8s-release: k8s-images
 	$(K8S_LOCAL)/release.sh install
 
 # The proofs on the real node (tests/k8s, marker k8s; skipped by `make test`).
-k8s-test: setup
+k8s-test: setup-test
 	TANDEM_K8S_TEST=1 .venv/bin/python -m pytest -q -p no:cacheprovider -m k8s tests/k8s $(PYTEST_ARGS)
 
 k8s-status:
