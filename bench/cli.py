@@ -19,7 +19,7 @@ from bench.metrics import SLO, summarize
 from bench.runner import run
 from bench.synthesis import SynthesisConfig
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, BenchRequest, WorkloadConfig, load_workload
-from launcher.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT
+from bench.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT
 
 console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: one table row a line
 

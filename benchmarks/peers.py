@@ -42,7 +42,7 @@ from bench.hf_baseline import HFBaselineConfig, chat_token_ids, run_static, stat
 from bench.metrics import SLO, summarize  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from launcher.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT, load_prompts  # noqa: E402
+from bench.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT, load_prompts  # noqa: E402
 
 SYSTEMS = {  # --systems key: the row's name
     "hf": "hf static",

@@ -27,7 +27,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.loader import ensure_hf_dir  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from launcher.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT, load_prompts  # noqa: E402
+from bench.prompts import BUILTIN_PROMPTS, SHAREGPT_DEFAULT, load_prompts  # noqa: E402
 
 MAX_MODEL_LEN = 4608
 

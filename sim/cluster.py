@@ -51,7 +51,7 @@ class RouterSpec:
     disaggregation: str = "auto"
     slo: SLO = field(default_factory=SLO)  # the router's (admission, placement); 0: none
     max_queue_s: float = 0.5
-    heartbeat_interval_s: float = 1.0  # as engine.worker_runtime.WorkerConfig
+    heartbeat_interval_s: float = 1.0  # as worker.config.WorkerConfig
     # Candidates per role handed to the policy: the least loaded ``max_candidates`` (0: all).
     # predicted_latency scores every (prefill, decode) pair; at 64 x 64 that is 4096 pairs a request.
     max_candidates: int = 0

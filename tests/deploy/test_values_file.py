@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import _prepare, up
-from launcher.local_cluster import service_argv
-from launcher.values import load_values, quantity_bytes
+from tandem_cli.up import _prepare, up
+from launcher.commands import service_argv
+from tandem_cli.values import load_values, quantity_bytes
 from tests.deploy.test_manifests import DEPLOY, SERVICES, env_of, helm_template, tandem_containers
 from tests.deploy.test_manifests import tools  # noqa: F401  (the fixture)
 
@@ -82,7 +82,7 @@ def local_commands(args: list[str]) -> tuple[object, dict[str, list[dict[str, st
     named = [p.name for p in inspect.signature(up.callback).parameters.values() if p.kind is not p.VAR_KEYWORD]
     for name in named:  # up()'s own parameters; the rest is what _prepare reads
         params.pop(name)
-    config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
+    config, _, _ = _prepare(params, None, 8, False, check_ports=False)
     commands = {"kv_pool": [argv_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
                 "router": [argv_flags(service_argv(config, "router", "python", "h", config.router_ports(name)[1], "r",
                                                    http_port=config.router_ports(name)[0]))

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from launcher.local_cluster import free_port
+from launcher.ports import free_port
 from tests.conftest import poll_until
 
 pytestmark = pytest.mark.e2e

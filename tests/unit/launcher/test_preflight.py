@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher.cli import main
-from launcher.local_cluster import free_port, free_port_run
+from tandem_cli.main import main
+from launcher.ports import free_port, free_port_run
 from launcher.preflight import (
     PreflightError,
     check_max_model_len,
