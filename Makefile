@@ -14,8 +14,9 @@ demo: setup
 up: setup
 	.venv/bin/tandem up $(ARGS)
 
+# The whole suite; --durations=30 lists its slowest 30 tests (what CI's time goes to).
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 protos: setup
 	.venv/bin/python proto/generate.py

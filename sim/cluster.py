@@ -68,7 +68,7 @@ class RouterSpec:
 @dataclass(frozen=True)
 class CoreSharing:
     """Workers that share one machine's CPU cores, as ``tandem up`` runs them (each with the
-    threads the launcher gives its role, launcher.local_cluster.worker_threads): a step that starts
+    threads the launcher gives its role, launcher.commands.worker_threads): a step that starts
     while other workers are busy runs slower, by processor sharing of the busy threads over the
     cores (``slowdown``). None in ClusterSpec: every worker has its own device (GPUs).
 
