@@ -9,6 +9,7 @@ from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
 from core.settings import setting
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch")  # engine.model.linear.LINEAR_BACKEND_CHOICES
 SCHEDULING_POLICIES = ("continuous", "static")
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = tuple(DTYPE_BYTES)
@@ -60,11 +61,24 @@ class EngineConfig:
         None, "Eager model (--enforce-eager) or torch.compile'd per layer (--no-enforce-eager; ~5-10 s on the "
               "first start, cached afterwards). Default: compiled on CUDA, eager on the CPU, where compiling "
               "measured no faster.")
+    # GEMM backend of the linear layers (engine.model.linear): "auto" measures the candidates on
+    # the model's shapes once per machine and keeps the fastest per shape and M bucket; "onednn",
+    # "mkl" or "torch" forces one wherever it can run.
+    linear_backend: str = setting("auto", "GEMM backend of the linear layers; auto measures them once per machine "
+                                          "on the model's shapes and keeps the fastest per shape and batch size.",
+                                  choices=LINEAR_BACKEND_CHOICES)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default).")
     seed: int = setting(0, "Seed of the generator used by requests without their own seed.")
     # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
     tensor_parallel_size: int = setting(1, "Rank processes sharding the model (one GPU each on CUDA; gloo on the "
                                            "CPU). --num-threads is per rank.")
+
+    @property
+    def linear_setup(self):
+        """The :class:`engine.model.linear_chooser.LinearSetup` of this engine's model."""
+        from engine.model.linear_chooser import LinearSetup
+
+        return LinearSetup(self.linear_backend, self.max_num_seqs, self.max_num_batched_tokens)
 
     @property
     def compiled(self) -> bool:
@@ -90,6 +104,8 @@ class EngineConfig:
             # Overlap packs finished requests' KV on the engine thread while the forward thread
             # runs the next pass: two threads would drive the ranks' collectives at once.
             raise ValueError(f"enable_overlap needs tensor_parallel_size 1, got {self.tensor_parallel_size}")
+        if self.linear_backend not in LINEAR_BACKEND_CHOICES:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKEND_CHOICES}, got {self.linear_backend!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -5,8 +5,8 @@ differs is what each step touches:
 
 * Decode rows (query length 1) of a step, whether the step is all-decode or mixed, run as one
   batch through the C kernel of :mod:`engine.kernels.cpu_decode_attention`, which reads every
-  sequence's K/V in place through its block table. For a dtype it does not take (it is float32
-  only) or where it cannot be compiled, their blocks are gathered with ``index_select`` (one
+  sequence's K/V in place through its block table. For a dtype it does not take (it reads float32
+  and bfloat16 K/V) or where it cannot be compiled, their blocks are gathered with ``index_select`` (one
   contiguous copy per layer, ~5x cheaper than advanced indexing here), then one SDPA call with a
   length mask.
 * A prompt chunk with no cached context attends over its own K/V directly (causal SDPA), with
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
-from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu
+from engine.kernels.cpu_decode_attention import KV_DTYPES, load_kernel, paged_decode_attention_cpu
 
 
 class CpuAttentionBackend:
@@ -61,7 +61,7 @@ class CpuAttentionBackend:
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
-        if self._kernel is not None and query.dtype == torch.float32 and kv_cache.dtype == torch.float32:
+        if self._kernel is not None and query.dtype in KV_DTYPES and kv_cache.dtype in KV_DTYPES:
             return paged_decode_attention_cpu(self._kernel, query, kv_cache, plan.decode_tables, plan.decode_lens, scale)
         return _decode(query, kv_cache, plan.decode_tables, plan.decode_mask, scale)
 

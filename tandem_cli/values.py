@@ -124,6 +124,7 @@ MAPPING: dict[str, Callable[[Mapping], Any]] = {
     "max_num_seqs": lambda v: v["engine"]["maxNumSeqs"],
     "num_scheduler_steps": lambda v: v["engine"]["numSchedulerSteps"],
     "attention_backend": lambda v: v["engine"]["attentionBackend"],
+    "linear_backend": lambda v: v["engine"]["linearBackend"],
     "kv_transfer": lambda v: v["transfer"]["backend"],
     "kv_load_failure_policy": lambda v: v["transfer"]["kvLoadFailurePolicy"],
     "routing_policy": lambda v: v["routing"]["policy"],

@@ -89,22 +89,30 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", err)
         return None
-    fn = lib.paged_decode_attention_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
+
+
+# The K/V dtypes the kernel reads; the query is widened to float32, the output narrowed back.
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention_cpu(
     kernel: ctypes.CDLL,
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], float32, contiguous
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], float32, contiguous
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], float32 or bfloat16
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous
     block_tables: torch.Tensor,  # [num_seqs, >= ceil(max seq_len / block_size)], int64, rows contiguous
     seq_lens: torch.Tensor,  # [num_seqs], int64, >= 1
     scale: float,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], float32
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], the query's dtype
     """Attention of one query per sequence over its whole paged context, read in place.
+
+    bfloat16 K/V are widened to float32 as they are read; scores, softmax and the weighted sum
+    accumulate in float32 whatever the dtype (a bfloat16 query is widened first, the output
+    rounded to bfloat16 once at the end).
 
     The C code trusts what it is given: every shape the wrapper can check in O(1) is checked
     here, since a mismatch would read past a tensor rather than fail. The table's width and its
@@ -113,8 +121,9 @@ def paged_decode_attention_cpu(
     Raises:
         ValueError: a tensor with another dtype, device, layout or shape than the above.
     """
-    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.device.type != "cpu":
-        raise ValueError(f"float32 CPU tensors only, got {query.dtype} query and {kv_cache.dtype} cache on {query.device}")
+    if query.dtype not in KV_DTYPES or kv_cache.dtype not in KV_DTYPES or query.device.type != "cpu":
+        raise ValueError(f"float32 or bfloat16 CPU tensors only, got {query.dtype} query and {kv_cache.dtype} "
+                         f"cache on {query.device}")
     if not kv_cache.is_contiguous() or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1 \
             or seq_lens.dtype != torch.int64:
         raise ValueError("kv_cache must be contiguous, block_tables and seq_lens int64 with contiguous rows")
@@ -124,14 +133,16 @@ def paged_decode_attention_cpu(
     if block_tables.dim() != 2 or block_tables.shape[0] != query.shape[0] or seq_lens.shape != query.shape[:1]:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must have one row per query ({query.shape[0]})")
-    query = query.contiguous()
+    out_dtype = query.dtype
+    query = query.to(torch.float32).contiguous()
     seq_lens = seq_lens.contiguous()
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)
-    kernel.paged_decode_attention_f32(
+    fn = kernel.paged_decode_attention_f32 if kv_cache.dtype == torch.float32 else kernel.paged_decode_attention_bf16
+    fn(
         query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
         head_dim, block_size, scale, torch.get_num_threads(),
     )
-    return out
+    return out.to(out_dtype)

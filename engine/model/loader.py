@@ -8,20 +8,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.model.linear import prepack_linears
+from engine.model.linear_chooser import LinearSetup, plan_linears
 from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepack: bool = True,
+def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
+               linear: LinearSetup | None = LinearSetup(),
                shard: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
     """Loads weights from every ``*.safetensors`` file in ``hf_dir`` (transformers' layout: the
-    separate Q/K/V and gate/up projections are fused on load), then, with ``prepack``, packs the
-    linear layers' weights for the CPU GEMM where it can (:mod:`engine.model.linear`).
+    separate Q/K/V and gate/up projections are fused on load), then, with ``linear``, gives every
+    linear layer its GEMM backend per M bucket, measured or cached per machine
+    (:mod:`engine.model.linear_chooser`); ``linear=None`` leaves plain ``F.linear``.
 
     ``shard``: called on the loaded model while it is still on the CPU, before it moves to
-    ``device`` and is prepacked (a tensor-parallel rank keeps its slice: engine.parallel.layers).
+    ``device`` and its linear layers are planned (a tensor-parallel rank keeps its slice: engine.parallel.layers).
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
@@ -57,6 +59,6 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int, prepac
     if shard is not None:
         shard(model)
     model = model.to(device).eval()
-    if prepack:
-        prepack_linears(model)
+    if linear is not None:
+        plan_linears(model, linear)
     return model

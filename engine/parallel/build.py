@@ -42,14 +42,15 @@ class TensorParallel:
 
 
 def load_sharded(config: EngineConfig, source: ModelSource, group: RankGroup) -> tuple[torch.nn.Module, ShardLayout]:
-    """This rank's shard of the model on its device (prepacked where possible)."""
+    """This rank's shard of the model on its device (linear layers planned: engine.model.linear_chooser)."""
     layouts: list[ShardLayout] = []
 
     def shard(model) -> None:
         layouts.append(layout_of(model, group.rank, group.world_size))
         shard_model(model, layouts[0], group)
 
-    model = load_model(ensure_hf_dir(source), config.dtype, group.device, config.max_model_len, shard=shard)
+    model = load_model(ensure_hf_dir(source), config.dtype, group.device, config.max_model_len,
+                       config.linear_setup, shard=shard)
     return model, layouts[0]
 
 

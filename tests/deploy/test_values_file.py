@@ -20,7 +20,7 @@ COMPARED = {
     "router": {"model", "served-model-name", "max-model-len", "routing-policy", "ttft-slo-s", "tbt-slo-s",
                "default-max-tokens", "request-timeout-s", "http-port", "grpc-port"},
     "prefill_worker": {"model", "dtype", "block-size", "num-kv-blocks", "max-num-seqs", "max-num-batched-tokens",
-                       "max-model-len", "attention-backend", "num-scheduler-steps", "kv-transfer"},
+                       "max-model-len", "attention-backend", "linear-backend", "num-scheduler-steps", "kv-transfer"},
     "kv_pool": {"capacity-bytes", "lease-ttl-s"},
 }
 COMPARED["decode_worker"] = COMPARED["prefill_worker"]

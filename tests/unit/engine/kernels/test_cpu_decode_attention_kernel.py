@@ -127,13 +127,33 @@ def test_non_contiguous_query_and_seq_lens(kernel):
     torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_rejects_half_precision(kernel, dtype):
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_bfloat16_kv_matches_the_reference_on_the_same_blocks(kernel, group, batch):
+    """bfloat16 K/V widened exactly as read, float32 accumulation: against the reference run in
+    float32 over the very same (bfloat16-rounded) blocks, the float32 tolerance holds; with a
+    bfloat16 query the output is rounded once, so bfloat16's 2^-8 relative step bounds it."""
+    gen = torch.Generator().manual_seed(batch + group)
+    ctx = contexts(16, batch, gen)
+    query, kv_cache, meta = decode_batch(ctx, group, 64, 16, pad_columns=2, seed=group)
+    kv_bf16 = kv_cache.to(torch.bfloat16)
+    expected = reference(query, kv_bf16.float(), meta, 0.125)
+    out = paged_decode_attention_cpu(kernel, query, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, **FP32_TOL)
+    q_bf16 = query.to(torch.bfloat16)
+    out = paged_decode_attention_cpu(kernel, q_bf16, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(q_bf16.float(), kv_bf16.float(), meta, 0.125),
+                               atol=1e-2, rtol=2**-8)
+
+
+def test_rejects_float16(kernel):
     query, kv_cache, meta = decode_batch([4], 1, 64, 16)
-    with pytest.raises(ValueError, match="float32"):
-        paged_decode_attention_cpu(kernel, query.to(dtype), kv_cache.to(dtype), meta.block_tables, meta.seq_lens, 0.1)
-    with pytest.raises(ValueError, match="float32"):
-        paged_decode_attention_cpu(kernel, query, kv_cache.to(dtype), meta.block_tables, meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged_decode_attention_cpu(kernel, query.half(), kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged_decode_attention_cpu(kernel, query, kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
 
 
 def test_rejects_bad_layouts(kernel):

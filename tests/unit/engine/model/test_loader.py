@@ -1,6 +1,6 @@
 """load_model on a tiny random Llama saved by transformers: the engine's logits equal
-transformers' on the same checkpoint (fused projections, biases, tied or untied head, prepacked
-or not, both CPU attention backends, prefill and over a cached context)."""
+transformers' on the same checkpoint (fused projections, biases, tied or untied head, each
+linear backend, both CPU attention backends, prefill and over a cached context)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from engine.attention import TorchAttentionBackend
 from engine.cpu_attention import CpuAttentionBackend
 from engine.model.linear import Linear
+from engine.model.linear_chooser import LinearSetup
 from engine.model.loader import load_model
 from tests.factories import engine_logits
 
@@ -56,25 +57,29 @@ def checkpoint(request, tmp_path_factory):
     return folder, hf_logits
 
 
-@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "unpacked"])
+LINEAR_SETUPS = {"auto": LinearSetup("auto", 8, 64), "onednn": LinearSetup("onednn"), "mkl": LinearSetup("mkl"),
+                 "unplanned": None}
+
+
+@pytest.mark.parametrize("linear", list(LINEAR_SETUPS))
 @pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchAttentionBackend], ids=["cpu", "torch"])
 @pytest.mark.parametrize("num_cached", [0, 17, len(PROMPT) - 1], ids=["prefill", "after-17-cached", "decode"])
-def test_logits_equal_transformers(checkpoint, prepack, backend, num_cached):
+def test_logits_equal_transformers(checkpoint, linear, backend, num_cached):
     folder, hf_logits = checkpoint
-    model = load_model(folder, "float32", "cpu", MAX_POSITIONS, prepack=prepack)
+    model = load_model(folder, "float32", "cpu", MAX_POSITIONS, LINEAR_SETUPS[linear])
     logits = engine_logits(model, PROMPT, backend(), num_cached=num_cached)
     assert logits.shape == (len(PROMPT) - num_cached, 1000)
     torch.testing.assert_close(logits, hf_logits[num_cached:], atol=LOGITS_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("prepack", [True, False])
-def test_prepack_switch(checkpoint, prepack):
+@pytest.mark.parametrize("linear", ["onednn", "mkl", "unplanned"])
+def test_linear_setup_switch(checkpoint, linear):
     folder, _ = checkpoint
-    model = load_model(folder, "float32", "cpu", MAX_POSITIONS, prepack=prepack)
+    model = load_model(folder, "float32", "cpu", MAX_POSITIONS, LINEAR_SETUPS[linear])
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
-    expected = prepack and torch.backends.mkl.is_available()
-    assert all((m.packed_weight is not None) == expected for m in linears)
+    expected = "torch" if linear == "unplanned" else linear
+    assert all(m.backend_for(n) == expected for m in linears for n in (1, 5, 64))
 
 
 def test_fused_shapes_and_tied_head(checkpoint):
@@ -86,11 +91,15 @@ def test_fused_shapes_and_tied_head(checkpoint):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == model.config.tie_word_embeddings
 
 
-def test_bfloat16_load_keeps_layers_unpacked(checkpoint):
+def test_bfloat16_load_plans_onednn_only(checkpoint):
+    """MKL's packed GEMM is float32-only: a bfloat16 model forced to it keeps F.linear; oneDNN
+    runs bfloat16."""
     folder, _ = checkpoint
-    model = load_model(folder, "bfloat16", "cpu", MAX_POSITIONS, prepack=True)
+    model = load_model(folder, "bfloat16", "cpu", MAX_POSITIONS, LinearSetup("mkl"))
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert all(m.plan is None for m in model.modules() if isinstance(m, Linear))
+    model = load_model(folder, "bfloat16", "cpu", MAX_POSITIONS, LinearSetup("onednn"))
+    assert all(m.backend_for(3) == "onednn" for m in model.modules() if isinstance(m, Linear))
 
 
 def test_folder_without_safetensors(tmp_path):
