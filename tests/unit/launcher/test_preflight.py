@@ -11,12 +11,8 @@ from click.testing import CliRunner
 from core.model_source import DEFAULT_MODEL, resolve_model
 from tandem_cli.main import main
 from launcher.ports import free_port, free_port_run
-from launcher.preflight import (
-    PreflightError,
-    check_max_model_len,
-    check_ports_free,
-    parse_bytes,
-)
+from core.settings import parse_bytes
+from launcher.preflight import PreflightError, check_max_model_len, check_ports_free
 
 
 @pytest.fixture
