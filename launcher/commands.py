@@ -41,11 +41,12 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
 
 def section_argv(attribute: str, config: object, extra: tuple[str, ...] = ()) -> list[str]:
     """The flags giving a service the cluster's settings of one section (``engine``, ``worker``,
-    ``router``, ``pool``): every ``tandem up`` option of it, plus ``extra`` fields and changed
-    hidden ones (a config that changes them), each by the service's own flag name."""
+    ``router``, ``pool``): each ``tandem up`` option of it (and ``extra`` or hidden field) whose
+    value differs from the default, by the service's own flag name. A setting left at its
+    default is not passed: the service's default is the same declaration (and its
+    ``TANDEM_<ROLE>_<FLAG>`` environment variable may still set it)."""
     section = _SECTIONS[attribute]
-    names = [*section.option_names().values(), *extra]
-    return argv(config, names=names, changed_only=False) + argv(config, names=section.hidden)
+    return argv(config, names=[*section.option_names().values(), *extra, *section.hidden])
 
 
 def service_argv(c: ClusterConfig, role: str, python: str, host: str, port: int, redis_url: str, *,

@@ -99,10 +99,10 @@ def _pool_capacity_bytes(values: Mapping) -> int:
     return quantity_bytes(pool["dram"]) // 100 * int(pool["arenaPercent"])
 
 
-def _nvme_capacity_bytes(values: Mapping) -> int:
+def _nvme_capacity_bytes(values: Mapping) -> int | None:
     nvme = values["kvPool"]["nvme"]
     if nvme["type"] == "none":
-        return 0
+        return None  # no tier: the option keeps its default (unused without --pool-nvme-path)
     return quantity_bytes(nvme["size"]) * int(nvme["usePercent"]) // 100
 
 

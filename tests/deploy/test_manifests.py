@@ -189,12 +189,10 @@ def test_ports_agree_with_the_services_flags(renderings):
 def test_chart_default_ports_are_the_services_default_ports(tools):
     """Someone changing a default port in code sees this fail rather than a silent mismatch."""
     objects = helm_template(tools)
-    defaults = {
-        "prefill_worker": int(re.search(r"default_port=(\d+)", (REPO / "prefill_worker/__main__.py").read_text())[1]),
-        "decode_worker": int(re.search(r"default_port=(\d+)", (REPO / "decode_worker/__main__.py").read_text())[1]),
-        "router": int(re.search(r'"--grpc-port", default=(\d+)', (REPO / "router/__main__.py").read_text())[1]),
-        "kv_pool": int(re.search(r"port: int = (\d+)", (REPO / "kv_pool/config.py").read_text())[1]),
-    }
+    defaults = {}  # each service's --port (the router's --grpc-port) default, read from its command
+    for module, (_, command_module, _) in SERVICES.items():
+        params = {p.name: p for p in importlib.import_module(command_module).main.params}
+        defaults[module] = params["grpc_port" if module == "router" else "port"].default
     for module, container in tandem_containers(objects):
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["grpc"] == defaults[module], module
