@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=24)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of: " + ", ".join(PATHS))
+    parser.add_argument("--linear-backends", default="auto",
+                        help="comma-separated GEMM backends, each path run with each (auto, onednn, mkl, torch)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV (the floor counts float32 bytes: halve it for bfloat16)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/decode_pass.json"))
     args = parser.parse_args(argv)
     batches = args.batch or [1, 16]
@@ -70,15 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     footprint = roofline.ModelFootprint.from_hf_dir(hf_dir)
     bandwidth = roofline.copy_bandwidth_bytes_per_s()
     rows = []
-    for name in args.paths.split(","):
+    variants = [(path, linear) for path in args.paths.split(",") for linear in args.linear_backends.split(",")]
+    for path, linear in variants:
+        name = f"{path} {linear}" + ("" if args.dtype == "float32" else f" {args.dtype}")
         config = EngineConfig(model=args.model, num_kv_blocks=1024, max_model_len=2048, num_threads=args.threads,
-                              **PATHS[name])
+                              linear_backend=linear, dtype=args.dtype, **PATHS[path])
         engine = LLMEngine.from_config(config)
         for batch in batches:
             decode_pass_ms(engine, batch, args.context, 3, seed=0)  # warm
             ms = decode_pass_ms(engine, batch, args.context, args.passes, seed=1)
             mean_context = args.context + 1 + args.passes / 2
             floor_ms = roofline.decode_bound_s(footprint, batch, mean_context, bandwidth) * 1e3
+            if args.dtype == "bfloat16":
+                floor_ms /= 2  # every weight and KV byte is half as many
             rows.append(dict(path=name, batch=batch, context=mean_context, pass_ms=ms, floor_ms=floor_ms,
                              floor_over_pass=floor_ms / ms, pass_over_floor=ms / floor_ms))
         del engine

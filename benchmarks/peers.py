@@ -71,6 +71,8 @@ class PeerOptions:
     install_vllm: bool
     tandem_args: tuple[str, ...]  # added to both Tandem rows' `tandem up`
     output_dir: Path
+    dtype: str = "float32"  # weights and KV of every system
+    vllm_cpu_bind: str = "all"  # vllm_peer.cpu_bind
 
 
 def requests_of(workload: Workload) -> list[BenchRequest]:
@@ -118,16 +120,25 @@ def run_vllm(workload: Workload, options: PeerOptions) -> dict:
     if versions is None:
         return peer_report.unavailable_row(
             SYSTEMS["vllm"], f"not installed ({why}): run scripts/install_vllm.sh {options.vllm_venv}, or pass --install-vllm")
+    env = ()
+    if options.device == "cpu":
+        env = (("VLLM_CPU_OMP_THREADS_BIND", vllm_peer.cpu_bind(options.vllm_cpu_bind, os.cpu_count() or 1)),)
     config = vllm_peer.VLLMServerConfig(
         options.vllm_venv, workload.model_dir, workload.model_name,
-        vllm_peer.default_args(options.device) + options.vllm_args, options.output_dir / "logs" / "vllm.log")
+        vllm_peer.default_args(options.device) + options.vllm_args, options.output_dir / "logs" / "vllm.log",
+        env=env, dtype=options.dtype)
     console.print(f"vllm {versions['vllm']}: starting (startup compiles; minutes on CPU) ...")
     with vllm_peer.VLLMServer(config) as server:
         console.print(f"vllm ready after {server.startup_s:.0f} s")
         summary = drive(server.url, workload, "vllm", options.output_dir)
-    row = peer_report.metric_row(SYSTEMS["vllm"], summary, errors_note(summary))
-    return {**row, "versions": versions, "startup_s": server.startup_s, "argv": server.argv,
-            "thread_binding": vllm_peer.thread_binding(config.log_path)}
+    binding = vllm_peer.thread_binding(config.log_path)
+    cores = vllm_peer.bound_cores(binding)
+    handicap = ""
+    if options.device == "cpu" and cores is not None and cores < (os.cpu_count() or 1):
+        handicap = f"HANDICAPPED: model bound to {cores} of {os.cpu_count()} cores"
+    row = peer_report.metric_row(SYSTEMS["vllm"], summary, "; ".join(n for n in (handicap, errors_note(summary)) if n))
+    return {**row, "versions": versions, "startup_s": server.startup_s, "argv": server.argv, "env": dict(env),
+            "thread_binding": binding, "bound_cores": cores, "handicapped": bool(handicap)}
 
 
 def run_tandem(key: str, workload: Workload, options: PeerOptions) -> dict:
@@ -135,11 +146,32 @@ def run_tandem(key: str, workload: Workload, options: PeerOptions) -> dict:
     name = SYSTEMS[key]
     console.print(f"{name}: tandem up {shlex.join(flags)} ...")
     started = time.monotonic()
-    with TandemUp(flags, options.output_dir / "logs" / name.replace(" ", "_")) as up:
+    log_dir = options.output_dir / "logs" / name.replace(" ", "_")
+    with TandemUp(flags, log_dir) as up:
         startup_s = time.monotonic() - started
         summary = drive(up.url, workload, name, options.output_dir)
     row = peer_report.metric_row(name, summary, errors_note(summary))
-    return {**row, "up_flags": list(flags), "startup_s": startup_s}
+    return {**row, "up_flags": list(flags), "startup_s": startup_s, "linear_backends": linear_backends(log_dir),
+            "thread_split": thread_split(key, options.tandem_args)}
+
+
+def linear_backends(log_dir: Path) -> dict[str, str]:
+    """Each worker log's "linear backends: ..." line (engine.model.linear_chooser), by log name."""
+    found = {}
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "linear backends:" in line:
+                found[path.stem] = line[line.index("linear backends:"):].strip().rstrip('"}')
+    return found
+
+
+def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
+    """The torch threads ``tandem up`` gives each worker role (launcher.local_cluster.worker_threads)."""
+    from launcher.local_cluster import worker_threads
+
+    args = list(tandem_args)
+    total = int(args[args.index("--num-threads") + 1]) if "--num-threads" in args else 0
+    return worker_threads(total or os.cpu_count() or 2, colocated=key == "colocated")
 
 
 def run_system(key: str, workload: Workload, options: PeerOptions) -> dict:
@@ -225,12 +257,18 @@ def set_omp_wait_policy(policy: str) -> None:
 @click.option("--install-vllm", is_flag=True, help="Run scripts/install_vllm.sh when --vllm-venv lacks vllm.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Which vLLM build and flags; auto: cuda when torch sees a GPU.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and KV cache of every system (vLLM --dtype, tandem up --dtype).")
+@click.option("--vllm-cpu-bind", default="all", show_default=True,
+              help="VLLM_CPU_OMP_THREADS_BIND: all = every core (0-<n-1>, vLLM at its best); auto = vLLM's "
+                   "default (reserves a core for its front end: one of two cores on a 2-core machine).")
 @click.option("--omp-wait-policy", default="", show_default=True,
               help="OMP_WAIT_POLICY for every row ('' leaves it unset).")
 @click.option("--output-dir", default="bench-results/peers", show_default=True, type=click.Path(path_type=Path))
 def main(systems: str, prompts_path: Path, num_prompts: int, concurrency: int, max_tokens: int, max_prompt_chars: int,
          quick: bool, slo_ttft_ms: float, slo_tbt_ms: float, tandem_args: str, vllm_venv: Path, vllm_args: str,
-         install_vllm: bool, device: str, omp_wait_policy: str, output_dir: Path) -> None:
+         install_vllm: bool, device: str, dtype: str, vllm_cpu_bind: str, omp_wait_policy: str,
+         output_dir: Path) -> None:
     """Run HF static, vLLM and Tandem one after another on the same prompts; print one table."""
     if quick:
         num_prompts, concurrency, max_tokens = 8, 4, 16
@@ -250,8 +288,9 @@ def main(systems: str, prompts_path: Path, num_prompts: int, concurrency: int, m
     texts, prompts_from = load_workload(prompts_path, num_prompts, max_prompt_chars)
     workload = Workload(chat_token_ids(ensure_hf_dir(source), texts), max_tokens, concurrency, slo, source.name,
                         ensure_hf_dir(source))
+    tandem_flags = tuple(shlex.split(tandem_args)) + (("--dtype", dtype) if dtype != "float32" else ())
     options = PeerOptions(device, vllm_venv.resolve(), tuple(shlex.split(vllm_args)), install_vllm,
-                          tuple(shlex.split(tandem_args)), output_dir)
+                          tandem_flags, output_dir, dtype, vllm_cpu_bind)
     mean_prompt = sum(map(len, workload.prompts)) / len(workload.prompts)
     console.print(f"{len(workload.prompts)} prompts from {prompts_from} (mean {mean_prompt:.0f} tokens after the chat "
                   f"template), {max_tokens} output tokens each, concurrency {concurrency}")
@@ -264,7 +303,7 @@ def main(systems: str, prompts_path: Path, num_prompts: int, concurrency: int, m
                 "mean_prompt_tokens": mean_prompt, "max_tokens": max_tokens, "concurrency": concurrency,
                 "ignore_eos": True, "chat_template": "applied once here; token ids to /v1/completions",
                 "slo": {"ttft_ms": slo.ttft_ms, "tbt_ms": slo.tbt_ms}, "model": str(workload.model_dir),
-                "dtype": "float32", "tandem_args": list(options.tandem_args),
+                "dtype": dtype, "tandem_args": list(options.tandem_args), "vllm_cpu_bind": vllm_cpu_bind,
                 "vllm_args": list(vllm_peer.default_args(device) + options.vllm_args),
                 "omp_wait_policy": omp_wait_policy}
     out = report.save_json({"title": title, "settings": settings, "machine": machine, "rows": rows,

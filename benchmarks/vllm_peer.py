@@ -62,6 +62,7 @@ class VLLMServerConfig:
     log_path: Path
     startup_timeout_s: float = 900.0  # CPU startup compiles with torch.compile (~90 s quiet, more when busy)
     env: tuple[tuple[str, str], ...] = ()  # added to this process's environment
+    dtype: str = "float32"
 
 
 class VLLMServer:
@@ -73,7 +74,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.argv = [str(config.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                      "--model", str(config.model_dir), "--served-model-name", config.served_name,
-                     "--dtype", "float32", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], *config.args]
+                     "--dtype", config.dtype, "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], *config.args]
         self.startup_s: float | None = None
 
     def __enter__(self) -> VLLMServer:
@@ -134,6 +135,25 @@ def log_tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return ""
     return " | ".join(line.strip() for line in text[-lines:])
+
+
+def cpu_bind(spec: str, cpu_count: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``spec``: "all" binds vLLM's model to every core
+    ("0-<n-1>", what a user tuning vLLM sets); anything else ("auto", "0", "0-3") is passed on.
+
+    vLLM's own default, "auto", reserves one CPU for its API/scheduler process and binds the
+    model to the rest: on a 2-core machine that is one core, a handicapped peer.
+    """
+    return f"0-{cpu_count - 1}" if spec == "all" else spec
+
+
+def bound_cores(binding: list[str]) -> int | None:
+    """How many cores vLLM's log says its model was bound to (``core ids=[0, 1]``), None when unknown."""
+    for line in binding:
+        if "core ids=[" in line:
+            ids = line.split("core ids=[", 1)[1].split("]", 1)[0]
+            return len([i for i in ids.split(",") if i.strip()])
+    return None
 
 
 def thread_binding(path: Path) -> list[str]:

@@ -17,6 +17,7 @@ milliseconds (the C attention kernel is cached the same way: engine.kernels.cpu_
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -42,6 +43,9 @@ TIME_PER_CANDIDATE_S = 0.02
 MIN_CALLS = 3
 # A backend within this fraction of an earlier one in BACKENDS' order counts as a tie.
 TIE_MARGIN = 0.05
+# Buckets past this M are timed at it: large GEMMs are compute-bound and rank the backends as at
+# 512 rows, and timing a 2048-row GEMM three times per backend would triple the start-up cost.
+MAX_TIMED_M = 512
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class LinearPlan:
     timings_ms: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     took_s: float = 0.0
     cached: bool = False
+    # 1-minute load average per core while it was measured (above BUSY_LOAD_PER_CORE: busy).
+    load_per_core: float = 0.0
 
     def summary(self) -> str:
         """One line for the start-up log: "onednn for 5 shapes (24 buckets), mkl for ..."."""
@@ -141,7 +147,10 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
     timings: dict[str, dict[str, list[float | None]]] = {}
     for key, (weight, num_buckets) in sorted(shapes.items()):
         prepared = {b: prepare_weight(b, weight) for b in candidates if backend_supports(b, weight)}
-        per_bucket = [time_backends_ms(prepared, weight, bucket_m(k)) for k in range(num_buckets)]
+        if len(prepared) == 1:  # nothing to choose from (a CUDA weight: F.linear only)
+            choices[key] = list(prepared) * num_buckets
+            continue
+        per_bucket = [time_backends_ms(prepared, weight, min(bucket_m(k), MAX_TIMED_M)) for k in range(num_buckets)]
         timings[key] = {b: [round(t[b], 4) for t in per_bucket] for b in prepared}
         choices[key] = [fastest(t) for t in per_bucket]
     return LinearPlan(choices, timings, took_s=time.perf_counter() - started)
@@ -161,7 +170,7 @@ def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]])
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 
-# Above this 1-minute load average per core a measurement is not cached.
+# Above this 1-minute load average per core a measurement counts as made on a busy machine.
 BUSY_LOAD_PER_CORE = 1.0
 
 
@@ -179,7 +188,8 @@ def plan_path(key: str) -> Path:
 def _read_cached(path: Path) -> LinearPlan | None:
     try:
         data = json.loads(path.read_text())
-        return LinearPlan(data["choices"], data.get("timings_ms", {}), data.get("took_s", 0.0), cached=True)
+        return LinearPlan(data["choices"], data.get("timings_ms", {}), data.get("took_s", 0.0), cached=True,
+                          load_per_core=data.get("load_per_core", 0.0))
     except (OSError, ValueError, KeyError):
         return None
 
@@ -187,7 +197,8 @@ def _read_cached(path: Path) -> LinearPlan | None:
 def _write_cached(path: Path, plan: LinearPlan) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # tensor-parallel ranks may write at once
-    tmp.write_text(json.dumps({"choices": plan.choices, "timings_ms": plan.timings_ms, "took_s": plan.took_s}))
+    tmp.write_text(json.dumps({"choices": plan.choices, "timings_ms": plan.timings_ms, "took_s": plan.took_s,
+                               "load_per_core": plan.load_per_core}))
     os.replace(tmp, path)
 
 
@@ -205,18 +216,36 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
         return LinearPlan(choices)
     dtype = next(iter(shapes.values()))[0].dtype
     path = plan_path(machine_key(dtype, shapes))
-    if setup.use_cache and (plan := _read_cached(path)) is not None and set(plan.choices) == set(shapes):
-        return plan
-    load_before = _load_per_core()
+    if not setup.use_cache:
+        return _measure_now(shapes)
+    # One process of the machine measures at a time (workers starting together would time each
+    # other's GEMMs); the next one then finds the plan cached if it needs the same one.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".measure.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_or_measured(path, shapes)
+
+
+def _cached_or_measured(path: Path, shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:
+    load_now = _load_per_core()
+    cached = _read_cached(path)
+    if cached is not None and set(cached.choices) == set(shapes):
+        # A plan measured on a busy machine is kept until a start finds the machine quiet.
+        if cached.load_per_core <= BUSY_LOAD_PER_CORE or load_now > BUSY_LOAD_PER_CORE:
+            return cached
+    plan = _measure_now(shapes, load_now)
+    _write_cached(path, plan)
+    return plan
+
+
+def _measure_now(shapes: dict[str, tuple[torch.Tensor, int]], load_before: float | None = None) -> LinearPlan:
+    load_before = _load_per_core() if load_before is None else load_before
     plan = measure(shapes, BACKENDS)
-    load = max(load_before, _load_per_core())
-    if load > BUSY_LOAD_PER_CORE:
-        # Timings of a busy machine measure the other processes as much as the GEMMs: use the
-        # plan for this start only and measure again on the next.
-        log.warning("linear backends measured while the machine was busy (load %.1f per core): "
-                    "the plan is not cached and will be measured again on the next start", load)
-    elif setup.use_cache:
-        _write_cached(path, plan)
+    plan.load_per_core = max(load_before, _load_per_core())
+    if plan.load_per_core > BUSY_LOAD_PER_CORE:
+        # Timings of a busy machine measure the other processes as much as the GEMMs.
+        log.warning("linear backends measured while the machine was busy (load %.1f per core): the first "
+                    "start on a quiet machine measures them again", plan.load_per_core)
     return plan
 
 

@@ -85,3 +85,30 @@ def test_systems_keep_the_table_order_and_reject_unknown_names():
     assert parse_systems("disaggregated, vllm") == ["vllm", "disaggregated"]
     with pytest.raises(click.BadParameter, match="sglang"):
         parse_systems("vllm,sglang")
+
+
+def test_vllm_cpu_bind_all_names_every_core_and_the_binding_is_read_from_its_log(tmp_path):
+    from benchmarks import vllm_peer
+
+    assert vllm_peer.cpu_bind("all", 2) == "0-1"
+    assert vllm_peer.cpu_bind("all", 8) == "0-7"
+    assert vllm_peer.cpu_bind("auto", 2) == "auto"
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO 12-02 cpu_worker.py:1] auto thread-binding list (id, physical core): [(0, 0)]\n"
+                   "INFO 12-02 cpu_worker.py:2] VLLM_CPU_OMP_THREADS_BIND='auto' ... local_rank=0, core ids=[0]\n")
+    binding = vllm_peer.thread_binding(log)
+    assert binding == ["local_rank=0, core ids=[0]"]
+    assert vllm_peer.bound_cores(binding) == 1
+    assert vllm_peer.bound_cores(["local_rank=0, core ids=[0, 1]"]) == 2
+    assert vllm_peer.bound_cores([]) is None
+
+
+def test_tandem_rows_record_linear_backends_and_thread_split(tmp_path):
+    from benchmarks import peers
+
+    (tmp_path / "decode-0.log").write_text(
+        '{"msg": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}\nother\n')
+    (tmp_path / "router.log").write_text("nothing\n")
+    assert peers.linear_backends(tmp_path) == {"decode-0": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}
+    assert peers.thread_split("colocated", ("--num-threads", "2")) == {"decode": 2}
+    assert peers.thread_split("disaggregated", ("--num-threads", "2")) == {"prefill": 1, "decode": 2}

@@ -177,15 +177,32 @@ def test_cheap_measured_plan_is_applied_and_cached(tmp_path, monkeypatch):
     assert "read from the cache" in again.summary()
 
 
-def test_busy_machine_measurement_is_not_cached(tmp_path, monkeypatch):
+def test_busy_machine_measurement_is_remeasured_once_the_machine_is_quiet(tmp_path, monkeypatch):
+    """Measured busy: cached and reused while the machine stays busy, measured again (and the
+    quiet plan cached) on the first start that finds it quiet; a quiet plan is then kept."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    model, setup = torch.nn.Sequential(make_linear(False)), LinearSetup("auto", 1, 1)
     monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 3.0)
-    plan = choose_plan(torch.nn.Sequential(make_linear(False)), LinearSetup("auto", 1, 1))
-    assert len(plan.choices[f"{OUT}x{IN}"]) == 1
-    assert not (tmp_path / "linear").exists()
+    busy = choose_plan(model, setup)
+    assert not busy.cached and busy.load_per_core == 3.0 and len(busy.choices[f"{OUT}x{IN}"]) == 1
+    assert choose_plan(model, setup).cached  # still busy: the busy plan is reused
+    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 0.2)
+    quiet = choose_plan(model, setup)
+    assert not quiet.cached and quiet.load_per_core == 0.2
+    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 3.0)
+    again = choose_plan(model, setup)
+    assert again.cached and again.load_per_core == 0.2
 
 
 def test_summary_counts_shapes_and_buckets():
     plan = LinearPlan({"a": ["onednn", "onednn", "mkl"], "b": ["onednn"]}, took_s=3.21)
     assert plan.summary() == "linear backends: onednn for 2 shapes (3 buckets), mkl for 1 shapes (1 buckets), chosen in 3.2 s"
+
+
+def test_a_single_candidate_is_chosen_without_timing(monkeypatch):
+    """float16 (and a CUDA weight) leave only F.linear: nothing is timed, the layer stays unplanned."""
+    monkeypatch.setattr(linear_chooser, "time_backends_ms", lambda *a: pytest.fail("timed a lone candidate"))
+    model = torch.nn.Sequential(make_linear(False, dtype=torch.float16))
+    plan = linear_chooser.measure(linear_chooser._layer_buckets(model, LinearSetup("auto", 2, 4)), BACKENDS)
+    assert plan.choices == {f"{OUT}x{IN}": ["torch"] * 3}
