@@ -46,7 +46,7 @@ from launcher.ports import free_port  # noqa: E402
 from bench.prompts import SHAREGPT_DEFAULT, load_prompts  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 200)
-TANDEM = [sys.executable, "-m", "launcher"]
+TANDEM = [sys.executable, "-m", "tandem_cli"]
 
 
 @dataclass(frozen=True)
