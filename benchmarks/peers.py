@@ -167,7 +167,7 @@ def linear_backends(log_dir: Path) -> dict[str, str]:
 
 def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
     """The torch threads ``tandem up`` gives each worker role (launcher.local_cluster.worker_threads)."""
-    from launcher.local_cluster import worker_threads
+    from launcher.commands import worker_threads
 
     args = list(tandem_args)
     total = int(args[args.index("--num-threads") + 1]) if "--num-threads" in args else 0
