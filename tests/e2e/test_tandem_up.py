@@ -56,7 +56,7 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
 
 def test_ctrl_c_during_start_up_starts_nothing_more(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+        [sys.executable, "-m", "tandem_cli", "up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
          "--num-kv-blocks", "128", "--max-model-len", "512", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
     )
