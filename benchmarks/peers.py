@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -161,7 +162,11 @@ def linear_backends(log_dir: Path) -> dict[str, str]:
     for path in sorted(log_dir.glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
             if "linear backends:" in line:
-                found[path.stem] = line[line.index("linear backends:"):].strip().rstrip('"}')
+                try:  # a JSON log line (core.logging_setup); else the plain line
+                    line = json.loads(line)["msg"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                found[path.stem] = line[line.index("linear backends:"):].strip()
     return found
 
 

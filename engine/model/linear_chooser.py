@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 # Seconds of calls each (shape, M, backend) is timed for, after one warm-up call; at least
 # MIN_CALLS calls. The minimum over the calls is kept (the least disturbed by other processes).
 TIME_PER_CANDIDATE_S = 0.02
-MIN_CALLS = 3
-# A backend within this fraction of an earlier one in BACKENDS' order counts as a tie.
-TIE_MARGIN = 0.05
+MIN_CALLS = 5
+# A backend within this fraction of an earlier one in BACKENDS' order counts as a tie: timings
+# on a shared machine move by 10 % from run to run, and a flip on noise is worse than the order.
+TIE_MARGIN = 0.10
 # Buckets past this M are timed at it: large GEMMs are compute-bound and rank the backends as at
 # 512 rows, and timing a 2048-row GEMM three times per backend would triple the start-up cost.
 MAX_TIMED_M = 512

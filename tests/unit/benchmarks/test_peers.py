@@ -107,7 +107,7 @@ def test_tandem_rows_record_linear_backends_and_thread_split(tmp_path):
     from benchmarks import peers
 
     (tmp_path / "decode-0.log").write_text(
-        '{"msg": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}\nother\n')
+        '{"msg": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s", "service": "d"}\nother\n')
     (tmp_path / "router.log").write_text("nothing\n")
     assert peers.linear_backends(tmp_path) == {"decode-0": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}
     assert peers.thread_split("colocated", ("--num-threads", "2")) == {"decode": 2}

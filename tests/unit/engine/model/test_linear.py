@@ -136,8 +136,8 @@ def test_planned_linear_under_torch_compile(backend):
 
 
 def test_fastest_breaks_ties_by_backend_order():
-    assert fastest({"onednn": 1.04, "mkl": 1.0, "torch": 2.0}) == "onednn"  # within 5 %: a tie
-    assert fastest({"onednn": 1.2, "mkl": 1.0, "torch": 1.01}) == "mkl"
+    assert fastest({"onednn": 1.09, "mkl": 1.0, "torch": 2.0}) == "onednn"  # within 10 %: a tie
+    assert fastest({"onednn": 1.2, "mkl": 1.0, "torch": 1.05}) == "mkl"
     assert fastest({"torch": 0.5, "mkl": 1.0}) == "torch"
 
 
