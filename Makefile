@@ -19,8 +19,9 @@ demo: setup
 up: setup
 	.venv/bin/tandem up $(ARGS)
 
+# The whole suite; --durations=30 lists its slowest 30 tests (what CI's time goes to).
 test: setup-test
-	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 protos: setup-test
 	.venv/bin/python proto/generate.py

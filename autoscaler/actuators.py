@@ -3,7 +3,7 @@
 An actuator knows how many workers of a role it has asked for (``replicas``) and changes that
 (``scale``). Scale-down is a drain in both: the worker gets SIGTERM, deregisters from Redis first
 (no new placements), lets its in-flight RPCs and streams finish within its grace period, then
-exits (engine.worker_runtime.serve_worker; the chart's terminationGracePeriodSeconds).
+exits (worker.runtime.serve_worker; the chart's terminationGracePeriodSeconds).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from bench.runner import run
 from bench.synthesis import SynthesisConfig
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS, BenchRequest, WorkloadConfig, load_workload
 from core.datasets import DATA_DIR_ENV, data_dir, default_file, where_to_get
-from launcher.prompts import BUILTIN_PROMPTS
+from bench.prompts import BUILTIN_PROMPTS
 
 console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: one table row a line
 
@@ -188,10 +188,9 @@ def bench(url: str | None, model: str, kind: str, path: Path | None, data_folder
           slo_tbt_ms: float, output_dir: Path, seed: int, roofline_model: str, no_progress: bool) -> None:
     """Load-test an OpenAI-compatible endpoint with a prompt set or a real trace; write JSON and plots."""
     if url is None:
-        from launcher import cluster_record
-        from launcher.status import choose_url
+        from core.cluster_record import choose_url, running
 
-        url = choose_url(None, cluster_record.running())[0]
+        url = choose_url(None, running())[0]
     url = base_url(url)
     api_key = (api_key.split() or [""])[0]
     path = workload_path(kind, path, data_dir(data_folder), console.print)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.synthesis import PrefixSynthesizer, SynthesisConfig
 from bench.traces import read_trace
-from launcher.prompts import BUILTIN_PROMPTS, load_prompts
+from bench.prompts import BUILTIN_PROMPTS, load_prompts
 
 PROMPT_SET_KINDS = ("sharegpt", "alpaca", "prompts")
 TRACE_KINDS = ("mooncake", "azure", "burstgpt")
@@ -29,7 +29,7 @@ class BenchRequest:
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str  # sharegpt | alpaca | prompts (any prompt JSON/text file) | mooncake | azure | burstgpt
-    path: Path | None  # None: prompt sets use the built-in prompts (launcher.prompts), repeated
+    path: Path | None  # None: prompt sets use the built-in prompts (bench.prompts), repeated
     num_requests: int = 0  # 0: every row
     max_tokens: int = 0  # prompt sets: required; traces: 0 keeps the trace's output lengths
     max_prompt_chars: int = 2000  # prompt sets: longer prompts are skipped

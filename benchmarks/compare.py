@@ -42,14 +42,14 @@ from bench.hf_baseline import HFBaselineConfig, chat_token_ids, run_static  # no
 from bench.metrics import SLO  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from launcher.local_cluster import free_port  # noqa: E402
-from launcher.prompts import load_prompts  # noqa: E402
+from launcher.ports import free_port  # noqa: E402
+from bench.prompts import load_prompts  # noqa: E402
 from core.datasets import data_file  # noqa: E402
 
 SHAREGPT_DEFAULT = data_file("sharegpt")  # the data folder's ShareGPT set (docs/data.md)
 
 console = Console(width=None if sys.stdout.isatty() else 200)
-TANDEM = [sys.executable, "-m", "launcher"]
+TANDEM = [sys.executable, "-m", "tandem_cli"]
 
 
 @dataclass(frozen=True)

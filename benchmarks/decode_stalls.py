@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,8 +36,10 @@ from bench.workloads import BenchRequest  # noqa: E402
 from benchmarks.step_timeline import Pass, read_passes  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
 from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port  # noqa: E402
-from launcher.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
+from launcher.config import ClusterConfig  # noqa: E402
+from launcher.local_cluster import LocalCluster  # noqa: E402
+from launcher.ports import free_port  # noqa: E402
+from bench.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -75,6 +80,16 @@ def analyze(records, run_started_s: float, passes: list[Pass], stall_factor: flo
             "idle_gaps": describe(idle_ms), "stalls": stalls}
 
 
+def worker_options(flags: list[str]) -> dict:
+    """The worker flags given (``--linear-backend mkl``, ...) as typed ``tandem up`` options,
+    read by the worker's own command line."""
+    from decode_worker.__main__ import main as worker_main
+
+    ctx = worker_main.make_context("decode_worker", list(flags))
+    return {name: value for name, value in ctx.params.items()
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=Path, default=None, help="prompt set (ShareGPT JSON, ...)")
@@ -96,9 +111,10 @@ def main() -> None:
              else [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(args.num_prompts)])
     prompts = chat_token_ids(ensure_hf_dir(source), texts)
     requests = [BenchRequest(p, args.max_tokens, expected_input_tokens=len(p)) for p in prompts]
-    config = ClusterConfig(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(), colocated=args.colocated,
-                           log_dir=args.log_dir, num_threads=args.num_threads,
-                           extra_worker_args=("--log-level", "DEBUG", *args.worker_arg))
+    config = ClusterConfig.from_options(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(),
+                                        colocated=args.colocated, log_dir=args.log_dir, num_threads=args.num_threads,
+                                        **worker_options(args.worker_arg))
+    config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level="DEBUG"))
     with LocalCluster(config) as cluster:
         cluster.start()
         if args.pin:

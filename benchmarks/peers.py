@@ -43,7 +43,7 @@ from bench.hf_baseline import HFBaselineConfig, chat_token_ids, run_static, stat
 from bench.metrics import SLO, summarize  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from launcher.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
+from bench.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 from core.datasets import data_file  # noqa: E402
 
 SHAREGPT_DEFAULT = data_file("sharegpt")  # the data folder's ShareGPT set (docs/data.md)
@@ -175,7 +175,7 @@ def linear_backends(log_dir: Path) -> dict[str, str]:
 
 def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
     """The torch threads ``tandem up`` gives each worker role (launcher.local_cluster.worker_threads)."""
-    from launcher.local_cluster import worker_threads
+    from launcher.commands import worker_threads
 
     args = list(tandem_args)
     total = int(args[args.index("--num-threads") + 1]) if "--num-threads" in args else 0

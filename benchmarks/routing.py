@@ -42,7 +42,9 @@ from bench.synthesis import PrefixSynthesizer, SynthesisConfig  # noqa: E402
 from bench.traces import TraceRow, read_mooncake  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from core.datasets import data_file  # noqa: E402
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port  # noqa: E402
+from launcher.config import ClusterConfig  # noqa: E402
+from launcher.local_cluster import LocalCluster  # noqa: E402
+from launcher.ports import free_port  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TRACE = data_file("mooncake")  # the data folder's Mooncake trace (docs/data.md)
@@ -106,20 +108,19 @@ def placements(metrics_text: str) -> dict[str, float]:
     return {mode: float(value) for mode, value in found}
 
 
-def router_slo_args(args: argparse.Namespace) -> tuple[str, ...]:
+def router_slo_options(args: argparse.Namespace) -> dict[str, float]:
     """The goodput SLOs handed to the router too (placement only: admission off, so every
     policy serves every request)."""
     if not args.router_slo:
-        return ()
-    return ("--ttft-slo-s", str(args.ttft_slo_ms / 1000), "--tbt-slo-s", str(args.tbt_slo_ms / 1000),
-            "--max-queue-s", "1e9")
+        return {}
+    return {"ttft_slo_s": args.ttft_slo_ms / 1000, "tbt_slo_s": args.tbt_slo_ms / 1000, "max_queue_s": 1e9}
 
 
 def run_policy(policy: str, requests: list[BenchRequest], args: argparse.Namespace, log_dir: Path) -> dict:
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model=MODEL, http_port=free_port(), grpc_port=free_port(), num_kv_blocks=1024, max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=512, num_threads=args.num_threads, num_prefill_workers=2, num_decode_workers=2,
-        log_dir=log_dir / policy, extra_router_args=("--routing-policy", policy, *router_slo_args(args)),
+        log_dir=log_dir / policy, routing_policy=policy, **router_slo_options(args),
     )
     with LocalCluster(config) as cluster:
         started = time.monotonic()

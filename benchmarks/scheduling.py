@@ -27,7 +27,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from launcher.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
+from bench.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 from core.datasets import data_file  # noqa: E402
 
 SHAREGPT_DEFAULT = data_file("sharegpt")  # the data folder's ShareGPT set (docs/data.md)

@@ -60,7 +60,10 @@ from core.cost_model import CostModel, prefill_attn_pairs  # noqa: E402
 from core.datasets import data_file  # noqa: E402
 from core.worker_load import WorkerLoad  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port, worker_threads  # noqa: E402
+from launcher.commands import worker_threads  # noqa: E402
+from launcher.config import ClusterConfig  # noqa: E402
+from launcher.local_cluster import LocalCluster  # noqa: E402
+from launcher.ports import free_port  # noqa: E402
 from sim.adapter import JitteredTimer  # noqa: E402
 from sim.cluster import ClusterSpec, CoreSharing, RouterSpec, fitted_worker  # noqa: E402
 from sim.simulator import Simulation  # noqa: E402
@@ -164,10 +167,11 @@ def probe_passes(log_dir: Path, since_s: float, until_s: float) -> list[tuple[st
 
 def measure(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, args) -> Measured:
     num_prefill, num_decode = CONFIGS[name]
-    config = ClusterConfig(model=MODEL, http_port=free_port(), grpc_port=free_port(), num_threads=args.num_threads,
-                           colocated=num_prefill == 0, num_prefill_workers=max(1, num_prefill),
-                           num_decode_workers=num_decode, log_dir=args.log_dir / name,
-                           extra_worker_args=("--log-level", args.worker_log_level), **ENGINE)
+    config = ClusterConfig.from_options(model=MODEL, http_port=free_port(), grpc_port=free_port(),
+                                        num_threads=args.num_threads, colocated=num_prefill == 0,
+                                        num_prefill_workers=max(1, num_prefill), num_decode_workers=num_decode,
+                                        log_dir=args.log_dir / name, **ENGINE)
+    config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level=args.worker_log_level))
     with LocalCluster(config) as cluster:
         cluster.start()
         wait_for_cost_models(cluster.redis_url, num_prefill + num_decode)

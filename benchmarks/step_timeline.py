@@ -27,7 +27,7 @@ from engine.step_stats import StepStats  # noqa: E402
 from sim.adapter import step_size  # noqa: E402
 
 PASS = re.compile(r"pass: (\d+) tokens, (\d+) seqs, ([\d.]+) k attention pairs, forward ([\d.]+) ms, pass ([\d.]+) ms")
-CALIBRATED = re.compile(r"cost model calibrated: (\d+) passes")  # engine.worker_runtime's log line
+CALIBRATED = re.compile(r"cost model calibrated: (\d+) passes")  # worker.runtime's log line
 ALONE, SHARED = 0.1, 0.9  # a pass contended for < 10 % / > 90 % of its time
 MIN_FIT_PASSES = 8
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from launcher.local_cluster import free_port
+from launcher.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = REPO / "scripts" / "install_vllm.sh"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -30,25 +29,24 @@ from chaos.reference import references
 from chaos.schedule import Campaign, load_campaign
 from core.fault_injection import ENV_VAR
 from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port_run
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port_run
 
 console = Console()
 
 
 def cluster_config(campaign: Campaign, model: str, log_dir: Path) -> ClusterConfig:
-    """The campaign's ``cluster`` mapping as a ClusterConfig (ports picked free). Raises
-    ValueError naming an unknown field."""
-    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    """The campaign's ``cluster`` mapping (``tandem up``'s option names) as a ClusterConfig,
+    ports picked free. Raises ValueError naming an unknown option."""
     values = dict(campaign.cluster)
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"cluster: unknown field(s) {unknown}")
-    for name in ("extra_worker_args", "extra_router_args"):
-        if name in values:
-            values[name] = tuple(values[name])
     num_routers = int(values.get("num_routers", 1))  # router i on port + i: one run of free ports for all
     first = free_port_run(2 * num_routers)
-    return ClusterConfig(model=model, http_port=first, grpc_port=first + num_routers, log_dir=log_dir, **values)
+    try:
+        return ClusterConfig.from_options(**{"model": model, "http_port": first, "grpc_port": first + num_routers,
+                                             "log_dir": log_dir, **values})
+    except ValueError as err:
+        raise ValueError(f"cluster: {err}") from None
 
 
 def data_path(path: Path) -> Path:

@@ -46,7 +46,7 @@ def _load(model: str):
 
     hf_dir = ensure_hf_dir(resolve_model(model))
     # One thread: batch-1 generation of a small model gains little from more, and a multi-threaded
-    # torch on a loaded machine spins at its barriers (10-100x slower; launcher.local_cluster).
+    # torch on a loaded machine spins at its barriers (10-100x slower; launcher.commands.worker_threads).
     torch.set_num_threads(1)
     return AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 

@@ -17,8 +17,8 @@
 A fault runs when the scenario has run ``at_s`` seconds or its clients have received
 ``at_tokens`` tokens (exactly one of the two). ``do`` is one of :data:`FAULT_KINDS`; see
 chaos.faults for what each does and which fields it reads. ``cluster`` takes
-launcher.local_cluster.ClusterConfig fields; ``workload`` takes bench.workloads.WorkloadConfig
-fields plus ``concurrency`` (requests in flight, closed loop) and ``duration_s`` (send for that
+``tandem up``'s option names (launcher.config.ClusterConfig.from_options); ``workload`` takes
+bench.workloads.WorkloadConfig fields plus ``concurrency`` (requests in flight, closed loop) and ``duration_s`` (send for that
 long, cycling the workload; 0: each request once).
 """
 

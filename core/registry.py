@@ -21,6 +21,7 @@ from core.worker_load import LOAD_VERSION, WorkerLoad
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tandem:workers"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every service's --redis-url unless told otherwise
 ROLES = ("prefill", "decode", "pool")
 REDIS_TIMEOUT_S = 5.0  # connect and each command (generous: a loaded machine answers late)
 

@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import click
-
 from decode_worker.servicer import DecodeServicer
-from engine.worker_runtime import engine_options, serve_worker, split_config, worker_options
+from engine.config import EngineConfig
 from tandem.v1 import decode_worker_pb2_grpc
+from worker.cli import worker_command
+from worker.config import WorkerConfig
+from worker.runtime import serve_worker
 
 SERVICE_NAME = "tandem.v1.DecodeWorker"
+DEFAULT_PORT = 50071
 
 
 def _add(service, engine, connector) -> None:
     decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(engine, connector), service.server)
     swap = connector.swap_space()  # preempted KV goes to the pool when its nodes are fixed by flag
-    if swap is not None and engine.engine.config.preemption_mode == "swap":
-        engine.engine.use_swap_space(swap)
+    if swap is not None:
+        engine.use_swap_space(swap)
 
 
-@click.command(context_settings={"auto_envvar_prefix": "TANDEM_DECODE", "show_default": True})
-@worker_options(default_port=50071)
-@engine_options
-def main(**kwargs) -> None:
-    """Continuous-batching decode worker: loads prompt KV from the pool and streams tokens."""
-    worker, engine_config, log_level = split_config("decode", kwargs)
-    serve_worker(worker, engine_config, log_level, SERVICE_NAME, _add, save_kv_on_finish=False)
+@worker_command("decode", DEFAULT_PORT,
+                help="Continuous-batching decode worker: loads prompt KV from the pool and streams tokens.")
+def main(worker: WorkerConfig, engine: EngineConfig) -> None:
+    serve_worker("decode", worker, engine, SERVICE_NAME, _add, save_kv_on_finish=False)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from core.kv_cache_spec import KVCacheSpec
 from core.request import FinishReason, Request
 from core.worker_load import WorkerLoad
 from engine.engine import LLMEngine
+from engine.kv_connector.swap import SwapSpace
 from engine.outputs import ExternalKV, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,22 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """The engine's KV cache layout (what a manifest of another worker must match)."""
+        return self.engine.spec
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token (None: the model has none)."""
+        return self.engine.eos_token_id
+
+    def use_swap_space(self, swap_space: SwapSpace) -> None:
+        """Before :meth:`start`: preempted requests swap their KV into ``swap_space`` when the
+        engine's preemption mode is ``swap`` (else they recompute and this does nothing)."""
+        if self.engine.config.preemption_mode == "swap":
+            self.engine.use_swap_space(swap_space)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

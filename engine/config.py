@@ -5,67 +5,73 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.kv_cache_spec import DTYPE_BYTES
-from core.model_source import DEFAULT_MODEL
+from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
+from core.settings import setting
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch")  # engine.model.linear.LINEAR_BACKEND_CHOICES
 SCHEDULING_POLICIES = ("continuous", "static")
+PREEMPTION_MODES = ("swap", "recompute")
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Sizes and switches of one engine (a prefill or a decode worker's model + KV cache).
+    """Sizes and switches of one engine (a prefill or a decode worker's model + KV cache): each
+    field's default and help text are the workers' ``--flag`` and ``tandem up``'s (core.settings).
 
     Raises:
         ValueError: quoting the offending value.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    # Tokens per KV block.
-    block_size: int = 16
-    # Blocks in this worker's paged KV cache.
-    num_kv_blocks: int = 512
-    # Most requests in one step's batch.
-    max_num_seqs: int = 64
-    # Token budget of one step (Sarathi-Serve); prompts are chunked to fit.
-    max_num_batched_tokens: int = 2048
-    # Longest prompt + output.
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    # Reuse the KV of identical prompt prefixes in this worker's cache (vLLM prefix caching).
-    enable_prefix_caching: bool = True
+    model: str = setting(DEFAULT_MODEL, "Bundled name, .gguf file or HF folder.")
+    dtype: str = setting("float32", "Weights and KV cache.", choices=DTYPES)
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    block_size: int = setting(16, "Tokens per KV block.")
+    num_kv_blocks: int = setting(1024, "Blocks in this worker's paged KV cache.")
+    max_num_seqs: int = setting(64, "Most requests in one step's batch.")
+    max_num_batched_tokens: int = setting(2048, "Token budget of one step (Sarathi-Serve); prompts are chunked "
+                                                "to fit.")
+    max_model_len: int = setting(DEFAULT_MAX_MODEL_LEN, "Longest prompt + output in tokens; at most the model's "
+                                                        "max_position_embeddings.")
+    enable_chunked_prefill: bool = setting(True, "Split prompts over steps to fit the token budget.")
+    enable_prefix_caching: bool = setting(True, "Reuse the KV of identical prompt prefixes in this worker's cache "
+                                                "(vLLM prefix caching).")
     # "continuous": requests join and leave at every step (Orca); "static": a batch is admitted
     # only when the previous one has completely finished (request-level batching, the baseline).
-    scheduling_policy: str = "continuous"
+    scheduling_policy: str = setting("continuous", "continuous (Orca) or static batching (the baseline).",
+                                     choices=SCHEDULING_POLICIES)
     # Decode steps run per scheduling decision (vLLM multi-step); 1 schedules every step.
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = setting(1, "Decode passes per scheduling decision (multi-step).")
     # Prepare step k+1 (admission, allocation, input tensors) while step k runs (SGLang's
     # overlap scheduler); tokens sampled by step k are patched in when it completes.
-    enable_overlap: bool = False
+    enable_overlap: bool = setting(False, "Schedule step k+1 while step k runs.")
     # What preemption does with the victim's KV: "swap" it out (to the KV pool on a worker with
     # one, else host memory) and load it back on resume, or "recompute" it.
-    preemption_mode: str = "swap"
-    # Host-memory swap space when no pool is attached.
-    swap_space_bytes: int = 1 << 30
-    # "auto": triton on CUDA, cpu elsewhere; "torch" is the readable reference.
-    attention_backend: str = "auto"
+    preemption_mode: str = setting("swap", "A preempted request's KV: swapped to the pool (or host memory) or "
+                                           "recomputed.", choices=PREEMPTION_MODES)
+    swap_space_bytes: int = setting(1 << 30, "Host-memory swap space when no pool is attached.", byte_size=True)
+    attention_backend: str = setting("auto", "auto: triton on CUDA, cpu elsewhere; torch is the readable "
+                                             "reference.", choices=ATTENTION_BACKENDS)
     # Run the model eagerly (True) or torch.compile'd per layer (False); None: compiled on CUDA,
     # eager on the CPU, where the compiled forward measured no faster (its GEMMs and attention
     # are opaque MKL / C calls either way, and the custom-op boundaries cost what fusing the
     # elementwise ops saves; docs/bench.md).
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = setting(
+        None, "Eager model (--enforce-eager) or torch.compile'd per layer (--no-enforce-eager; ~5-10 s on the "
+              "first start, cached afterwards). Default: compiled on CUDA, eager on the CPU, where compiling "
+              "measured no faster.")
     # GEMM backend of the linear layers (engine.model.linear): "auto" measures the candidates on
     # the model's shapes once per machine and keeps the fastest per shape and M bucket; "onednn",
     # "mkl" or "torch" forces one wherever it can run.
-    linear_backend: str = "auto"
-    # torch intra-op threads; 0 leaves torch's default.
-    num_threads: int = 0
-    # Seed of the generator used by requests without their own seed.
-    seed: int = 0
+    linear_backend: str = setting("auto", "GEMM backend of the linear layers; auto measures them once per machine "
+                                          "on the model's shapes and keeps the fastest per shape and batch size.",
+                                  choices=LINEAR_BACKEND_CHOICES)
+    num_threads: int = setting(0, "torch intra-op threads (0: torch's default).")
+    seed: int = setting(0, "Seed of the generator used by requests without their own seed.")
     # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = setting(1, "Rank processes sharding the model (one GPU each on CUDA; gloo on the "
+                                           "CPU). --num-threads is per rank.")
 
     @property
     def compiled(self) -> bool:
@@ -79,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if self.preemption_mode not in ("swap", "recompute"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

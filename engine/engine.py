@@ -267,7 +267,7 @@ class LLMEngine:
 
     def stats(self) -> WorkerLoad:
         """A snapshot of the load; refits the cost model when due (engine thread only). The
-        KV-load bandwidth is the worker's to fill in (engine.worker_runtime.worker_load)."""
+        KV-load bandwidth is the worker's to fill in (worker.stats.worker_load)."""
         sched = self.scheduler
         last = self.step_stats.last
         num_used_blocks, num_free_blocks = sched.block_usage()

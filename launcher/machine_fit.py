@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.settings import quantity_bytes as quantity
 from launcher.model_shape import ModelShape
-from launcher.values import quantity_bytes as quantity
 
 MIB, GIB = 1 << 20, 1 << 30
 # Resident memory of each process beside its weights, KV cache and arena (Python, torch,
@@ -119,13 +119,6 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes:.1f} TiB"
 
 
-def _flag(args: Iterable[str], name: str, default: str) -> str:
-    """The value after the last ``name`` in ``args`` (a repeated flag: the last one counts)."""
-    args = list(args)
-    found = [i for i, a in enumerate(args) if a == name and i + 1 < len(args)]
-    return args[found[-1] + 1] if found else default
-
-
 def worker_need(role: str, count: int, tp: int, num_kv_blocks: int, block_size: int, shape: ModelShape, dtype: str,
                 flags: str, on_gpu: bool = False) -> Need:
     """``count`` workers of ``role`` with ``tp`` ranks each (each rank a process). ``on_gpu``:
@@ -141,21 +134,22 @@ def worker_need(role: str, count: int, tp: int, num_kv_blocks: int, block_size: 
 
 
 def cluster_needs(config, shape: ModelShape, workers_on_gpu: bool = False) -> tuple[Need, ...]:
-    """What every process of ``config`` (a launcher.local_cluster.ClusterConfig) takes."""
-    dtype = _flag(config.extra_worker_args, "--dtype", "float32")
+    """What every process of ``config`` (a launcher.config.ClusterConfig) takes."""
+    dtype = config.engine.dtype
+    block_size = config.engine.block_size
     needs = []
     for role in config.worker_roles:
         count = config.num_prefill_workers if role == "prefill" else config.num_decode_workers
         tp = config.tensor_parallel_size(role)
-        blocks = config.prefill_num_kv_blocks if role == "prefill" and config.prefill_num_kv_blocks \
-            else config.num_kv_blocks
+        blocks = config.engine_config(role).num_kv_blocks
         block_flag = "--prefill-num-kv-blocks" if role == "prefill" and config.prefill_num_kv_blocks else "--num-kv-blocks"
-        flags = (f"--num-{role}-workers {count}, {block_flag} {blocks}, --block-size {config.block_size}, --dtype {dtype}"
+        flags = (f"--num-{role}-workers {count}, {block_flag} {blocks}, --block-size {block_size}, --dtype {dtype}"
                  + (f", --{role}-tp {tp}" if tp > 1 else ""))
-        needs.append(worker_need(role, count, tp, blocks, config.block_size, shape, dtype, flags, workers_on_gpu))
-    needs.append(Need("KV pool nodes", config.num_pool_nodes, config.pool_capacity_bytes + PROCESS_BYTES["kv_pool"],
-                      (("DRAM arena", config.pool_capacity_bytes), ("process", PROCESS_BYTES["kv_pool"])),
-                      f"--num-pool-nodes {config.num_pool_nodes}, --pool-capacity-bytes {config.pool_capacity_bytes}"))
+        needs.append(worker_need(role, count, tp, blocks, block_size, shape, dtype, flags, workers_on_gpu))
+    arena = config.pool.capacity_bytes
+    needs.append(Need("KV pool nodes", config.num_pool_nodes, arena + PROCESS_BYTES["kv_pool"],
+                      (("DRAM arena", arena), ("process", PROCESS_BYTES["kv_pool"])),
+                      f"--num-pool-nodes {config.num_pool_nodes}, --pool-capacity-bytes {arena}"))
     needs.append(Need("routers", config.num_routers, PROCESS_BYTES["router"], (("process", PROCESS_BYTES["router"]),),
                       f"--num-routers {config.num_routers}"))
     if not config.redis_url:
@@ -198,8 +192,8 @@ def free_bytes(path: str | Path) -> int | None:
 
 def check(config, shape: ModelShape, workers_on_gpu: bool = False, available_bytes: int | None = None) -> Fit:
     """The fit of ``config`` on this machine (``available_bytes``: instead of measuring it)."""
-    nvme_path = _flag(config.extra_pool_args, "--nvme-path", "")
-    nvme_each = int(_flag(config.extra_pool_args, "--nvme-capacity-bytes", "0")) if nvme_path else 0
+    nvme_path = config.pool.nvme_path
+    nvme_each = config.pool.nvme_capacity_bytes if nvme_path else 0
     shm = Path("/dev/shm")
     return Fit(cluster_needs(config, shape, workers_on_gpu),
                available_memory_bytes() if available_bytes is None else available_bytes,

@@ -6,47 +6,12 @@ from __future__ import annotations
 
 import errno
 import json
-import re
 import socket
 from pathlib import Path
-
-import click
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3, "t": 1024**4,
-          "tib": 1024**4}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class PreflightError(ValueError):
     """A setting ``tandem up`` cannot start with; the message is one line for the user."""
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes of ``2GiB``, ``512MiB``, ``1.5GB``, ``64k`` or a plain number (KiB/K binary, KB decimal).
-
-    Raises:
-        ValueError: not a size.
-    """
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; use bytes or a unit: 2GiB, 512MiB, 1.5GB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-class ByteSize(click.ParamType):
-    """A click option taking sizes like ``2GiB`` (see :func:`parse_bytes`)."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_bytes(value)
-        except ValueError as err:
-            self.fail(str(err), param, ctx)
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:

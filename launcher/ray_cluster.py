@@ -2,10 +2,11 @@
 
 Each service (KV pool, prefill worker, decode worker, router) runs in its own Ray actor, which
 starts it as a subprocess ``python -m <package> <flags>`` — the same argv as the local launcher
-(:func:`launcher.local_cluster.service_argv`). The workers request one GPU each when the Ray
+(:func:`launcher.commands.service_argv`). The workers request one GPU each when the Ray
 cluster has GPUs (and then run with ``--device cuda``), else an explicit CPU budget; the pool and
 the router request no resources. Redis is a redis-server started by this process (or
-``config.redis_url``). Health is checked from this process with the local launcher's checks.
+``config.redis_url``). Health is checked from this process with the local launcher's probes
+(launcher.readiness).
 
 Without ``address`` a local Ray instance is started and the services bind ``config.host``; with
 ``address`` (an existing cluster) every service binds the IP of the node Ray placed it on, and the
@@ -18,8 +19,8 @@ local launcher's policy (launcher.supervisor); an actor that dies (its node lost
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,16 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.local_cluster import (
-    ClusterConfig,
-    LocalCluster,
-    _die_with_parent,
-    _grpc_ready,
-    _http_ready,
-    service_argv,
-    service_env,
-    worker_threads,
-)
+from launcher import processes
+from launcher.commands import service_argv, service_env, worker_threads
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.readiness import grpc_ready, http_ready
 from launcher.supervisor import ServiceExited, StartInterrupted, Supervisor
 
 ACTOR_START_TIMEOUT_S = 120.0  # an actor not placed by then: the cluster lacks the resources
@@ -68,13 +64,7 @@ class ServiceHost:
     def start(self, argv: list[str], env: dict[str, str], note: str = "") -> int:
         """Starts the service; its log truncated, or (a restart) with ``note`` appended."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab" if note else "wb") as log_file:
-            log_file.write(note.encode())
-            log_file.flush()
-            self.process = subprocess.Popen(
-                argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent, env={**os.environ, **env},
-            )
+        self.process = processes.spawn(argv, env, self.log_path, note)
         return self.process.pid
 
     def poll(self) -> int | None:
@@ -90,14 +80,7 @@ class ServiceHost:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        return self.process.returncode
+        return processes.stop(self.process, timeout_s)
 
 
 @dataclass
@@ -198,18 +181,19 @@ class RayCluster:
 
         self._launch(pool, lambda py, h, port: service_argv(c, "kv_pool", py, h, port, self.redis_url), {},
                      on_progress, timeout_s)
-        extra = ("--device", "cuda") if self.use_gpus and "--device" not in c.extra_worker_args else ()
+        if self.use_gpus and c.engine.device == "cpu":  # the default: these workers get a GPU each
+            c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, device="cuda"))
         for worker in workers:
             def argv(py, h, port, role=worker.name):
-                return [*service_argv(c, role, py, h, port, self.redis_url, pool_address=pool.address,
-                                      num_threads=threads[role]), *extra]
+                return service_argv(c, role, py, h, port, self.redis_url, pool_address=pool.address,
+                                    num_threads=threads[role])
 
             rank_threads = c.rank_threads(worker.name, threads[worker.name])
             self._launch(worker, argv, {"OMP_NUM_THREADS": str(rank_threads)}, None, timeout_s)
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
         self.http_url = f"http://{host or router.node_ip}:{c.http_port}"
-        router.ready = _http_ready(f"{self.http_url}/health")
+        router.ready = http_ready(f"{self.http_url}/health")
         self._launch(router, lambda py, h, port: service_argv(c, "router", py, h, port, self.redis_url), {},
                      on_progress, timeout_s)
 
@@ -237,7 +221,7 @@ class RayCluster:
             service.node_ip, service.actor_pid, service.python = info["node_ip"], info["pid"], info["python"]
             port = self.config.grpc_port if service.name == "router" else info["port"]
             service.address = f"{host or info['node_ip']}:{port}"
-            service.ready = _grpc_ready(service.address)
+            service.ready = grpc_ready(service.address)
             if service.name == "router":
                 self.grpc_address = service.address
             else:

@@ -14,8 +14,8 @@ from core.request import Request
 from engine.async_engine import AsyncEngine
 from core.pool_ring import HashRing
 from engine.kv_connector import KVConnector, KVLoadError, Manifest
-from engine.worker_runtime import stats_response
 from tandem.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+from worker.stats import stats_response
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         """True when the request's own stop rule ends it at its first token (max_tokens 1, or a
         stop token past min_tokens): the router then streams it and decodes nothing."""
         probe = Request(request.request_id, list(request.prompt_token_ids), params,
-                        eos_token_id=self.engine.engine.eos_token_id)
+                        eos_token_id=self.engine.eos_token_id)
         return probe.append_output_token(first_token_id) is not None
 
     async def _prefill(self, request: Request, ring: HashRing, started: float):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.model_source import DEFAULT_MODEL
+from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
+from core.registry import DEFAULT_REDIS_URL
+from core.settings import setting
 
 # router.placement.policies's names, repeated so that the configuration imports no policy code.
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
@@ -14,7 +16,8 @@ DEFAULT_OPEN_PATHS = ("/health", "/metrics")  # HTTP paths served without an API
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Where the router listens, which model it serves and its limits.
+    """Where the router listens, which model it serves and its limits; each field's default and
+    help text are ``python -m router``'s ``--flag`` and ``tandem up``'s (core.settings).
 
     Attributes:
         host: interface both servers bind.
@@ -46,25 +49,30 @@ class RouterConfig:
         ValueError: on any out-of-range value, quoting it.
     """
 
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50050
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    model: str = DEFAULT_MODEL
-    served_model_name: str = ""
-    max_model_len: int = 2048
-    default_max_tokens: int = 16
-    request_timeout_s: float = 600.0
-    worker_refresh_interval_s: float = 0.5
-    shutdown_grace_s: float = 5.0
-    routing_policy: str = "predicted_latency"
-    disaggregation: str = "auto"
-    ttft_slo_s: float = 0.0
-    tbt_slo_s: float = 0.0
-    max_queue_s: float = 0.5
-    prefix_cache_blocks: int = 8192
-    api_keys: tuple[str, ...] = ()
-    open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS
+    host: str = setting("127.0.0.1", "Interface both servers bind.")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port (0 picks a free one).")
+    grpc_port: int = setting(50050, "tandem.v1.Router gRPC port (0 picks a free one).")
+    redis_url: str = setting(DEFAULT_REDIS_URL, "Control-plane Redis (worker registry).")
+    model: str = setting(DEFAULT_MODEL, "Bundled model name, .gguf file or HF folder.")
+    served_model_name: str = setting("", "The name clients send as `model` (default: the model's).")
+    max_model_len: int = setting(DEFAULT_MAX_MODEL_LEN, "Context limit in tokens.")
+    default_max_tokens: int = setting(16, "max_tokens of a completion that omits it (a chat may use the rest of "
+                                          "the context).")
+    request_timeout_s: float = setting(600.0, "Deadline of one request's worker calls.")
+    worker_refresh_interval_s: float = setting(0.5, "How often the worker view is re-read from Redis.")
+    shutdown_grace_s: float = setting(5.0, "How long in-flight requests may run on after SIGTERM.")
+    routing_policy: str = setting("predicted_latency", "How the router places requests on workers.",
+                                  choices=ROUTING_POLICIES)
+    disaggregation: str = setting("auto", "auto: prefill on the decode worker when the router predicts it faster; "
+                                          "always; never (colocated).", choices=DISAGGREGATION_MODES)
+    ttft_slo_s: float = setting(0.0, "TTFT SLO in seconds for placement and admission (0: none).")
+    tbt_slo_s: float = setting(0.0, "Time-between-tokens SLO in seconds (0: none).")
+    max_queue_s: float = setting(0.5, "Refuse (429) a request that cannot meet the SLOs only when the queue ahead "
+                                      "takes longer than this.")
+    prefix_cache_blocks: int = setting(8192, "Blocks remembered per worker in the prefix view.")
+    api_keys: tuple[str, ...] = setting((), option=False)  # secrets: --api-key, its env var or a file
+    open_paths: tuple[str, ...] = setting(DEFAULT_OPEN_PATHS, "HTTP paths served without an API key, "
+                                                              "comma-separated ('' for none).")
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):

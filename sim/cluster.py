@@ -51,7 +51,7 @@ class RouterSpec:
     disaggregation: str = "auto"
     slo: SLO = field(default_factory=SLO)  # the router's (admission, placement); 0: none
     max_queue_s: float = 0.5
-    heartbeat_interval_s: float = 1.0  # as engine.worker_runtime.WorkerConfig
+    heartbeat_interval_s: float = 1.0  # as worker.config.WorkerConfig
     # Candidates per role handed to the policy: the least loaded ``max_candidates`` (0: all).
     # predicted_latency scores every (prefill, decode) pair; at 64 x 64 that is 4096 pairs a request.
     max_candidates: int = 0
@@ -68,7 +68,7 @@ class RouterSpec:
 @dataclass(frozen=True)
 class CoreSharing:
     """Workers that share one machine's CPU cores, as ``tandem up`` runs them (each with the
-    threads the launcher gives its role, launcher.local_cluster.worker_threads): a step that starts
+    threads the launcher gives its role, launcher.commands.worker_threads): a step that starts
     while other workers are busy runs slower, by processor sharing of the busy threads over the
     cores (``slowdown``). None in ClusterSpec: every worker has its own device (GPUs).
 

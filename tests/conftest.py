@@ -1,18 +1,42 @@
-"""Fixtures shared by every test: free ports, polling with a deadline, a private Redis server."""
+"""Fixtures shared by every test: free ports, polling with a deadline, a private Redis server.
+
+Cheap on purpose (no torch, no first-party import): a router test loads only what it uses.
+Heavy fixtures live next to their tests (tests/e2e/conftest.py: the shared cluster;
+tests/integration/conftest.py: the shared model).
+"""
 
 from __future__ import annotations
 
-import launcher  # noqa: F401  (first: disables grpc fork handlers before grpc loads; see its docstring)
-
+import importlib.util
 import os
+from pathlib import Path
 
-import torch
+# Tests start servers as subprocesses from a process that talks gRPC: grpcio's fork handlers
+# would abort those children before exec (see launcher/__init__.py); set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+
+def _cuda_build() -> bool:
+    """Whether the installed torch is built with CUDA, read from torch/version.py without
+    importing torch (a CPU build says ``cuda = None``)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    return "cuda: Optional[str] = None" not in version.read_text() if version.exists() else True
+
 
 # Triton picks compiled or interpreted per function when a module is first imported, and
 # torch._dynamo imports triton itself: without a GPU, switch the interpreter on before any test
-# module loads (tests/unit/engine/kernels need it; a test importing torch._dynamo first broke them).
-if not torch.cuda.is_available():
+# module loads (tests/unit/engine/kernels need it; a test importing torch._dynamo first broke
+# them). Only a CUDA build of torch is asked (that import costs ~1 s) whether a GPU is there.
+if not _cuda_build():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil
 import socket

@@ -9,7 +9,7 @@ import functools
 from pathlib import Path
 
 from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher.prompts import BUILTIN_PROMPTS
+from bench.prompts import BUILTIN_PROMPTS
 
 PROMPTS = BUILTIN_PROMPTS  # eight real prompts written for Tandem's tests and demo
 

@@ -4,7 +4,8 @@ It owns where the pool is (:class:`PoolLocator`: the ring of pool nodes), how by
 (:class:`PoolIO`: a transfer backend per node, checksums written and verified), the pool -> worker
 bandwidth meter the router's cost model reads, and the release of every request it touched.
 Operations: load a cached prefix, load a manifest, save a prompt's blocks, swap out / swap in
-(:meth:`swap_space`), release.
+(:meth:`swap_space`), release; and for a decode worker, :meth:`load_for_decode`: which of the
+three ways a request arrives (engine.kv_connector.decode_start) and what its KV start is.
 
 Who releases a request's pool state (leases and request-scoped blocks; docs/design.md §5)
 -------------------------------------------------------------------------------------
@@ -47,6 +48,8 @@ from core.block_key import BlockKey
 from core.cost_model import BandwidthMeter
 from core.kv_cache_spec import KVCacheSpec
 from core.pool_ring import HashRing
+from core.request import Request
+from engine.kv_connector.decode_start import DecodeStart, append_outputs
 from engine.kv_connector.load_failure import MISSING, UNREACHABLE, KVLoadError, KVLoadFailures
 from engine.kv_connector.locator import PoolLocator
 from engine.kv_connector.manifest import Manifest
@@ -159,6 +162,47 @@ class KVConnector:
         self.failures.failed("manifest", missing, request_id)
         # Recompute the rest only: the blocks before the gap are verified full blocks.
         return ExternalKV(len(payloads) * self.spec.block_size, payloads) if payloads else None
+
+    async def load_for_decode(self, request: Request, start: DecodeStart) -> ExternalKV | None:
+        """Takes a Decode RPC's request over and returns the KV the engine starts it from:
+
+        - disaggregated: appends the first token; when that ends the request, releases the
+          manifest's pool state (None); else :meth:`load_manifest`;
+        - resumed: appends the output tokens so far; unless that ends the request,
+          :meth:`load_resumed` (the longest stored prefix of prompt + outputs);
+        - colocated: None (the engine prefills).
+
+        ``request.is_finished`` afterwards: it ended before any step (answer Finished at once).
+        Mutates ``request`` (its output tokens).
+
+        Raises:
+            ValueError: the pieces do not fit together, the manifest is of another KV spec, or
+                the outputs run past the request's end; nothing was taken over (:meth:`refuse`).
+            KVLoadError: the load failed and the policy is ``fail``; the request is released.
+        """
+        start.validate(self.spec, request.num_prompt_tokens)
+        rid = request.request_id
+        if start.manifest is not None:
+            if request.append_output_token(start.first_token_id) is not None:
+                await self.drop_manifest(rid, start.manifest)
+                return None
+            return await self.load_manifest(rid, start.manifest)
+        if not start.output_token_ids:
+            return None
+        append_outputs(request, start.output_token_ids)
+        if request.is_finished:
+            return None
+        external = await self.load_resumed(rid, request.all_token_ids)
+        log.info("resuming after %d output tokens: %d of %d tokens loaded from the pool, the rest recomputed",
+                 request.num_output_tokens, external.num_tokens if external else 0, request.num_tokens,
+                 extra={"request_id": rid})
+        return external
+
+    async def refuse(self, request_id: str, start: DecodeStart) -> None:
+        """Releases what a refused Decode RPC handed over (a manifest's pool state: this worker
+        got it, no one else will release it early)."""
+        if start.manifest is not None:
+            await self.drop_manifest(request_id, start.manifest)
 
     async def drop_manifest(self, request_id: str, manifest: Manifest) -> None:
         """Takes the request over and releases it without loading (it ended with its first token,

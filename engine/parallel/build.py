@@ -30,7 +30,7 @@ def _reraise(err: RankFailure) -> None:
 @dataclass
 class TensorParallel:
     """Rank 0's handle on its worker's ranks. ``on_failure(err)`` runs when a collective fails
-    (default: the error propagates; a served worker exits instead, see engine.worker_runtime)."""
+    (default: the error propagates; a served worker exits instead, see worker.runtime)."""
 
     group: RankGroup
     layout: ShardLayout

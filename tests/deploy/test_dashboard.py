@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from kv_pool.block_types import PoolStats
 from kv_pool.metrics import PoolMetrics
 from core.kv_transfer.metered import TransferMetrics
-from engine.worker_metrics import WorkerCollector
+from worker.metrics import WorkerCollector
 from router.cluster_metrics import ClusterCollector
 from router.metrics import RouterMetrics
 from tests.deploy.test_manifests import CHART, DEPLOY, REPO, helm_template

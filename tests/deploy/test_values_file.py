@@ -4,14 +4,15 @@ threads or devices), and the same number of processes per role."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from pathlib import Path
 
 import pytest
 
-from launcher.cli import _prepare, up
-from launcher.local_cluster import service_argv
-from launcher.values import load_values, quantity_bytes
+from tandem_cli.up import _prepare, up
+from launcher.commands import service_argv
+from tandem_cli.values import load_values, quantity_bytes
 from tests.deploy.test_manifests import DEPLOY, SERVICES, env_of, helm_template, tandem_containers
 from tests.deploy.test_manifests import tools  # noqa: F401  (the fixture)
 
@@ -40,17 +41,12 @@ def _same(a: str, b: str) -> bool:
         return a == b
 
 
-def argv_flags(argv: list[str]) -> dict[str, str]:
-    """``--flag value`` pairs of an argv (a flag followed by another flag is a switch: "")."""
-    flags, i = {}, 0
-    while i < len(argv):
-        if argv[i].startswith("--"):
-            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            flags[argv[i][2:]] = argv[i + 1] if has_value else ""
-            i += 2 if has_value else 1
-        else:
-            i += 1
-    return flags
+def effective_flags(argv: list[str]) -> dict[str, str]:
+    """Every flag's value as the service started with ``argv`` (``python -m <module> ...``)
+    reads it: the argv, else its own default (the launchers pass only what differs from it)."""
+    command = importlib.import_module(f"{argv[2]}.__main__").main
+    params = command.make_context(argv[2], argv[3:]).params
+    return {name.replace("_", "-"): str(value) for name, value in params.items()}
 
 
 def chart_flags(objects: list[dict]) -> dict[str, tuple[int, dict[str, str]]]:
@@ -82,13 +78,13 @@ def local_commands(args: list[str]) -> tuple[object, dict[str, list[dict[str, st
     named = [p.name for p in inspect.signature(up.callback).parameters.values() if p.kind is not p.VAR_KEYWORD]
     for name in named:  # up()'s own parameters; the rest is what _prepare reads
         params.pop(name)
-    config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
-    commands = {"kv_pool": [argv_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
-                "router": [argv_flags(service_argv(config, "router", "python", "h", config.router_ports(name)[1], "r",
+    config, _, _ = _prepare(params, None, 8, False, check_ports=False)
+    commands = {"kv_pool": [effective_flags(service_argv(config, "kv_pool", "python", "h", 1, "r")) for _ in config.pool_names],
+                "router": [effective_flags(service_argv(config, "router", "python", "h", config.router_ports(name)[1], "r",
                                                    http_port=config.router_ports(name)[0]))
                            for name in config.router_names]}
     for _, role in config.worker_names:
-        commands.setdefault(f"{role}_worker", []).append(argv_flags(service_argv(config, role, "python", "h", 1, "r")))
+        commands.setdefault(f"{role}_worker", []).append(effective_flags(service_argv(config, role, "python", "h", 1, "r")))
     return config, commands
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+
+from launcher.local_cluster import LocalCluster
+
+from launcher.ports import free_port
 from tandem.v1 import decode_worker_pb2_grpc, kv_pool_pb2, kv_pool_pb2_grpc, prefill_worker_pb2, prefill_worker_pb2_grpc
 from tests.conftest import poll_until
 
@@ -57,13 +61,13 @@ class ClusterProbe:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
         num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512,
         log_dir=tmp_path_factory.mktemp("cluster-logs"),
         # These tests check the disaggregated path (pool hits, manifests): no conditional
         # colocation of repeated prompts the decode worker already holds (docs/routing.md).
-        extra_router_args=("--disaggregation", "always"),
+        disaggregation="always",
     )
     with LocalCluster(config) as c:
         c.start()

@@ -12,7 +12,11 @@ import httpx
 import pytest
 import redis
 
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+
+from launcher.local_cluster import LocalCluster
+
+from launcher.ports import free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests import reference
 from tests.conftest import poll_until
@@ -27,10 +31,10 @@ TTFT_SLO_S, MAX_QUEUE_S = 0.05, 0.05  # no prefill on this CPU takes 50 ms: only
 
 @pytest.fixture(scope="module")
 def slo_cluster(tmp_path_factory):
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model=MODEL, http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE, num_kv_blocks=256,
         max_model_len=1024, max_num_batched_tokens=512, log_dir=tmp_path_factory.mktemp("admission-logs"),
-        extra_router_args=("--ttft-slo-s", str(TTFT_SLO_S), "--max-queue-s", str(MAX_QUEUE_S)),
+        ttft_slo_s=TTFT_SLO_S, max_queue_s=MAX_QUEUE_S,
     )
     with LocalCluster(config) as cluster:
         cluster.start()

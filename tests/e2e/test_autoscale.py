@@ -13,7 +13,9 @@ import pytest
 
 from autoscaler.local import LocalAutoscaler
 from autoscaler.policy import AutoscaleConfig
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from tandem.v1 import decode_worker_pb2_grpc, prefill_worker_pb2
 from tests.conftest import poll_until
 
@@ -25,10 +27,10 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = ClusterConfig(model=MODEL, http_port=free_port(), grpc_port=free_port(), num_kv_blocks=28,
+    config = ClusterConfig.from_options(model=MODEL, http_port=free_port(), grpc_port=free_port(), num_kv_blocks=28,
                            max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256, colocated=True,
                            log_dir=tmp_path_factory.mktemp("autoscale-logs"),
-                           extra_worker_args=("--no-enable-prefix-caching",))
+                           enable_prefix_caching=False)
     with LocalCluster(config) as c:
         c.start()
         yield c

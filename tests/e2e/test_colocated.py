@@ -10,7 +10,11 @@ import httpx
 import openai
 import pytest
 
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+
+from launcher.local_cluster import LocalCluster
+
+from launcher.ports import free_port
 from tandem.v1 import decode_worker_pb2_grpc, prefill_worker_pb2
 from tests import reference
 from tests.conftest import poll_until
@@ -21,7 +25,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), num_kv_blocks=128,
         max_model_len=512, max_num_batched_tokens=32, colocated=True,  # a budget that chunks every prompt
         log_dir=tmp_path_factory.mktemp("colocated-logs"),

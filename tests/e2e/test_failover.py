@@ -22,7 +22,9 @@ import openai
 import pytest
 
 from kv_pool.config import PoolConfig
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests import reference
 from tests.conftest import poll_until
@@ -49,7 +51,7 @@ def references() -> None:
 @pytest.fixture
 def two_by_two(references, tmp_path):
     """A fresh cluster of 2 prefill + 2 decode workers (each test kills one of them)."""
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model=MODEL, http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE, num_kv_blocks=256,
         max_model_len=1024, max_num_batched_tokens=512, num_prefill_workers=2, num_decode_workers=2,
         log_dir=tmp_path / "logs",

@@ -16,7 +16,11 @@ import os
 
 import pytest
 
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+
+from launcher.local_cluster import LocalCluster
+
+from launcher.ports import free_port
 from tandem.v1 import common_pb2, kv_pool_pb2, router_pb2
 from tests import reference
 from tests.conftest import poll_until
@@ -45,10 +49,10 @@ def transfer_cluster(log_dir, env: dict[str, str]):
     """A disaggregated cluster whose services see ``env`` (restored once they are started)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # inherited by the services LocalCluster spawns
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
         num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=256, pool_capacity_bytes=256 * 1024**2,
-        log_dir=log_dir, extra_router_args=("--disaggregation", "always"),
+        log_dir=log_dir, disaggregation="always",
     )
     try:
         with LocalCluster(config) as c:

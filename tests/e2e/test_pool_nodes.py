@@ -17,7 +17,9 @@ import redis
 
 from core.grpc_service import insecure_channel
 from kv_pool.index_mirror import INDEX_KEY_PREFIX, parse_index_value
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from tandem.v1 import common_pb2, kv_pool_pb2, kv_pool_pb2_grpc, router_pb2
 from tests import reference
 from tests.conftest import poll_until
@@ -45,11 +47,11 @@ def index_nodes(rdb: redis.Redis) -> set[str]:
 @pytest.fixture(scope="module")
 def two_node_cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("two-pool-logs")
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
         num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=256, pool_capacity_bytes=256 * 1024**2,
         log_dir=log_dir,
-        extra_worker_args=("--pool-address", ""),  # the last flag wins: workers find pools in Redis
+        pools_from_registry=True,  # workers find the pool nodes in Redis: the second one joins
     )
     with LocalCluster(config) as cluster:
         cluster.start()

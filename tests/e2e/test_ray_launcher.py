@@ -12,7 +12,9 @@ import httpx
 import psutil
 import pytest
 
-from launcher.local_cluster import ClusterConfig, free_port
+from launcher.config import ClusterConfig
+
+from launcher.ports import free_port
 from tests import reference
 from tests.conftest import poll_until
 
@@ -46,7 +48,7 @@ def test_ray_cluster_serves_greedy_completion_and_stops_everything(tmp_path):
 
     ids = reference.tokenizer()(PROMPT)["input_ids"]
     expected = reference.tokenizer().decode(reference.hf_greedy(ids, MAX_TOKENS))
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(),
         num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=512, log_dir=tmp_path,
     )

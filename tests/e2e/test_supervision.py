@@ -15,7 +15,9 @@ import pytest
 import redis
 
 from core.registry import worker_key
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from launcher.supervisor import RestartPolicy
 from tandem.v1 import common_pb2
 from tests import reference
@@ -45,7 +47,7 @@ def _router_healthy(cluster: LocalCluster) -> bool:
 def test_killed_decode_worker_is_restarted_on_its_port_and_serves_the_greedy_answer(tmp_path):
     ids = reference.tokenizer()(PROMPT)["input_ids"]
     expected = reference.hf_greedy(ids, MAX_TOKENS)
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), num_kv_blocks=128,
         max_model_len=512, max_num_batched_tokens=512, log_dir=tmp_path,
         restart=RestartPolicy(initial_backoff_s=0.1),

@@ -14,8 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from launcher import cluster_record
-from launcher.local_cluster import free_port
+from core import cluster_record
+from launcher.ports import free_port
 from tests.conftest import poll_until
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
         )
         assert curl.returncode == 0, curl.stderr
         assert "Paris" in httpx.Response(200, content=curl.stdout).json()["choices"][0]["text"]
-        # tandem status finds this cluster without --url (launcher.cluster_record), until it stops
+        # tandem status finds this cluster without --url (core.cluster_record), until it stops
         ours = [r for r in cluster_record.running() if r.pid == proc.pid]
         assert [r.urls for r in ours] == [(f"http://127.0.0.1:{http_port}",)]
         proc.send_signal(signal.SIGINT)
@@ -61,7 +61,7 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
 
 def test_ctrl_c_during_start_up_starts_nothing_more(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+        [sys.executable, "-m", "tandem_cli", "up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
          "--num-kv-blocks", "128", "--max-model-len", "512", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
     )

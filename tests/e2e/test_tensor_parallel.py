@@ -16,7 +16,9 @@ import pytest
 import redis
 
 from core.registry import KEY_PREFIX
-from launcher.local_cluster import ClusterConfig, LocalCluster, free_port
+from launcher.config import ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests import reference
 from tests.conftest import poll_until
@@ -35,10 +37,10 @@ def four_prompts() -> list[list[int]]:
 
 
 def start_cluster(tmp_path: Path, prefill_tp: int, decode_tp: int, **overrides) -> LocalCluster:
-    config = ClusterConfig(
+    config = ClusterConfig.from_options(
         model=MODEL, http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE, num_kv_blocks=256,
         max_model_len=1024, max_num_batched_tokens=512, log_dir=tmp_path / "logs",
-        prefill_tp=prefill_tp, decode_tp=decode_tp, extra_router_args=("--disaggregation", "always"), **overrides,
+        prefill_tp=prefill_tp, decode_tp=decode_tp, disaggregation="always", **overrides,
     )
     cluster = LocalCluster(config)
     try:

@@ -88,8 +88,8 @@ class FakeContext:
 class Worker:
     def __init__(self, role: str, engine: AsyncEngine, pool_address: str, policy: KVLoadFailurePolicy):
         self.counter = make_counter(CollectorRegistry())
-        io = PoolIO(engine.engine.spec, lease_ttl_s=LEASE_TTL_S, transfer="grpc", verify_checksums=True)
-        self.connector = KVConnector(engine.engine.spec, PoolLocator(None, pool_address, "grpc"), io,
+        io = PoolIO(engine.spec, lease_ttl_s=LEASE_TTL_S, transfer="grpc", verify_checksums=True)
+        self.connector = KVConnector(engine.spec, PoolLocator(None, pool_address, "grpc"), io,
                                      KVLoadFailures(policy, self.counter))
         self.servicer = (PrefillServicer if role == "prefill" else DecodeServicer)(engine, self.connector)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -64,7 +63,7 @@ class FakeEngine:
     cache first (which lets go of shm views, as the real model runner does)."""
 
     def __init__(self, spec: KVCacheSpec):
-        self.engine = SimpleNamespace(spec=spec, eos_token_id=EOS)
+        self.spec, self.eos_token_id = spec, EOS
         self.kv_cache = torch.zeros(2, 2, 8, BLOCK_SIZE, 2, 8)
         self.external: list = []
         self.fail_with: BaseException | None = None
@@ -78,7 +77,7 @@ class FakeEngine:
         if request.sampling_params.max_tokens == 1:
             request.append_output_token(5)
             num_blocks = -(-request.num_prompt_tokens // BLOCK_SIZE)
-            saved = [bytes([i + 1]) * self.engine.spec.block_bytes for i in range(num_blocks)]
+            saved = [bytes([i + 1]) * self.spec.block_bytes for i in range(num_blocks)]
             yield RequestOutput(request.request_id, [5], True, FinishReason.LENGTH, saved_kv=saved)
             return
         for token_id in DECODE_TOKENS:

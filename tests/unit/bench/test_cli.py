@@ -193,7 +193,7 @@ def test_a_trace_workload_without_a_file_names_where_to_get_it(tmp_path, monkeyp
 
 
 def test_without_url_bench_loads_the_cluster_tandem_up_runs_here(keyed_server, tmp_path, monkeypatch) -> None:
-    from launcher import cluster_record
+    from core import cluster_record
 
     url = keyed_server("sk-1")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))

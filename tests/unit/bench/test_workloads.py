@@ -35,7 +35,7 @@ def test_token_prompts_go_to_completions_and_text_to_chat():
 
 
 def test_without_a_path_prompt_sets_repeat_the_builtin_prompts():
-    from launcher.prompts import BUILTIN_PROMPTS
+    from bench.prompts import BUILTIN_PROMPTS
 
     requests = load_workload(WorkloadConfig("sharegpt", None, num_requests=10, max_tokens=4))
     assert [r.prompt for r in requests] == BUILTIN_PROMPTS + BUILTIN_PROMPTS[:2]

@@ -175,7 +175,7 @@ def test_the_routers_view_is_replayed_from_the_pass_log_as_the_worker_fitted_it(
     cal = [(1, 1), (16, 1), (64, 1), (4, 4), (8, 8), (32, 2), (128, 1), (2, 2)]
     entries = [pass_line(1.0, 16, 1, 900.0)]
     entries += [pass_line(2.0 + i, n, s, 20.0 + 2.0 * n) for i, (n, s) in enumerate(cal)]
-    entries += [{"ts": 11.0, "level": "info", "logger": "engine.worker_runtime",
+    entries += [{"ts": 11.0, "level": "info", "logger": "worker.runtime",
                  "msg": "cost model calibrated: 8 passes in 4.00 s; base 20.00 ms"}]
     entries += [pass_line(101.0 + i, n, s, 10.0 + 1.0 * n) for i, (n, s) in enumerate(cal * 4)]
     log_dir = tmp_path / "1P+1D"

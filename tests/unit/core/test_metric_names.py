@@ -8,7 +8,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from core import metric_names as names
-from engine.worker_metrics import WorkerCollector
+from worker.metrics import WorkerCollector
 from router.cluster_metrics import ClusterCollector
 from router.metrics import RouterMetrics
 from tests.unit.router.test_cluster_metrics import FakeView

@@ -18,7 +18,7 @@ COST = CostModel(0.001, 2e-5, 3e-4, 4e-7, num_samples=37, max_num_batched_tokens
 LOAD = WorkerLoad(num_requests_running=3, num_requests_waiting=2, num_total_blocks=64, num_used_blocks=10,
                   num_free_blocks=54, num_preemptions=1, num_batched_tokens=128, num_waiting_tokens=900,
                   num_kv_tokens=300, recent_step_time_s=0.0125, max_num_seqs=16, cost_model=COST)
-# The version-1 layout: what workers wrote before the version existed (engine.worker_runtime.load_dict).
+# The version-1 layout: what workers wrote before the version existed (worker.stats.worker_load).
 V1_KEYS = {
     "num_requests_running", "num_requests_waiting", "num_total_blocks", "num_used_blocks", "num_free_blocks",
     "num_preemptions", "num_batched_tokens", "num_waiting_tokens", "num_kv_tokens", "recent_step_time_s",

@@ -1,5 +1,5 @@
 """The engine times every forward pass as one StepSample with the cost model's exact features,
-and publishes the load the router reads (engine.stats / worker_runtime.load_dict)."""
+and publishes the load the router reads (engine.stats / worker.stats.worker_load)."""
 
 from __future__ import annotations
 

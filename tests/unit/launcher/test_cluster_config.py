@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.local_cluster import ClusterConfig, worker_threads
+from launcher.commands import worker_threads
+
+from launcher.config import ClusterConfig
 
 
 def test_two_by_two_worker_names_in_start_order():
-    config = ClusterConfig(model="m", num_prefill_workers=2, num_decode_workers=2)
+    config = ClusterConfig.from_options(model="m", num_prefill_workers=2, num_decode_workers=2)
     assert config.worker_names == (("prefill", "prefill"), ("prefill-1", "prefill"),
                                    ("decode", "decode"), ("decode-1", "decode"))
 
 
 def test_colocated_starts_decode_workers_only():
-    config = ClusterConfig(model="m", colocated=True, num_prefill_workers=3, num_decode_workers=2)
+    config = ClusterConfig.from_options(model="m", colocated=True, num_prefill_workers=3, num_decode_workers=2)
     assert config.worker_names == (("decode", "decode"), ("decode-1", "decode"))
 
 
@@ -32,8 +34,8 @@ def test_small_machine_gives_decode_every_core_and_prefill_one_thread():
 
 
 def test_routers_are_named_and_given_consecutive_ports():
-    assert ClusterConfig(model="m").router_names == ("router",)
-    config = ClusterConfig(model="m", http_port=8000, grpc_port=50050, num_routers=2)
+    assert ClusterConfig.from_options(model="m").router_names == ("router",)
+    config = ClusterConfig.from_options(model="m", http_port=8000, grpc_port=50050, num_routers=2)
     assert config.router_names == ("router-0", "router-1")
     assert [config.router_ports(n) for n in config.router_names] == [(8000, 50050), (8001, 50051)]
     with pytest.raises(ValueError, match="no router 'router'"):
@@ -42,16 +44,16 @@ def test_routers_are_named_and_given_consecutive_ports():
 
 def test_router_port_ranges_must_not_overlap():
     with pytest.raises(ValueError, match=r"HTTP ports 8000-8002 and gRPC ports 8002-8004 overlap"):
-        ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=3)
-    ClusterConfig(model="m", http_port=8000, grpc_port=8002, num_routers=2)  # 8000-8001 and 8002-8003
+        ClusterConfig.from_options(model="m", http_port=8000, grpc_port=8002, num_routers=3)
+    ClusterConfig.from_options(model="m", http_port=8000, grpc_port=8002, num_routers=2)  # 8000-8001 and 8002-8003
     with pytest.raises(ValueError, match=r"num_routers=2 needs http_port and grpc_port > 0"):
-        ClusterConfig(model="m", http_port=0, grpc_port=50050, num_routers=2)
+        ClusterConfig.from_options(model="m", http_port=0, grpc_port=50050, num_routers=2)
 
 
 def test_a_local_cluster_lists_every_router_and_its_metrics(tmp_path):
     from launcher.local_cluster import LocalCluster
 
-    cluster = LocalCluster(ClusterConfig(model="m", http_port=9000, grpc_port=51000, num_routers=2, log_dir=tmp_path))
+    cluster = LocalCluster(ClusterConfig.from_options(model="m", http_port=9000, grpc_port=51000, num_routers=2, log_dir=tmp_path))
     assert [(r.name, r.http_url, r.grpc_address) for r in cluster.routers] == [
         ("router-0", "http://127.0.0.1:9000", "127.0.0.1:51000"), ("router-1", "http://127.0.0.1:9001", "127.0.0.1:51001")]
     assert cluster.http_url == "http://127.0.0.1:9000"
@@ -61,7 +63,7 @@ def test_a_local_cluster_lists_every_router_and_its_metrics(tmp_path):
 def test_free_port_run_finds_consecutive_free_ports():
     import socket
 
-    from launcher.local_cluster import free_port_run
+    from launcher.ports import free_port_run
 
     first = free_port_run(3)
     for port in range(first, first + 3):
@@ -72,16 +74,16 @@ def test_free_port_run_finds_consecutive_free_ports():
 @pytest.mark.parametrize("field", ["num_prefill_workers", "num_decode_workers", "num_routers"])
 def test_zero_workers_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
-        ClusterConfig(model="m", **{field: 0})
+        ClusterConfig.from_options(model="m", **{field: 0})
 
 
 
 def test_tensor_parallel_workers_split_their_threads_between_ranks():
-    from launcher.local_cluster import service_argv
+    from launcher.commands import service_argv
 
-    config = ClusterConfig(model="m", prefill_tp=2, decode_tp=1)
+    config = ClusterConfig.from_options(model="m", prefill_tp=2, decode_tp=1)
     assert (config.rank_threads("prefill", 1), config.rank_threads("decode", 2)) == (1, 2)
-    assert ClusterConfig(model="m", decode_tp=2).rank_threads("decode", 2) == 1  # 2 cores: a thread a rank
+    assert ClusterConfig.from_options(model="m", decode_tp=2).rank_threads("decode", 2) == 1  # 2 cores: a thread a rank
     argv = service_argv(config, "prefill", "py", "127.0.0.1", 5000, "redis://x", num_threads=4)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--num-threads") + 1] == "2"
     decode = service_argv(config, "decode", "py", "127.0.0.1", 5001, "redis://x", num_threads=2)
@@ -91,15 +93,15 @@ def test_tensor_parallel_workers_split_their_threads_between_ranks():
 @pytest.mark.parametrize("field", ["prefill_tp", "decode_tp"])
 def test_zero_tensor_parallel_size_is_refused(field):
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
-        ClusterConfig(model="m", **{field: 0})
+        ClusterConfig.from_options(model="m", **{field: 0})
 
 
 def test_the_banner_lists_every_router(tmp_path):
-    from launcher.cli import _api_line
+    from tandem_cli.up import _api_line
     from launcher.local_cluster import LocalCluster
 
-    one = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, log_dir=tmp_path))
+    one = LocalCluster(ClusterConfig.from_options(model="m", http_port=8000, grpc_port=50050, log_dir=tmp_path))
     assert _api_line(one) == "OpenAI API http://127.0.0.1:8000/v1  gRPC 127.0.0.1:50050"
-    two = LocalCluster(ClusterConfig(model="m", http_port=8000, grpc_port=50050, num_routers=2, log_dir=tmp_path))
+    two = LocalCluster(ClusterConfig.from_options(model="m", http_port=8000, grpc_port=50050, num_routers=2, log_dir=tmp_path))
     assert _api_line(two) == ("routers: router-0 OpenAI API http://127.0.0.1:8000/v1 gRPC 127.0.0.1:50050; "
                               "router-1 OpenAI API http://127.0.0.1:8001/v1 gRPC 127.0.0.1:50051")

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import launcher.cli
+import tandem_cli.main
 from launcher import machine_fit
-from launcher.local_cluster import ClusterConfig, free_port
+from launcher.config import ClusterConfig
 from launcher.machine_fit import GIB, MIB, PROCESS_BYTES, check, cluster_needs, size
 from launcher.model_shape import ModelShape
-from launcher.values import MAPPING, READS, load_values, sets, up_options
+from launcher.ports import free_port
+from tandem_cli.values import MAPPING, READS, load_values, sets, up_options
 
 ROOT = Path(__file__).resolve().parents[3]
 LOCAL_VALUES = ROOT / "deploy" / "k8s" / "helm" / "values-local.yaml"
@@ -36,7 +37,7 @@ kvPool: {dram: 16Gi, nvme: {type: emptyDir, size: 100Gi}}
 def up(*args: str, available: int | None = None, monkeypatch=None):
     if available is not None:
         monkeypatch.setattr(machine_fit, "available_memory_bytes", lambda: available)
-    return CliRunner().invoke(launcher.cli.main, ["up", *args], terminal_width=200)
+    return CliRunner().invoke(tandem_cli.main.main, ["up", *args], terminal_width=200)
 
 
 def ports() -> list[str]:
@@ -49,8 +50,8 @@ def test_the_shape_gives_weights_and_block_bytes() -> None:
 
 
 def test_each_process_is_counted_with_weights_kv_arena_and_its_own_memory() -> None:
-    config = ClusterConfig("m", num_kv_blocks=1024, prefill_num_kv_blocks=512, pool_capacity_bytes=2 * GIB,
-                           num_decode_workers=2, decode_tp=2)
+    config = ClusterConfig.from_options(model="m", num_kv_blocks=1024, prefill_num_kv_blocks=512,
+                                        pool_capacity_bytes=2 * GIB, num_decode_workers=2, decode_tp=2)
     needs = {n.name: n for n in cluster_needs(config, SMOLLM2)}
     assert list(needs) == ["prefill workers", "decode worker ranks", "KV pool nodes", "routers", "Redis"]
     prefill = needs["prefill workers"]
@@ -65,7 +66,8 @@ def test_each_process_is_counted_with_weights_kv_arena_and_its_own_memory() -> N
 
 
 def test_a_cluster_beyond_the_memory_is_refused_naming_the_options_that_size_it() -> None:
-    config = ClusterConfig("m", num_kv_blocks=16384, num_decode_workers=2, pool_capacity_bytes=8 * GIB)
+    config = ClusterConfig.from_options(model="m", num_kv_blocks=16384, num_decode_workers=2,
+                                        pool_capacity_bytes=8 * GIB)
     fit = check(config, SMOLLM2, available_bytes=16 * GIB)
     assert fit.problems() == [f"memory: the processes will take {size(fit.memory_bytes)}; this machine has 16.0 GiB "
                               "available (90% of it: 14.4 GiB)"]
@@ -80,8 +82,8 @@ def test_a_cluster_beyond_the_memory_is_refused_naming_the_options_that_size_it(
 
 def test_an_nvme_tier_beyond_the_disk_is_refused(tmp_path: Path) -> None:
     free = shutil.disk_usage(tmp_path).free
-    config = ClusterConfig("m", extra_pool_args=("--nvme-path", str(tmp_path / "nvme"), "--nvme-capacity-bytes",
-                                                 str(free + GIB)))
+    config = ClusterConfig.from_options(model="m", pool_nvme_path=str(tmp_path / "nvme"),
+                                        pool_nvme_capacity_bytes=free + GIB)
     fit = check(config, SMOLLM2, available_bytes=64 * GIB)
     assert fit.nvme_bytes == free + GIB
     assert [p.split(";")[0] for p in fit.problems()] == [
@@ -139,7 +141,7 @@ def test_print_config_shows_the_sums_and_the_verdict(tmp_path: Path, monkeypatch
 def test_a_values_file_keeps_tandem_ups_sizes_where_it_says_nothing(tmp_path: Path) -> None:
     values = tmp_path / "name-only.yaml"
     values.write_text("model: {name: foo}\n")
-    result = CliRunner().invoke(launcher.cli.main, ["up", "-f", str(values), "--print-config"])
+    result = CliRunner().invoke(tandem_cli.main.main, ["up", "-f", str(values), "--print-config"])
     assert result.exit_code == 0, result.output
     options = __import__("yaml").safe_load(result.output)["options"]
     assert options["served_model_name"] == {"value": "foo", "from": "values file"}
@@ -167,18 +169,18 @@ def test_a_hugging_face_source_that_is_not_here_is_an_error_not_another_model(tm
     hf_cache(monkeypatch, tmp_path / "empty-hf-cache")
     values = tmp_path / "hf.yaml"
     values.write_text("model: {name: foo, source: {type: huggingface, huggingface: {repo: acme/none-such}}}\n")
-    result = CliRunner().invoke(launcher.cli.main, ["up", "-f", str(values), "--print-config"], terminal_width=400)
+    result = CliRunner().invoke(tandem_cli.main.main, ["up", "-f", str(values), "--print-config"], terminal_width=400)
     assert result.exit_code == 2
     assert result.output.splitlines()[-1] == (
         "Error: the values file's model.source is the Hugging Face repo acme/none-such (revision main), which is not "
         "in this machine's Hugging Face cache, and tandem up downloads nothing: fetch it first (hf download "
         "acme/none-such --revision main) or pass --model with its folder")
-    given = CliRunner().invoke(launcher.cli.main, ["up", "-f", str(values), "--model", "SmolLM2-135M-Instruct",
+    given = CliRunner().invoke(tandem_cli.main.main, ["up", "-f", str(values), "--model", "SmolLM2-135M-Instruct",
                                                    "--print-config"])
     assert given.exit_code == 0, given.output  # --model says where it is on this machine
     pvc = tmp_path / "pvc.yaml"
     pvc.write_text("model: {source: {type: pvc, pvc: {claimName: models}, path: smollm2}}\n")
-    result = CliRunner().invoke(launcher.cli.main, ["up", "-f", str(pvc), "--print-config"], terminal_width=400)
+    result = CliRunner().invoke(tandem_cli.main.main, ["up", "-f", str(pvc), "--print-config"], terminal_width=400)
     assert result.output.splitlines()[-1] == (
         "Error: the values file's model.source is a pvc volume, which only exists on Kubernetes: pass --model with "
         "the model's folder or .gguf file on this machine")
@@ -193,7 +195,7 @@ def test_a_hugging_face_source_in_the_local_cache_is_served(tmp_path: Path, monk
     (cache / "models--acme--tiny" / "refs").mkdir()
     (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     hf_cache(monkeypatch, cache)
-    from launcher.values import model_source_problem
+    from tandem_cli.values import model_source_problem
 
     values = {"model": {"source": {"type": "huggingface", "huggingface": {"repo": "acme/tiny", "revision": "main"}}}}
     assert model_source_problem(values) is None
@@ -204,7 +206,7 @@ def test_max_model_len_beyond_the_model_is_refused_by_print_config_too(monkeypat
     from launcher import model_shape
 
     monkeypatch.setattr(model_shape, "read_shape", lambda source: SMOLLM2)
-    result = CliRunner().invoke(launcher.cli.main, ["up", "--max-model-len", "9000", "--num-kv-blocks", "1024",
+    result = CliRunner().invoke(tandem_cli.main.main, ["up", "--max-model-len", "9000", "--num-kv-blocks", "1024",
                                                     "--print-config"], terminal_width=200)
     assert (result.exit_code, result.output) == (
         1, "Error: --max-model-len 9000 exceeds the model's max_position_embeddings (8192); pass --max-model-len "

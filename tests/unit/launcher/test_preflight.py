@@ -9,14 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher.cli import main
-from launcher.local_cluster import free_port, free_port_run
-from launcher.preflight import (
-    PreflightError,
-    check_max_model_len,
-    check_ports_free,
-    parse_bytes,
-)
+from tandem_cli.main import main
+from launcher.ports import free_port, free_port_run
+from core.settings import parse_bytes
+from launcher.preflight import PreflightError, check_max_model_len, check_ports_free
 
 
 @pytest.fixture

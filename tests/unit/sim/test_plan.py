@@ -137,7 +137,7 @@ def test_plan_helm_values_name_the_model_its_source_and_a_context_it_supports(tm
                      "source": {"type": "huggingface", "huggingface": {"repo": "meta-llama/Llama-3.1-8B-Instruct"}}}
     import huggingface_hub.constants
 
-    from launcher.cli import main
+    from tandem_cli.main import main
 
     original = huggingface_hub.constants.HF_HUB_CACHE
     huggingface_hub.constants.HF_HUB_CACHE = str(tmp_path / "empty-hf-cache")

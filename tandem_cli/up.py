@@ -1,4 +1,6 @@
-"""``tandem``: the command-line entry point."""
+"""``tandem up``: a local (or Ray) cluster from one command. Its cluster settings are generated
+from the services' configurations (launcher.config.SECTIONS, core.settings): one declaration,
+one default per setting."""
 
 from __future__ import annotations
 
@@ -6,38 +8,40 @@ import asyncio
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from bench.cli import bench as bench_command
-from chaos.cli import chaos as chaos_command
-from sim.cli import plan as plan_command
-from sim.cli import sim as sim_command
-from core.model_source import DEFAULT_MODEL, resolve_model
-from launcher import cluster_record
-from launcher.local_cluster import ClusterConfig, LocalCluster
-from launcher.preflight import ByteSize, PreflightError, check_engine_sizes, check_ports_free
-from launcher.prompts import load_prompts
-from launcher.status import status_command
+from bench.prompts import load_prompts
+from core import cluster_record
+from core.model_source import resolve_model
+from core.settings import options
+from launcher.config import SECTIONS, ClusterConfig
+from launcher.local_cluster import LocalCluster
+from launcher.preflight import PreflightError, check_engine_sizes, check_ports_free
 from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 console = Console()
 
 
-@click.group()
-def main() -> None:
-    """Tandem: disaggregated prefill/decode LLM serving."""
+def cluster_options(f: Callable) -> Callable:
+    """Every ``tandem up`` option of a cluster setting: each section's fields (pool ones as
+    ``--pool-<flag>``), then ClusterConfig's own, as their configs declare them."""
+    f = options(ClusterConfig)(f)
+    for section in reversed(SECTIONS):
+        f = options(section.config, prefix=section.prefix, exclude=section.set_by_cluster | section.hidden)(f)
+    return f
 
 
 def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None) -> Path | None:
     """-f: the settings the values file makes become the defaults of the other options (flags
-    win); what it leaves out keeps tandem up's own defaults (launcher.values)."""
+    win); what it leaves out keeps tandem up's own defaults (tandem_cli.values)."""
     if path is None:
         return None
-    from launcher.values import load_values, model_source_problem, read_file, up_options
+    from tandem_cli.values import load_values, model_source_problem, read_file, up_options
 
     try:
         values = load_values(path)
@@ -49,92 +53,14 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
     return path
 
 
-@main.command()
+@click.command()
 @click.option("-f", "--values", "values_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               is_eager=True, expose_value=False, callback=_values_file,
               help="A Helm values file (the chart's vocabulary and schema) setting the options below; "
                    "flags override it, and what it leaves out keeps tandem up's defaults (not the chart's).")
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and each service's command, "
                                                    "then exit.")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Bundled name, .gguf file or HF folder.")
-@click.option("--served-model-name", default="", help="The name clients send as `model` (default: the model's).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--http-port", default=8000, show_default=True, type=int)
-@click.option("--grpc-port", default=50050, show_default=True, type=int)
-@click.option("--redis-url", default="", help="Use this Redis instead of starting a private redis-server.")
-@click.option("--block-size", default=16, show_default=True, type=int)
-@click.option("--num-kv-blocks", default=1024, show_default=True, type=int, help="Decode/prefill KV cache blocks.")
-@click.option("--prefill-num-kv-blocks", default=0, show_default=True, type=int,
-              help="KV cache blocks of each prefill worker; 0: --num-kv-blocks.")
-@click.option("--max-num-seqs", default=64, show_default=True, type=int)
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int)
-@click.option("--max-model-len", default=2048, show_default=True, type=int,
-              help="Longest prompt + output in tokens; at most the model's max_position_embeddings.")
-@click.option("--pool-capacity-bytes", default="2GiB", show_default=True, type=ByteSize(),
-              help="KV pool DRAM capacity: bytes or a size such as 512MiB, 2GiB.")
-@click.option("--num-pool-nodes", default=1, show_default=True, type=int,
-              help="KV pool processes; the workers spread blocks over them.")
-@click.option("--pool-lease-ttl-s", default=60.0, show_default=True, type=float,
-              help="Lifetime of a pool lease or request-scoped block without an explicit one.")
-@click.option("--pool-nvme-path", default="", help="Directory of the pool's NVMe tier ('' : off); each pool node "
-                                                  "uses a folder of its own under it.")
-@click.option("--pool-nvme-capacity-bytes", default="16GiB", show_default=True, type=ByteSize(),
-              help="NVMe tier size of each pool node, with --pool-nvme-path.")
-@click.option("--kv-transfer", default="auto", show_default=True, type=click.Choice(["auto", "grpc", "shm", "nixl"]),
-              help="How the workers move KV to and from the pool; auto: shm on one host, else nixl, else grpc.")
-@click.option("--kv-load-failure-policy", default="recompute", show_default=True,
-              type=click.Choice(["recompute", "fail"]),
-              help="A worker's KV load from the pool that fails: recompute the KV, or fail the request (503).")
-@click.option("--num-threads", default=0, show_default=True, type=int,
-              help="CPU threads split between the workers; 0: every core of this machine.")
-@click.option("--log-dir", default=".cache/logs", show_default=True, type=click.Path(path_type=Path))
-@click.option("--num-prefill-workers", default=1, show_default=True, type=int, help="Prefill worker processes.")
-@click.option("--num-decode-workers", default=1, show_default=True, type=int, help="Decode worker processes.")
-@click.option("--num-routers", default=1, show_default=True, type=int,
-              help="Router processes serving the same cluster (the chart's router.replicas); router i listens on "
-                   "--http-port + i and --grpc-port + i. With several, one that exits is restarted like a worker "
-                   "while the others serve (clients retry on them: docs/failover.md).")
-@click.option("--prefill-tp", default=1, show_default=True, type=int,
-              help="Tensor-parallel ranks of each prefill worker (one GPU each on CUDA; threads split on the CPU).")
-@click.option("--decode-tp", default=1, show_default=True, type=int,
-              help="Tensor-parallel ranks of each decode worker; may differ from --prefill-tp (the pool's KV "
-                   "blocks do not depend on it).")
-@click.option("--colocated", is_flag=True,
-              help="No prefill worker: the decode worker prefills in chunks mixed into its decode steps.")
-@click.option("--scheduling-policy", default="continuous", show_default=True,
-              type=click.Choice(["continuous", "static"]), help="Batching of the workers.")
-@click.option("--num-scheduler-steps", default=1, show_default=True, type=int,
-              help="Decode passes per scheduling decision (multi-step).")
-@click.option("--enable-overlap/--no-enable-overlap", default=False, show_default=True,
-              help="Schedule step k+1 while step k runs.")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
-              help="Prefix caching in the workers' KV caches.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Weights and KV cache of the workers.")
-@click.option("--attention-backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "torch", "cpu", "triton"]),
-              help="auto: triton on CUDA, cpu elsewhere; torch is the readable reference.")
-@click.option("--linear-backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "onednn", "mkl", "torch"]),
-              help="GEMM backend of the workers' linear layers; auto measures them once per machine.")
-@click.option("--enforce-eager/--no-enforce-eager", default=None,
-              help="Workers' model eager (--enforce-eager) or torch.compile'd (--no-enforce-eager). "
-                   "Default: compiled on CUDA, eager on the CPU.")
-@click.option("--routing-policy", default="predicted_latency", show_default=True,
-              type=click.Choice(["round_robin", "least_loaded", "cache_aware", "predicted_latency"]),
-              help="How the router places requests on workers.")
-@click.option("--disaggregation", default="auto", show_default=True, type=click.Choice(["auto", "always", "never"]),
-              help="auto: prefill on the decode worker when the router predicts it faster.")
-@click.option("--ttft-slo-s", default=0.0, show_default=True, type=float, help="Router TTFT SLO (0: none).")
-@click.option("--tbt-slo-s", default=0.0, show_default=True, type=float, help="Router TBT SLO (0: none).")
-@click.option("--max-queue-s", default=0.5, show_default=True, type=float,
-              help="The router refuses (429) a request missing the SLOs only past this much queued work.")
-@click.option("--default-max-tokens", default=16, show_default=True, type=int,
-              help="max_tokens of a completion that omits it (a chat may use the rest of the context).")
-@click.option("--request-timeout-s", default=600.0, show_default=True, type=float,
-              help="Deadline of one request's worker calls.")
-@click.option("--open-paths", default="/health,/metrics", show_default=True,
-              help="Router HTTP paths served without an API key, comma-separated.")
+@cluster_options
 @click.option("--api-key", "api_keys", multiple=True, envvar="TANDEM_API_KEY",
               help="A key clients must send as 'Authorization: Bearer <key>' to the router (repeat for several; "
                    "env TANDEM_API_KEY, space-separated). Unset: the API is open.")
@@ -173,7 +99,7 @@ def _values_file(ctx: click.Context, _param: click.Parameter, path: Path | None)
 @click.option("--autoscale-interval-s", default=2.0, show_default=True, type=float, help="With --autoscale.")
 @click.option("--autoscale-cooldown-s", default=30.0, show_default=True, type=float,
               help="With --autoscale: no second change of a role within this many seconds.")
-def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prompts: int, max_tokens: int, log_dir: Path,
+def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prompts: int, max_tokens: int,
        use_ray: bool, address: str | None, print_config: bool, force: bool, autoscale: bool, max_prefill_workers: int,
        max_decode_workers: int, autoscale_interval_s: float, autoscale_cooldown_s: float, **kwargs) -> None:
     """Start Redis, the KV pool, a prefill worker, a decode worker and the router on this machine
@@ -200,11 +126,11 @@ def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prom
         from core.datasets import data_dir, default_file
 
         prompts_path = default_file("sharegpt", data_dir(data_folder))
-    config, source, prompts = _prepare(kwargs, log_dir, prompts_path if demo else None, num_prompts,
-                                       demo, check_ports=not (address or print_config))
+    config, source, prompts = _prepare(kwargs, prompts_path if demo else None, num_prompts, demo,
+                                       check_ports=not (address or print_config))
     fit = _check_model_and_machine(config, source, check_machine=not address, workers_on_gpu=use_ray)
     if print_config:
-        from launcher.config_report import config_report
+        from tandem_cli.config_report import config_report
 
         console.print(config_report(config, given), markup=False, highlight=False, soft_wrap=True)
         if fit is not None:
@@ -280,7 +206,7 @@ def _check_model_and_machine(config: ClusterConfig, source, check_machine: bool,
 
     try:
         shape = model_shape.read_shape(source)
-        model_shape.check_max_model_len(shape, config.max_model_len)
+        model_shape.check_max_model_len(shape, config.engine.max_model_len)
     except PreflightError as err:
         raise click.ClickException(str(err)) from None
     except (OSError, KeyError, ValueError) as err:
@@ -362,30 +288,27 @@ def _prepare_cpu_kernel() -> None:
                       f"({library_path()})")
 
 
-def _prepare(kwargs: dict, log_dir: Path, prompts_path: Path | None, num_prompts: int, demo: bool,
+def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bool,
              check_ports: bool) -> tuple[ClusterConfig, object, list[str]]:
-    """(cluster config, model source, demo prompts), checked before any process starts or any
-    log file opens: free ports, engine and router sizes, the model, the demo prompt file.
+    """(cluster config, model source, demo prompts) from ``up``'s cluster parameters, checked
+    before any process starts or any log file opens: free ports, engine and router sizes, the
+    model, the demo prompt file.
 
     Raises:
         click.ClickException: one line naming the flag to change.
     """
-    from router.api.auth import load_api_keys
-    from router.config import RouterConfig  # torch-free
+    from router.api.auth import load_api_keys  # torch-free
 
+    options = dict(params)
     try:
-        kwargs["api_keys"] = load_api_keys(kwargs.pop("api_keys"), kwargs.pop("api_key_file"))
+        api_keys = load_api_keys(options.pop("api_keys"), options.pop("api_key_file"))
         if check_ports:
-            check_ports_free(kwargs["host"], _router_ports(kwargs))
-        check_engine_sizes(*(kwargs[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
+            check_ports_free(options["host"], _router_ports(options))
+        check_engine_sizes(*(options[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len")))
-        RouterConfig(host=kwargs["host"], http_port=kwargs["http_port"], grpc_port=kwargs["grpc_port"],
-                     max_model_len=kwargs["max_model_len"], api_keys=kwargs["api_keys"])
         prompts = _demo_prompts(prompts_path, num_prompts) if demo else []
-        restart = RestartPolicy() if kwargs.pop("restart") else RestartPolicy(max_restarts=0)
-        config = ClusterConfig(log_dir=log_dir, extra_worker_args=_engine_flags(kwargs),
-                               extra_router_args=_router_flags(kwargs), extra_pool_args=_pool_flags(kwargs),
-                               restart=restart, **kwargs)
+        restart = RestartPolicy() if options.pop("restart") else RestartPolicy(max_restarts=0)
+        config = ClusterConfig.from_options(**options, api_keys=api_keys, restart=restart)
         source = resolve_model(config.model)
     except (ValueError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from None
@@ -413,42 +336,6 @@ def _demo_prompts(path: Path | None, num_prompts: int) -> list[str]:
     return prompts
 
 
-def _engine_flags(kwargs: dict) -> tuple[str, ...]:
-    """Moves the scheduling switches out of ``kwargs`` into worker flags."""
-    policy, steps = kwargs.pop("scheduling_policy"), kwargs.pop("num_scheduler_steps")
-    overlap, prefix = kwargs.pop("enable_overlap"), kwargs.pop("enable_prefix_caching")
-    eager = kwargs.pop("enforce_eager")
-    return (
-        "--scheduling-policy", policy, "--num-scheduler-steps", str(steps),
-        "--enable-overlap" if overlap else "--no-enable-overlap",
-        "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching",
-        "--dtype", kwargs.pop("dtype"), "--attention-backend", kwargs.pop("attention_backend"),
-        "--linear-backend", kwargs.pop("linear_backend"),
-        "--kv-transfer", kwargs.pop("kv_transfer"),
-        "--kv-load-failure-policy", kwargs.pop("kv_load_failure_policy"),
-        *(() if eager is None else ("--enforce-eager" if eager else "--no-enforce-eager",)),
-    )
-
-
-def _router_flags(kwargs: dict) -> tuple[str, ...]:
-    """Moves the routing and SLO switches out of ``kwargs`` into router flags."""
-    flags: list[str] = []
-    for name in ("routing_policy", "disaggregation", "ttft_slo_s", "tbt_slo_s", "max_queue_s", "default_max_tokens",
-                 "request_timeout_s", "open_paths"):
-        flags += [f"--{name.replace('_', '-')}", str(kwargs.pop(name))]
-    served = kwargs.pop("served_model_name")
-    return tuple(flags) + (("--served-model-name", served) if served else ())
-
-
-def _pool_flags(kwargs: dict) -> tuple[str, ...]:
-    """Moves the pool switches out of ``kwargs`` into kv_pool flags."""
-    flags = ["--lease-ttl-s", str(kwargs.pop("pool_lease_ttl_s"))]
-    nvme_path, nvme_bytes = kwargs.pop("pool_nvme_path"), kwargs.pop("pool_nvme_capacity_bytes")
-    if nvme_path:
-        flags += ["--nvme-path", nvme_path, "--nvme-capacity-bytes", str(nvme_bytes)]
-    return tuple(flags)
-
-
 def _supervise(cluster) -> None:
     """One supervision pass of a LocalCluster or RayCluster; prints what it did.
 
@@ -464,7 +351,7 @@ def _supervise(cluster) -> None:
 
 
 async def _demo(cluster, model: str, prompts: list[str], max_tokens: int):
-    from launcher.demo import run_demo
+    from tandem_cli.demo import run_demo
 
     return await run_demo(cluster.http_url, model, prompts, max_tokens)
 
@@ -481,11 +368,3 @@ def _print_demo(results) -> None:
         raise click.ClickException("some demo requests failed")
 
 
-main.add_command(status_command)
-main.add_command(bench_command)
-main.add_command(sim_command)
-main.add_command(plan_command)
-main.add_command(chaos_command)
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 
-from launcher.cli import up
+from tandem_cli.up import up
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 

@@ -23,8 +23,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from core import cluster_record
+from core.cluster_record import choose_url, with_scheme
+
 _console = Console(width=None if sys.stdout.isatty() else 200)  # piped: whole table rows, not 80 columns
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -185,28 +187,6 @@ def scrape(url: str, api_key: str = "", timeout_s: float = 5.0) -> Snapshot:
     return Snapshot.parse(response.text, time.monotonic())
 
 
-def with_scheme(url: str) -> str:
-    """``127.0.0.1:8000`` -> ``http://127.0.0.1:8000``; a URL with a scheme is kept."""
-    return url if "://" in url else f"http://{url}"
-
-
-def choose_url(url: str | None, records: list) -> tuple[str, str]:
-    """(router URL, why that one): ``url`` when given; else the router of the one cluster
-    ``tandem up`` runs on this machine (launcher.cluster_record); else the default port.
-
-    Raises:
-        click.UsageError: several clusters run and no ``url`` says which.
-    """
-    if url:
-        return with_scheme(url), ""
-    if len(records) == 1:
-        return records[0].urls[0], f"the cluster tandem up (pid {records[0].pid}) runs"
-    if records:
-        listed = "; ".join(f"pid {r.pid}: {' '.join(r.urls)}" for r in records)
-        raise click.UsageError(f"{len(records)} clusters started by tandem up run here ({listed}); pass --url")
-    return DEFAULT_URL, "no cluster started by tandem up is recorded here: the default port"
-
-
 def metrics_url(base: str) -> str:
     """``http://host:port`` (or ``.../v1``, or ``.../metrics``, or ``host:port``) -> the router's ``/metrics``."""
     base = with_scheme(base).rstrip("/")
@@ -228,8 +208,6 @@ def metrics_url(base: str) -> str:
 def status_command(url: str | None, api_key: str, interval_s: float, once: bool, svg: Path | None) -> None:
     """A live table of a running cluster: workers by role with load, KV usage, step time and cost
     model; pool nodes with tiers and hit rate; the router's rates and latency percentiles."""
-    from launcher import cluster_record
-
     base, why = choose_url(url, cluster_record.running())
     target, key = metrics_url(base), (api_key.split() or [""])[0]
 

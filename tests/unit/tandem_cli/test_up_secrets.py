@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from launcher.cli import _prepare, up
-from launcher.local_cluster import service_argv, service_env
+from tandem_cli.up import _prepare, up
+from launcher.commands import service_argv, service_env
 
 
 def _config(args: list[str], env: dict[str, str] | None = None):
@@ -16,7 +16,7 @@ def _config(args: list[str], env: dict[str, str] | None = None):
     named = [p.name for p in inspect.signature(up.callback).parameters.values() if p.kind is not p.VAR_KEYWORD]
     for name in named:  # up()'s own parameters; the rest is what _prepare reads
         params.pop(name)
-    config, _, _ = _prepare(params, Path("logs"), None, 8, False, check_ports=False)
+    config, _, _ = _prepare(params, None, 8, False, check_ports=False)
     return config
 
 

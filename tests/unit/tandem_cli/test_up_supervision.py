@@ -8,8 +8,9 @@ import signal
 import pytest
 from click.testing import CliRunner
 
-import launcher.cli
-from launcher.local_cluster import free_port
+import tandem_cli.main
+import tandem_cli.up
+from launcher.ports import free_port
 from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
 
 
@@ -42,7 +43,7 @@ class FakeCluster:
 def signal_handlers(monkeypatch) -> dict:
     """The handlers `tandem up` installs, by signal, kept out of the test process."""
     handlers = {}
-    monkeypatch.setattr(launcher.cli.signal, "signal", lambda signum, handler: handlers.__setitem__(signum, handler))
+    monkeypatch.setattr(tandem_cli.up.signal, "signal", lambda signum, handler: handlers.__setitem__(signum, handler))
     return handlers
 
 
@@ -55,10 +56,10 @@ def run_up(monkeypatch, tmp_path, signal_handlers):
             clusters.append(FakeCluster(config, passes, interrupted, on_start))
             return clusters[-1]
 
-        monkeypatch.setattr(launcher.cli, "LocalCluster", make)
+        monkeypatch.setattr(tandem_cli.up, "LocalCluster", make)
         args = ["up", "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--log-dir", str(tmp_path),
                 *flags]
-        return CliRunner().invoke(launcher.cli.main, args, terminal_width=200), clusters[-1]
+        return CliRunner().invoke(tandem_cli.main.main, args, terminal_width=200), clusters[-1]
 
     return invoke
 

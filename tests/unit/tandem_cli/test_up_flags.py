@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-import launcher.cli
+import tandem_cli.main
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,6 @@ import launcher.cli
     ],
 )
 def test_contradictory_flags_are_a_usage_error(flags: list[str], message: str) -> None:
-    result = CliRunner().invoke(launcher.cli.main, ["up", *flags], terminal_width=200)
+    result = CliRunner().invoke(tandem_cli.main.main, ["up", *flags], terminal_width=200)
     assert result.exit_code == 2
     assert result.output.splitlines()[-1] == f"Error: {message}"

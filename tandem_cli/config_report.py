@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from launcher.local_cluster import ClusterConfig, pool_node_args, service_argv, worker_threads
+from launcher.commands import pool_node_args, service_argv, worker_threads
+from launcher.config import ClusterConfig
 
 SECRETS = ("api_keys", "cluster_token")
 

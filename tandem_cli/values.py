@@ -27,6 +27,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from core.settings import quantity_bytes
+
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "helm" / "tandem"
 DEFAULT_NVME_DIR = Path(".cache") / "tandem-nvme"
@@ -107,31 +109,15 @@ def model_source_problem(values: Mapping) -> str | None:
             "pass --model with the model's folder or .gguf file on this machine")
 
 
-_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
-
-def quantity_bytes(quantity: str | int) -> int:
-    """A Kubernetes byte quantity (``16Gi``, ``500M``, ``1024``) in bytes, as the chart's
-    ``tandem.bytes`` helper reads it. Raises ValueError on anything else."""
-    text = str(quantity)
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
-            return int(text[: -len(suffix)]) * _SUFFIXES[suffix]
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"{quantity!r} is not a byte quantity (e.g. 16Gi, 500M, 1024)")
-
-
 def _pool_capacity_bytes(values: Mapping) -> int:
     pool = values["kvPool"]  # as the chart's pod computes it: memory request / 100 * arena percent
     return quantity_bytes(pool["dram"]) // 100 * int(pool["arenaPercent"])
 
 
-def _nvme_capacity_bytes(values: Mapping) -> int:
+def _nvme_capacity_bytes(values: Mapping) -> int | None:
     nvme = values["kvPool"]["nvme"]
     if nvme["type"] == "none":
-        return 0
+        return None  # no tier: the option keeps its default (unused without --pool-nvme-path)
     return quantity_bytes(nvme["size"]) * int(nvme["usePercent"]) // 100
 
 
@@ -189,7 +175,8 @@ READS: dict[str, tuple[str, ...]] = {
     "num_scheduler_steps": ("engine.numSchedulerSteps",), "attention_backend": ("engine.attentionBackend",),
     "linear_backend": ("engine.linearBackend",),
     "kv_transfer": ("transfer.backend",), "kv_load_failure_policy": ("transfer.kvLoadFailurePolicy",),
-    "routing_policy": ("routing.policy",), "ttft_slo_s": ("routing.slo.ttftMs",), "tbt_slo_s": ("routing.slo.tbtMs",),
+    "routing_policy": ("routing.policy",), "disaggregation": ("routing.disaggregation",),
+    "ttft_slo_s": ("routing.slo.ttftMs",), "tbt_slo_s": ("routing.slo.tbtMs",),
     "default_max_tokens": ("routing.defaultMaxTokens",), "request_timeout_s": ("routing.requestTimeoutS",),
     "http_port": ("router.httpPort",), "grpc_port": ("router.grpcPort",), "num_routers": ("router.replicas",),
     "colocated": ("prefill.replicas",), "num_prefill_workers": ("prefill.replicas",),

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from prometheus_client import generate_latest
 from rich.console import Console
 
-import launcher.cli
-from launcher import cluster_record, status
-from launcher.status import Snapshot, choose_url, histogram_quantile, metrics_url, render
+import tandem_cli.main
+from core import cluster_record
+from tandem_cli import status
+from tandem_cli.status import Snapshot, choose_url, histogram_quantile, metrics_url, render
 from router.cluster_metrics import ClusterCollector
 from router.metrics import RouterMetrics
 from tests.unit.router.test_cluster_metrics import FakeView
@@ -82,14 +83,14 @@ def test_url_forms_and_svg_export(tmp_path: Path, monkeypatch) -> None:
     snaps = iter([Snapshot.parse(router_text(1), 1.0), Snapshot.parse(router_text(3), 2.0)])
     monkeypatch.setattr(status, "scrape", lambda url, key="": next(snaps))
     svg = tmp_path / "status.svg"
-    result = CliRunner().invoke(launcher.cli.main, ["status", "--svg", str(svg), "--interval-s", "0.1"])
+    result = CliRunner().invoke(tandem_cli.main.main, ["status", "--svg", str(svg), "--interval-s", "0.1"])
     assert result.exit_code == 0, result.output
     content = svg.read_text()
     assert content.startswith("<svg") and "decode-0" in content
 
 
 def test_an_unreachable_router_is_one_clear_error() -> None:
-    result = CliRunner().invoke(launcher.cli.main, ["status", "--url", "http://127.0.0.1:9", "--once"])
+    result = CliRunner().invoke(tandem_cli.main.main, ["status", "--url", "http://127.0.0.1:9", "--once"])
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot read http://127.0.0.1:9/metrics:")
 
@@ -127,7 +128,7 @@ def test_status_reads_the_recorded_cluster_and_prints_whole_rows(tmp_path: Path,
     cluster_record.write(["http://127.0.0.1:18500"], tmp_path / "logs")  # under TANDEM_CACHE_DIR
     read = []
     monkeypatch.setattr(status, "scrape", lambda url, key="": read.append(url) or Snapshot.parse(router_text(1), 1.0))
-    result = CliRunner().invoke(launcher.cli.main, ["status", "--once"])
+    result = CliRunner().invoke(tandem_cli.main.main, ["status", "--once"])
     assert result.exit_code == 0, result.output
     assert read == ["http://127.0.0.1:18500/metrics"]
     assert "Tandem cluster at http://127.0.0.1:18500" in result.output
@@ -135,7 +136,7 @@ def test_status_reads_the_recorded_cluster_and_prints_whole_rows(tmp_path: Path,
 
 
 def test_an_unreachable_default_router_says_to_pass_url() -> None:
-    result = CliRunner().invoke(launcher.cli.main, ["status", "--url", "127.0.0.1:9", "--once"])
+    result = CliRunner().invoke(tandem_cli.main.main, ["status", "--url", "127.0.0.1:9", "--once"])
     assert result.exit_code == 1
     assert result.output.endswith("; is a cluster up there? pass --url with its router's address (tandem up prints "
                                   "it)\n")

@@ -1,3 +1,0 @@
-from launcher.cli import main
-
-main()

@@ -1,0 +1,3 @@
+from tandem_cli.main import main
+
+main()
