@@ -142,7 +142,6 @@ build_cpu() {
   [[ -n "${TANDEM_K8S_TORCH_INDEX_URL:-}" ]] && args+=(--build-arg "TORCH_INDEX_URL=$TANDEM_K8S_TORCH_INDEX_URL")
   [[ -n "$find_links" ]] && args+=(--build-arg "FIND_LINKS=$find_links")
   log "building tandem-cpu:$TAG (model $MODEL_SOURCE; log $LOG_DIR/build-cpu.log)"
-  wait_quiet
   buildah bud --layers --isolation chroot --network host "${BUILD_VOLUMES[@]}" -f deploy/docker/Dockerfile.cpu \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "MODEL_SOURCE=$MODEL_SOURCE" "${args[@]}" \
     -t "localhost/tandem-cpu:$TAG" "$REPO_ROOT" >"$LOG_DIR/build-cpu.log" 2>&1 \

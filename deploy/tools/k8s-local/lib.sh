@@ -82,16 +82,6 @@ die() { printf '[k8s-local] error: %s\n' "$*" >&2; exit 1; }
 
 need_root() { [[ "$(id -u)" == 0 ]] || die "run as root: it starts a kubelet and changes the network"; }
 
-# Waits while /tmp/tandem-quiet exists (someone on this machine is benchmarking).
-wait_quiet() {
-  local said=0
-  while [[ -f /tmp/tandem-quiet ]]; do
-    ((said)) || log "waiting: /tmp/tandem-quiet exists (a benchmark is running)"
-    said=1
-    sleep 20
-  done
-}
-
 pid_file() { echo "$RUN_DIR/$1.pid"; }
 
 # The PID of a service this script started, if it still runs that program.

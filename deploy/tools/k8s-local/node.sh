@@ -60,7 +60,6 @@ install_binaries() {
   else
     [[ -z "$source" ]] || die "TANDEM_K8S_BINARIES=$source is neither a file nor a folder"
     log "no TANDEM_K8S_BINARIES: building Kubernetes 1.20 from Debian's source package (~10-20 minutes)"
-    wait_quiet
     "$K8S_TOOLS_DIR/build-kubernetes.sh" "$BIN_DIR"
   fi
   "$BIN_DIR/kubectl" version --client --short 2>/dev/null | grep -q 'v1\.20\.' \
@@ -372,7 +371,6 @@ cmd_up() {
   install_packages
   install_binaries
   refuse_foreign_node
-  wait_quiet
   snapshot_machine
   make_pki
   setup_network

@@ -31,7 +31,6 @@ cmd_install() {
   for image in "tandem-cpu:${TANDEM_K8S_IMAGE_TAG:-$tag}" tandem-redis:7.0; do
     docker_node image inspect "$image" >/dev/null 2>&1 || die "image $image is not on the node: images.sh"
   done
-  wait_quiet
   local started=$SECONDS
   log "helm upgrade --install $RELEASE (values $(basename "$VALUES")), waiting for every pod"
   # Helm 4 applies server-side by default; the 1.20 API server's server-side apply rejects Service
