@@ -12,10 +12,12 @@
  * num_kv_heads, head_dim], contiguous; token p of a sequence lives in block
  * block_table[p / block_size], row p % block_size.
  *
- * Work split: one unit per sequence. Each token's K (and V) row of every KV head is one
- * contiguous run of num_kv_heads x head_dim floats, read once for all num_heads query heads (GQA:
- * query head h reads KV head h / (num_heads / num_kv_heads)). Two passes over the context:
- * scores (q . k, scaled), then softmax and the weighted sum of V rows.
+ * Work split: one unit per (sequence, KV head), so that one sequence's heads spread over the
+ * threads too. A unit serves the KV head's group of query heads (GQA: query head h reads KV head
+ * h / (num_heads / num_kv_heads)): each K row is read once for the whole group. Two passes over
+ * the context: scores (q . k, scaled) and their softmax, then per query head the weighted sum
+ * of V rows. With head_dim a multiple of VEC (64 and 128 specialised) the rows go through
+ * vectors whose accumulators stay in registers; other head sizes take scalar loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,8 +32,105 @@ static inline float bf16_to_f32(uint16_t x)
 #define LOAD_F32(p, d) ((p)[d])
 #define LOAD_BF16(p, d) bf16_to_f32((p)[d])
 
-/* One kernel per K/V element type: KV_T the cache's element, LOAD(row, d) its d-th value as float. */
-#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD)                                              \
+/* Vectors of VEC floats (GCC/Clang vector extensions): the compiler maps them onto the widest
+ * registers -march=native offers (one AVX-512 register, two AVX2 ones, ...). Rows whose head_dim
+ * is a multiple of VEC take the vector path; others the scalar loops. */
+#define VEC 16
+typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
+typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
+typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
+
+static inline vec_f vload_f32(const float *p)
+{
+    vec_f v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline vec_f vload_bf16(const uint16_t *p)
+{
+    vec_u16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    vec_u32 w = __builtin_convertvector(h, vec_u32) << 16;
+    vec_f v;
+    __builtin_memcpy(&v, &w, sizeof v);
+    return v;
+}
+typedef float vec_f8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec_f4 __attribute__((vector_size(4 * sizeof(float))));
+
+/* The sum of v's VEC lanes as a tree (halves added pairwise): four dependent vector adds where
+ * a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
+static inline float vsum(vec_f v)
+{
+    vec_f8 lo8, hi8;
+    __builtin_memcpy(&lo8, &v, sizeof lo8);
+    __builtin_memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
+    const vec_f8 s8 = lo8 + hi8;
+    vec_f4 lo4, hi4;
+    __builtin_memcpy(&lo4, &s8, sizeof lo4);
+    __builtin_memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
+    const vec_f4 s4 = lo4 + hi4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* One (sequence, KV head) unit with the vector path: head_dim = NV x VEC, NV a compile-time
+ * constant at each call (always inlined), so a row's accumulators stay in registers. Scores of
+ * the group's query heads for every context token, their softmax, then per query head the
+ * weighted sum of V rows accumulated in registers over the whole context. */
+#define DEFINE_UNIT_VECTOR(NAME, KV_T, VLOAD)                                                       \
+static inline __attribute__((always_inline)) void NAME(                                             \
+    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t ctx,    \
+    int64_t g, int64_t row, int group, int block_size, float scale, float *scores, float *o, int NV) \
+{                                                                                                   \
+    const int head_dim = NV * VEC;                                                                  \
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
+        const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row + g * head_dim;        \
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
+        for (int64_t i = 0; i < n; ++i) {                                                           \
+            const KV_T *k = kb + i * row;                                                           \
+            for (int j = 0; j < group; ++j) {                                                       \
+                const float *qj = q + (int64_t)j * head_dim;                                        \
+                vec_f a = vload_f32(qj) * VLOAD(k);                                                 \
+                for (int c = 1; c < NV; ++c) a += vload_f32(qj + c * VEC) * VLOAD(k + c * VEC);     \
+                scores[(int64_t)j * ctx + t0 + i] = vsum(a) * scale;                                \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    softmax_rows(scores, group, ctx);                                                               \
+    for (int j = 0; j < group; ++j) {                                                               \
+        const float *pj = scores + (int64_t)j * ctx;                                                \
+        vec_f acc[NV];                                                                              \
+        for (int c = 0; c < NV; ++c) acc[c] = (vec_f){0};                                           \
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                         \
+            const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim;    \
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
+            for (int64_t i = 0; i < n; ++i) {                                                       \
+                const KV_T *v = vb + i * row;                                                       \
+                const float p = pj[t0 + i];                                                         \
+                for (int c = 0; c < NV; ++c) acc[c] += p * VLOAD(v + c * VEC);                      \
+            }                                                                                       \
+        }                                                                                           \
+        for (int c = 0; c < NV; ++c) __builtin_memcpy(o + (int64_t)j * head_dim + c * VEC, &acc[c], sizeof acc[c]); \
+    }                                                                                               \
+}
+
+/* Softmax over t of each of ``rows`` rows of ``scores`` ([rows, ctx]), in place. */
+static void softmax_rows(float *scores, int rows, int64_t ctx)
+{
+    for (int j = 0; j < rows; ++j) {
+        float *sj = scores + (int64_t)j * ctx;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < ctx; ++t) m = sj[t] > m ? sj[t] : m;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < ctx; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
+    }
+}
+
+/* One kernel per K/V element type: KV_T the cache's element, LOAD(row, d) its d-th value as float,
+ * UNIT the vector path of one unit (DEFINE_UNIT_VECTOR). */
+#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD, UNIT)                                        \
 void NAME(                                                                                          \
     const float *query,          /* [num_seqs, num_heads, head_dim], float32 */                     \
     const KV_T *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */             \
@@ -45,50 +144,48 @@ void NAME(                                                                      
 {                                                                                                   \
     const int group = num_heads / num_kv_heads;                                                     \
     const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per token in one block */     \
+    const int64_t units = (int64_t)num_seqs * num_kv_heads;                                         \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                       \
-    for (int s = 0; s < num_seqs; ++s) {                                                            \
+    for (int64_t u = 0; u < units; ++u) {                                                           \
+        const int64_t s = u / num_kv_heads, g = u % num_kv_heads;                                   \
         const int64_t ctx = seq_lens[s];                                                            \
-        const int64_t *table = block_tables + (int64_t)s * table_stride;                            \
-        const float *q = query + (int64_t)s * num_heads * head_dim;                                 \
-        float *o = out + (int64_t)s * num_heads * head_dim;                                         \
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(ctx > 0 ? ctx : 1));    \
-        /* scores[h * ctx + t] = scale * q_h . k_t (KV head h / group) */                           \
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                          \
-            const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row;                   \
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
-            for (int64_t i = 0; i < n; ++i) {                                                       \
-                for (int h = 0; h < num_heads; ++h) {                                               \
-                    const KV_T *k = kb + i * row + (int64_t)(h / group) * head_dim;                 \
-                    const float *qh = q + (int64_t)h * head_dim;                                    \
-                    float acc = 0.0f;                                                               \
-                    _Pragma("omp simd reduction(+ : acc)")                                          \
-                    for (int d = 0; d < head_dim; ++d) acc += qh[d] * LOAD(k, d);                   \
-                    scores[(int64_t)h * ctx + t0 + i] = acc * scale;                                \
+        const int64_t *table = block_tables + s * table_stride;                                     \
+        /* this KV head's group of query heads: [group, head_dim] */                                \
+        const float *q = query + (s * num_heads + g * group) * head_dim;                            \
+        float *o = out + (s * num_heads + g * group) * head_dim;                                    \
+        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));        \
+        if (head_dim == 4 * VEC) {                                                                  \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 4);  \
+        } else if (head_dim == 8 * VEC) {                                                           \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 8);  \
+        } else {                                                                                    \
+            /* scores[j * ctx + t] = scale * q_j . k_t */                                           \
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \
+                const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row + g * head_dim; \
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                    \
+                for (int64_t i = 0; i < n; ++i) {                                                   \
+                    const KV_T *k = kb + i * row;                                                   \
+                    for (int j = 0; j < group; ++j) {                                               \
+                        const float *qj = q + (int64_t)j * head_dim;                                \
+                        float acc = 0.0f;                                                           \
+                        for (int d = 0; d < head_dim; ++d) acc += qj[d] * LOAD(k, d);               \
+                        scores[(int64_t)j * ctx + t0 + i] = acc * scale;                            \
+                    }                                                                               \
                 }                                                                                   \
             }                                                                                       \
-        }                                                                                           \
-        /* softmax over t, per query head */                                                        \
-        for (int h = 0; h < num_heads; ++h) {                                                       \
-            float *sh = scores + (int64_t)h * ctx;                                                  \
-            float m = -INFINITY;                                                                    \
-            for (int64_t t = 0; t < ctx; ++t) m = sh[t] > m ? sh[t] : m;                            \
-            float sum = 0.0f;                                                                       \
-            for (int64_t t = 0; t < ctx; ++t) { sh[t] = expf(sh[t] - m); sum += sh[t]; }            \
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                       \
-            for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;                                         \
-        }                                                                                           \
-        for (int64_t i = 0; i < (int64_t)num_heads * head_dim; ++i) o[i] = 0.0f;                    \
-        /* o_h = sum_t p_ht v_t */                                                                  \
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                          \
-            const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row;                   \
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
-            for (int64_t i = 0; i < n; ++i) {                                                       \
-                for (int h = 0; h < num_heads; ++h) {                                               \
-                    const KV_T *v = vb + i * row + (int64_t)(h / group) * head_dim;                 \
-                    const float p = scores[(int64_t)h * ctx + t0 + i];                              \
-                    float *oh = o + (int64_t)h * head_dim;                                          \
-                    _Pragma("omp simd")                                                             \
-                    for (int d = 0; d < head_dim; ++d) oh[d] += p * LOAD(v, d);                     \
+            softmax_rows(scores, group, ctx);                                                       \
+            for (int64_t i = 0; i < (int64_t)group * head_dim; ++i) o[i] = 0.0f;                    \
+            /* o_j = sum_t p_jt v_t */                                                              \
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \
+                const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim; \
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                    \
+                for (int64_t i = 0; i < n; ++i) {                                                   \
+                    const KV_T *v = vb + i * row;                                                   \
+                    for (int j = 0; j < group; ++j) {                                               \
+                        const float p = scores[(int64_t)j * ctx + t0 + i];                          \
+                        float *oj = o + (int64_t)j * head_dim;                                      \
+                        for (int d = 0; d < head_dim; ++d) oj[d] += p * LOAD(v, d);                 \
+                    }                                                                               \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
@@ -96,6 +193,9 @@ void NAME(                                                                      
     }                                                                                               \
 }
 
+DEFINE_UNIT_VECTOR(unit_vector_f32, float, vload_f32)
+DEFINE_UNIT_VECTOR(unit_vector_bf16, uint16_t, vload_bf16)
+
 /* Token p of a sequence lives in block block_table[p / block_size], row p % block_size. */
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32)
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32, unit_vector_f32)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16, unit_vector_bf16)

@@ -80,7 +80,7 @@ def reference(query, kv_cache, meta, scale):
 
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize("block_size", [16, 1, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("group", [1, 3])
 def test_kernel_matches_torch_decode(kernel, group, head_dim, block_size, batch):
     gen = torch.Generator().manual_seed(batch * 1000 + block_size)
