@@ -122,13 +122,16 @@ def _body_type(hint: Any) -> Any:
     return hint | None
 
 
-# Every SamplingParams field is a body field of the same name and type, absent or null meaning
-# its default (so a field added to SamplingParams is accepted here as it is).
+# SamplingParams fields a body spells its own way (router.api.structured_outputs builds the spec
+# from response_format, guided_* and structured_outputs).
+_OWN_BODY_FIELDS = ("structured_outputs",)
+# Every other SamplingParams field is a body field of the same name and type, absent or null
+# meaning its default (so a field added to SamplingParams is accepted here as it is).
 _SamplingParamsFields = create_model(
     "_SamplingParamsFields",
     __base__=_OpenAIModel,
     **{name: (_body_type(hint), None) for name, hint in typing.get_type_hints(SamplingParams).items()
-       if name in SAMPLING_FIELDS},
+       if name in SAMPLING_FIELDS and name not in _OWN_BODY_FIELDS},
 )
 
 
@@ -156,7 +159,7 @@ class _SamplingFields(_SamplingParamsFields):
         and ``logprobs`` / ``top_logprobs``)."""
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        fields = {name: getattr(self, name) for name in SAMPLING_FIELDS} | sampling
+        fields = {name: getattr(self, name) for name in SAMPLING_FIELDS if name not in _OWN_BODY_FIELDS} | sampling
         return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
 
 
