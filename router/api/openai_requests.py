@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_validator
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from router.errors import as_json
+from router.api.tools import ToolRequest, ToolRequestError, tool_request
 from router.api.validation import InvalidRequestError, RequestInput
 
 
@@ -50,9 +51,7 @@ COMPLETION_UNSUPPORTED = {
 }
 CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
-    "tools": (_empty, "[]"),
-    "functions": (_empty, "[]"),
-    "tool_choice": (_no_tool_choice, '"none"'),
+    "functions": (_empty, "[]"),  # OpenAI's deprecated function calling: tools replace it
     "function_call": (_no_tool_choice, '"none"'),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
@@ -65,8 +64,6 @@ CHAT_UNSUPPORTED = {
     "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
 }
 MESSAGE_UNSUPPORTED = {
-    "tool_calls": (_empty, "[]"),
-    "tool_call_id": (_none, "null"),
     "function_call": (_none, "null"),
     "audio": (_none, "null"),
     "refusal": (_none, "null"),
@@ -189,12 +186,56 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(_OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None  # the grammar of a forced call refuses properties the schema leaves open
+
+
+class ToolDefinition(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_OpenAIModel):
     unsupported_fields = MESSAGE_UNSUPPORTED
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, ignored (the chat template has no place for it)
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (router.api.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def to_input(self, index: int) -> dict[str, Any]:
+        """The message as the validator takes it: role and text content, and its tool fields
+        when set. Raises InvalidRequestError as :meth:`text`."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self, index: int) -> str:
         """Raises InvalidRequestError for non-text content parts (images, audio), unknown fields
@@ -219,12 +260,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
-    parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
+    parallel_tool_calls: bool | None = None  # tool_choice "required" may call several tools
 
     def to_input(self) -> RequestInput:
-        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], and
-        for unsupported fields or content parts."""
-        messages = tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages))
+        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], for
+        unsupported fields or content parts, and for tools or a tool_choice router.api.tools
+        refuses."""
+        messages = tuple(m.to_input(i) for i, m in enumerate(self.messages))
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -233,7 +277,18 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._input({"messages": messages}, max_tokens=max_tokens, logprobs=logprobs)
+        tools = self._tools()
+        grammar = tools.structured_output() if tools else None  # tool_choice "required" or a named function
+        sampling = {"structured_outputs": grammar} if grammar else {}
+        return self._input({"messages": messages, "tools": tools}, max_tokens=max_tokens, logprobs=logprobs, **sampling)
+
+    def _tools(self) -> ToolRequest | None:
+        tool_choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        try:
+            return tool_request([t.model_dump(exclude_none=True) for t in self.tools or ()], tool_choice,
+                                self.parallel_tool_calls)
+        except ToolRequestError as err:
+            raise InvalidRequestError(err.message, err.param) from None
 
 
 def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:
