@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.api.request_ids import client_request_id
 from router.api.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
 from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
-from router.api.validation import InvalidRequestError, Validator
+from router.api.validation import InvalidRequestError, Validator, name_structured_param
 from router.workers.view import WorkerView
 
 T = TypeVar("T")
@@ -169,6 +169,8 @@ class OpenAIApi:
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
             return JSONResponse(await _unless_disconnected(request, self._collect(events, shape)), headers=headers)
+        except RouterError as err:
+            raise name_structured_param(err, validated) from None
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 

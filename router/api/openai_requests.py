@@ -3,7 +3,8 @@
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
 and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
-parameter never changes the output silently. The sampling fields are SamplingParams' own
+parameter never changes the output silently. A structured output (``response_format``,
+vLLM's ``guided_*`` and ``structured_outputs``) is router.api.structured_outputs'. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
 (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
 absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_val
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from router.errors import as_json
+from router.api.structured_outputs import StructuredOutputFields
 from router.api.validation import InvalidRequestError, RequestInput
 
 
@@ -54,7 +56,6 @@ CHAT_UNSUPPORTED = {
     "functions": (_empty, "[]"),
     "tool_choice": (_no_tool_choice, '"none"'),
     "function_call": (_no_tool_choice, '"none"'),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
     "audio": (_none, "null"),
     "prediction": (_none, "null"),
@@ -123,7 +124,7 @@ def _body_type(hint: Any) -> Any:
 
 
 # SamplingParams fields a body spells its own way (router.api.structured_outputs builds the spec
-# from response_format, guided_* and structured_outputs).
+# from response_format, guided_* and structured_outputs, declared by StructuredOutputFields).
 _OWN_BODY_FIELDS = ("structured_outputs",)
 # Every other SamplingParams field is a body field of the same name and type, absent or null
 # meaning its default (so a field added to SamplingParams is accepted here as it is).
@@ -135,8 +136,9 @@ _SamplingParamsFields = create_model(
 )
 
 
-class _SamplingFields(_SamplingParamsFields):
-    """The fields both bodies share: SamplingParams' (inherited, see above) and these."""
+class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
+    """The fields both bodies share: SamplingParams' (inherited, see above), the structured
+    output's (router.api.structured_outputs) and these."""
 
     model: str | None = None
     n: int = 1
@@ -156,11 +158,18 @@ class _SamplingFields(_SamplingParamsFields):
     def _input(self, prompt: dict[str, Any], **sampling: Any) -> RequestInput:
         """The request for the validator: the prompt, and every SamplingParams field as sent,
         ``sampling`` replacing those a body spells its own way (chat's ``max_completion_tokens``
-        and ``logprobs`` / ``top_logprobs``)."""
+        and ``logprobs`` / ``top_logprobs``); the structured output's spec under ``structured_outputs``.
+
+        Raises:
+            InvalidRequestError: an unsupported field, or a bad structured output.
+        """
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        spec, structured_param = self.structured_output_spec()
         fields = {name: getattr(self, name) for name in SAMPLING_FIELDS if name not in _OWN_BODY_FIELDS} | sampling
-        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
+        fields["structured_outputs"] = spec
+        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
+                            structured_param=structured_param, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
