@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.api.request_ids import client_request_id
 from router.api.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
 from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
-from router.api.validation import InvalidRequestError, Validator
+from router.api.validation import InvalidRequestError, Validator, name_structured_param
 from router.output.logprobs import TokenLogprob
 from router.output.tool_calls import ParsedDelta, ToolCallFormat, ToolCallParser, make_parser, parse_tool_calls
 from router.workers.view import WorkerView
@@ -178,6 +178,8 @@ class OpenAIApi:
                                          headers={"Cache-Control": "no-cache", **headers})
             collected = await _unless_disconnected(request, self._collect(events, shape, tool_format))
             return JSONResponse(collected, headers=headers)
+        except RouterError as err:
+            raise name_structured_param(err, validated) from None
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 

@@ -3,7 +3,8 @@
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
 and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
-parameter never changes the output silently. The sampling fields are SamplingParams' own
+parameter never changes the output silently. A structured output (``response_format``,
+vLLM's ``guided_*`` and ``structured_outputs``) is router.api.structured_outputs'. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
 (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
 absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
@@ -22,7 +23,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_validator
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
+from core.structured_output import StructuredOutputSpec
 from router.errors import as_json
+from router.api.structured_outputs import StructuredOutputFields
 from router.api.tools import ToolRequest, ToolRequestError, tool_request
 from router.api.validation import InvalidRequestError, RequestInput
 
@@ -53,7 +56,6 @@ CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
     "functions": (_empty, "[]"),  # OpenAI's deprecated function calling: tools replace it
     "function_call": (_no_tool_choice, '"none"'),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
     "audio": (_none, "null"),
     "prediction": (_none, "null"),
@@ -120,7 +122,7 @@ def _body_type(hint: Any) -> Any:
 
 
 # SamplingParams fields a body spells its own way (router.api.structured_outputs builds the spec
-# from response_format, guided_* and structured_outputs).
+# from response_format, guided_* and structured_outputs, declared by StructuredOutputFields).
 _OWN_BODY_FIELDS = ("structured_outputs",)
 # Every other SamplingParams field is a body field of the same name and type, absent or null
 # meaning its default (so a field added to SamplingParams is accepted here as it is).
@@ -132,8 +134,9 @@ _SamplingParamsFields = create_model(
 )
 
 
-class _SamplingFields(_SamplingParamsFields):
-    """The fields both bodies share: SamplingParams' (inherited, see above) and these."""
+class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
+    """The fields both bodies share: SamplingParams' (inherited, see above), the structured
+    output's (router.api.structured_outputs) and these."""
 
     model: str | None = None
     n: int = 1
@@ -153,11 +156,18 @@ class _SamplingFields(_SamplingParamsFields):
     def _input(self, prompt: dict[str, Any], **sampling: Any) -> RequestInput:
         """The request for the validator: the prompt, and every SamplingParams field as sent,
         ``sampling`` replacing those a body spells its own way (chat's ``max_completion_tokens``
-        and ``logprobs`` / ``top_logprobs``)."""
+        and ``logprobs`` / ``top_logprobs``); the structured output's spec under ``structured_outputs``.
+
+        Raises:
+            InvalidRequestError: an unsupported field, or a bad structured output.
+        """
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        spec, structured_param = self.structured_output_spec()
         fields = {name: getattr(self, name) for name in SAMPLING_FIELDS if name not in _OWN_BODY_FIELDS} | sampling
-        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
+        fields["structured_outputs"] = spec
+        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
+                            structured_param=structured_param, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
@@ -263,6 +273,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None  # tool_choice "required" may call several tools
+    _tool_request: ToolRequest | None = PrivateAttr(default=None)  # the tools, checked by to_input
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], for
@@ -277,15 +288,33 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        tools = self._tools()
-        grammar = tools.structured_output() if tools else None  # tool_choice "required" or a named function
-        sampling = {"structured_outputs": grammar} if grammar else {}
-        return self._input({"messages": messages, "tools": tools}, max_tokens=max_tokens, logprobs=logprobs, **sampling)
+        self._tool_request = self._tools()
+        return self._input({"messages": messages, "tools": self._tool_request}, max_tokens=max_tokens,
+                           logprobs=logprobs)
+
+    def structured_output_spec(self) -> tuple[StructuredOutputSpec | None, str | None]:
+        """The grammar of a forced tool call (``tool_choice`` ``"required"`` or a named function,
+        router.api.tools), else the structured output the body asks for; not both.
+
+        Raises:
+            InvalidRequestError: both, or as StructuredOutputFields.structured_output_spec.
+        """
+        spec, param = super().structured_output_spec()
+        tools = self._tool_request
+        grammar = tools.structured_output() if tools else None
+        if grammar is None:
+            return spec, param
+        if spec is not None:
+            raise InvalidRequestError(f"{param} cannot be combined with tool_choice {as_json(self._tool_choice())}: "
+                                      "the calls follow the functions' parameters", param)
+        return grammar, tools.grammar_param
+
+    def _tool_choice(self) -> str | dict | None:
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
 
     def _tools(self) -> ToolRequest | None:
-        tool_choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         try:
-            return tool_request([t.model_dump(exclude_none=True) for t in self.tools or ()], tool_choice,
+            return tool_request([t.model_dump(exclude_none=True) for t in self.tools or ()], self._tool_choice(),
                                 self.parallel_tool_calls)
         except ToolRequestError as err:
             raise InvalidRequestError(err.message, err.param) from None

@@ -87,6 +87,15 @@ class ToolRequest:
             return StructuredOutputSpec.json_schema(function["parameters"], bool(function.get("strict")))
         return StructuredOutputSpec.json_schema(self.calls_schema(), all(f.get("strict") for f in functions.values()))
 
+    @property
+    def grammar_param(self) -> str:
+        """The field a refusal of :meth:`structured_output` names (the grammar library may
+        refuse a schema the JSON-schema check let pass)."""
+        if self.tool_choice == "function":
+            names = [t["function"]["name"] for t in self.tools]
+            return f"tools.{names.index(self.function_name)}.function.parameters"
+        return "tools"
+
     def calls_schema(self) -> dict[str, Any]:
         """The JSON schema of ``required``'s output: ``[{"name": <a tool>, "arguments": {...}},
         ...]`` (one object without parallel calls). Each tool's parameters sit under the root's

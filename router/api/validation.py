@@ -48,6 +48,9 @@ class RequestInput:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     n: int = 1
+    # The field that asked for ``sampling["structured_outputs"]`` (``response_format.json_schema
+    # .schema``, ``guided_regex``, ...): a worker's refusal of the spec names it.
+    structured_param: str | None = None
     tools: ToolRequest | None = None
 
     @property
@@ -78,6 +81,7 @@ class ValidatedRequest:
     sampling_params: SamplingParams
     stop: tuple[str, ...]
     n: int = 1
+    structured_param: str | None = None  # see RequestInput
     tool_format: ToolCallFormat | None = None
 
 
@@ -129,7 +133,8 @@ class Validator:
             raise InvalidRequestError(str(err), err.param) from None
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         tool_format = request.tools.output_format(self.tool_call_parser) if request.tools else None
-        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n, tool_format)
+        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n, request.structured_param,
+                                tool_format)
 
     def _check_request(self, request: RequestInput) -> None:
         """What the API allows beyond SamplingParams' own ranges: OpenAI's temperature range,
@@ -216,6 +221,15 @@ class Validator:
                 "max_tokens",
             )
         return max_tokens
+
+
+def name_structured_param(err: RouterError, request: ValidatedRequest) -> RouterError:
+    """A worker's refusal of a structured request (a grammar the library cannot compile reaches
+    the router as INVALID_ARGUMENT) names the field that asked for the structured output.
+    Mutates and returns ``err``."""
+    if err.kind is ErrorKind.INVALID_REQUEST and err.param is None and request.structured_param is not None:
+        err.param = request.structured_param
+    return err
 
 
 def _too_long(num_prompt_tokens: int, max_model_len: int, param: str) -> InvalidRequestError:
