@@ -116,7 +116,7 @@ def test_tool_messages_must_answer_an_earlier_call(validator: Validator, message
 def test_without_tools_none_and_auto_mean_no_tools() -> None:
     for body in ({}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"tools": [], "tool_choice": "auto"}):
         request = to_input(**body)
-        assert request.tools is None and "structured_outputs" not in request.sampling
+        assert (request.tools, request.sampling["structured_outputs"], request.structured_param) == (None, None, None)
 
 
 def test_each_tool_choice_sets_prompt_grammar_and_parser() -> None:
@@ -142,6 +142,23 @@ def test_each_tool_choice_sets_prompt_grammar_and_parser() -> None:
         "type": "array", "items": {"anyOf": calls}, "minItems": 1}
     single = to_input(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert json.loads(single.sampling["structured_outputs"].value) == calls[0]
+    # A worker's refusal of the grammar names the field it came from.
+    assert (named.structured_param, required.structured_param) == ("tools.0.function.parameters", "tools")
+    assert to_input(tools=[TIME, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                    ).structured_param == "tools.1.function.parameters"
+
+
+def test_a_forced_call_takes_no_other_structured_output() -> None:
+    assert refusal(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}) == (
+        'response_format cannot be combined with tool_choice "required": the calls follow the functions\' '
+        "parameters", "response_format")
+    assert refusal(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   guided_regex="a+") == (
+        'guided_regex cannot be combined with tool_choice {"type": "function", "function": {"name": "get_weather"}}: '
+        "the calls follow the functions' parameters", "guided_regex")
+    # "auto" has no grammar of its own: a structured output applies to the whole text.
+    request = to_input(tools=[WEATHER], response_format={"type": "json_object"})
+    assert request.sampling["structured_outputs"] == StructuredOutputSpec("json_object")
 
 
 def test_strict_functions_ask_for_a_strict_grammar() -> None:
@@ -187,5 +204,6 @@ def test_the_grammar_accepts_exactly_the_calls_the_tools_allow(tool_choice, para
 
     spec = to_input(tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=parallel).sampling[
         "structured_outputs"]
-    grammar = xgrammar.Grammar.from_json_schema(spec.value, any_whitespace=False)
+    # As engine.structured_output compiles a json_schema spec.
+    grammar = xgrammar.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=spec.strict)
     assert xgrammar_testing._is_grammar_accept_string(grammar, text) is accepted
