@@ -200,7 +200,7 @@ class FunctionDefinition(_OpenAIModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
-    strict: bool | None = None  # the grammar of a forced call refuses properties the schema leaves open
+    strict: bool | None = None  # accepted: a forced call's grammar is always strict (router.api.tools)
 
 
 class ToolDefinition(_OpenAIModel):

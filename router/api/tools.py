@@ -78,14 +78,18 @@ class ToolRequest:
         return ToolCallFormat("named", self.function_name)
 
     def structured_output(self) -> StructuredOutputSpec | None:
-        """The grammar of ``required`` and of a named function; None for ``none`` and ``auto``."""
+        """The grammar of ``required`` and of a named function; None for ``none`` and ``auto``.
+
+        Always strict: the arguments hold only the properties the parameters name, unless a
+        schema allows others itself (``additionalProperties``); a small model otherwise copies
+        schema keywords (``"maxLength": 40``) into its arguments.
+        """
         if self.tool_choice in ("none", "auto"):
             return None
-        functions = {t["function"]["name"]: t["function"] for t in self.tools}
         if self.tool_choice == "function":
-            function = functions[self.function_name]
-            return StructuredOutputSpec.json_schema(function["parameters"], bool(function.get("strict")))
-        return StructuredOutputSpec.json_schema(self.calls_schema(), all(f.get("strict") for f in functions.values()))
+            function = next(t["function"] for t in self.tools if t["function"]["name"] == self.function_name)
+            return StructuredOutputSpec.json_schema(function["parameters"], strict=True)
+        return StructuredOutputSpec.json_schema(self.calls_schema(), strict=True)
 
     @property
     def grammar_param(self) -> str:

@@ -124,7 +124,7 @@ async def test_named_function_streams_its_arguments_under_its_grammar(cluster) -
     assert (reply.choices[0].finish_reason, reply.choices[0].message.content) == ("tool_calls", None)
     assert calls_of(reply.choices[0].message) == [("get_weather", arguments)]
     grammar = fakes_cluster.fakes.prefill_requests[-1].sampling_params.structured_outputs
-    assert (grammar.kind, json.loads(grammar.value), grammar.strict) == ("json_schema", WEATHER_PARAMS, False)
+    assert (grammar.kind, json.loads(grammar.value), grammar.strict) == ("json_schema", WEATHER_PARAMS, True)
 
     fakes_cluster.script_text(arguments, chunk=1)
     stream = await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, tool_choice=named,

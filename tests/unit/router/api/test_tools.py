@@ -130,7 +130,8 @@ def test_each_tool_choice_sets_prompt_grammar_and_parser() -> None:
     assert (none.prompt_tools, none.output_format("hermes"), none.structured_output()) == (None, None, None)
     named = to_input(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named.tools.output_format("hermes") == ToolCallFormat("named", "get_weather")
-    assert named.sampling["structured_outputs"] == StructuredOutputSpec("json_schema", json.dumps(WEATHER_PARAMS))
+    assert named.sampling["structured_outputs"] == StructuredOutputSpec("json_schema", json.dumps(WEATHER_PARAMS),
+                                                                        strict=True)
     required = to_input(tools=[WEATHER, TIME], tool_choice="required")
     assert required.tools.output_format("hermes") == ToolCallFormat("json")
     calls = [{"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER_PARAMS},
@@ -159,14 +160,6 @@ def test_a_forced_call_takes_no_other_structured_output() -> None:
     # "auto" has no grammar of its own: a structured output applies to the whole text.
     request = to_input(tools=[WEATHER], response_format={"type": "json_object"})
     assert request.sampling["structured_outputs"] == StructuredOutputSpec("json_object")
-
-
-def test_strict_functions_ask_for_a_strict_grammar() -> None:
-    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    named = to_input(tools=[strict, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named.sampling["structured_outputs"].strict is True
-    assert to_input(tools=[strict, TIME], tool_choice="required").sampling["structured_outputs"].strict is False
-    assert to_input(tools=[strict], tool_choice="required").sampling["structured_outputs"].strict is True
 
 
 def test_refs_of_a_tool_keep_pointing_at_its_own_defs() -> None:
