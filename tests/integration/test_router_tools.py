@@ -184,3 +184,16 @@ async def test_refusals_are_400_naming_the_field(cluster, kwargs: dict, message:
         await client.chat.completions.create(model=DEFAULT_MODEL, **{"messages": USER, **kwargs})
     assert info.value.status_code == 400
     assert (info.value.body["message"], info.value.body["param"]) == (message, param)
+
+
+@pytest.mark.parametrize(("tool_choice", "param"), [
+    ({"type": "function", "function": {"name": "get_time"}}, "tools.1.function.parameters"),
+    ("required", "tools"),
+])
+async def test_a_grammar_the_worker_refuses_names_the_tools(cluster, tool_choice, param: str) -> None:
+    fakes_cluster, client = cluster
+    fakes_cluster.script_text("x", prefill_error=grpc.StatusCode.INVALID_ARGUMENT)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice)
+    assert (info.value.body["message"], info.value.body["param"]) == (
+        "prefill worker failed (INVALID_ARGUMENT): fake prefill refuses (INVALID_ARGUMENT)", param)
