@@ -197,3 +197,24 @@ async def test_a_grammar_the_worker_refuses_names_the_tools(cluster, tool_choice
         await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice)
     assert (info.value.body["message"], info.value.body["param"]) == (
         "prefill worker failed (INVALID_ARGUMENT): fake prefill refuses (INVALID_ARGUMENT)", param)
+
+
+async def test_each_of_n_choices_has_its_own_calls(cluster) -> None:
+    fakes_cluster, client = cluster
+    fakes_cluster.script_text(HERMES_TEXT, chunk=4)
+    reply = await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, n=2, max_tokens=100)
+    expected = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert [(c.index, c.finish_reason, calls_of(c.message)) for c in reply.choices] == [
+        (0, "tool_calls", expected), (1, "tool_calls", expected)]
+    assert len({call.id for c in reply.choices for call in c.message.tool_calls}) == 4
+    fakes_cluster.script_text(HERMES_TEXT, chunk=4)
+    stream = await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, n=2,
+                                                  max_tokens=100, stream=True)
+    assembled: dict[int, dict[int, list[str]]] = {0: {}, 1: {}}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                call = assembled[choice.index].setdefault(piece.index, ["", ""])
+                call[0] += piece.function.name or ""
+                call[1] += piece.function.arguments or ""
+    assert assembled == {i: {k: list(call) for k, call in enumerate(expected)} for i in (0, 1)}
