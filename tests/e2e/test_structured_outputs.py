@@ -179,11 +179,14 @@ def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_field(disaggreg
 
 
 def test_kill_a_decode_worker_mid_json_stream(disaggregated) -> None:
-    """Sixteen JSON-schema streams over both decode workers; decode-1 is SIGKILLed once it is
-    streaming: its streams resume on the survivor from the tokens already sent (the matcher
-    rebuilt from them), and every final text validates."""
+    """Sixteen JSON-schema streams; a decode worker that streams some of them is SIGKILLed mid-way:
+    its streams resume on the other one from the tokens already sent (the matcher rebuilt from
+    them), and every final text validates."""
     probe = ClusterProbe(disaggregated)
-    schema = SCHEMAS[0]
+    # A long answer (200 to 240 characters) keeps every stream going well past the kill;
+    # max_tokens 300 leaves room for more than one token per character (greedy: deterministic).
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 200, "maxLength": 240}},
+              "required": ["story"], "additionalProperties": False}
     num_tokens = 0
     changed = asyncio.Event()
 
@@ -191,7 +194,7 @@ def test_kill_a_decode_worker_mid_json_stream(disaggregated) -> None:
         nonlocal num_tokens
         text, finish = "", None
         chunks = await c.chat.completions.create(
-            model=MODEL, max_tokens=MAX_TOKENS, temperature=0, stream=True, response_format=response_format(schema),
+            model=MODEL, max_tokens=300, temperature=0, stream=True, response_format=response_format(schema),
             messages=[{"role": "user", "content": prompt + " Answer in JSON."}])
         async for chunk in chunks:
             if chunk.choices:
@@ -201,17 +204,22 @@ def test_kill_a_decode_worker_mid_json_stream(disaggregated) -> None:
                 changed.set()
         return text, finish
 
+    def victim() -> str | None:
+        """A decode worker with streams running (the router may have placed them all on one)."""
+        return next((name for name in ("decode-1", "decode")
+                     if probe.worker_stats(name).num_requests_running > 0), None)
+
     async def run():
         async with client(disaggregated) as c:
             tasks = [asyncio.create_task(stream(c, reference.PROMPTS[i % 8])) for i in range(16)]
-            while not (num_tokens >= 16 * 4 and await asyncio.to_thread(
-                    lambda: probe.worker_stats("decode-1").num_requests_running > 0)):
+            name = None
+            while num_tokens < 16 * 8 or (name := await asyncio.to_thread(victim)) is None:
                 changed.clear()
                 try:
                     await asyncio.wait_for(changed.wait(), timeout=0.5)
                 except TimeoutError:
-                    assert not all(t.done() for t in tasks), "every stream ended before decode-1 streamed"
-            os.kill(disaggregated.service("decode-1").process.pid, signal.SIGKILL)
+                    assert not all(t.done() for t in tasks), "every stream ended before the kill"
+            os.kill(disaggregated.service(name).process.pid, signal.SIGKILL)
             killed_at = num_tokens
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_S), killed_at
 
