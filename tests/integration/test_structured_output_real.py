@@ -191,3 +191,18 @@ def test_a_spec_the_library_cannot_compile_is_refused_and_others_run(engine: LLM
     assert [(o.finished, o.error) for o in refused] == [
         (True, "the regex cannot be compiled: Regex parsing error at position 3: Lookbehind is not supported yet.")]
     assert good.output_token_ids == reference.hf_greedy(prompt, 8)
+
+
+def test_a_preempted_request_keeps_its_grammar(engine: LLMEngine) -> None:
+    """Three constrained requests in a cache of 8 blocks that cannot hold them all: some are
+    preempted (recomputed) mid-answer, keep their matchers, and answer as on an ample cache."""
+    prompts = [reference.chat_ids(p) for p in reference.PROMPTS[:3]]
+    free = [greedy(p, 40, rid=f"free{i}") for i, p in enumerate(prompts)]
+    run_all(engine, free)
+    small = LLMEngine(EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=8, max_model_len=128,
+                                   max_num_batched_tokens=128), engine.runner.model, engine.source)
+    constrained = [greedy(p, 40, StructuredOutputSpec("regex", literal(text(r.output_token_ids))), f"c{i}")
+                   for i, (p, r) in enumerate(zip(prompts, free))]
+    run_all(small, constrained)
+    assert small.stats().num_preemptions > 0
+    assert [r.output_token_ids for r in constrained] == [r.output_token_ids for r in free]
