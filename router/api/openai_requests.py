@@ -1,10 +1,11 @@
 """OpenAI request bodies (pydantic) and how their validation errors read.
 
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
-and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``, ...) is
-refused unless it carries its default, so a misspelled or ignored parameter never changes the
+and an OpenAI field this server does not implement (``echo``, ``best_of``, ``functions``, ...)
+is refused unless it carries its default, so a misspelled or ignored parameter never changes the
 output silently. A structured output (``response_format``, vLLM's ``guided_*`` and
-``structured_outputs``) is router.api.structured_outputs'. The sampling fields are SamplingParams' own
+``structured_outputs``) is router.api.structured_outputs'; ``tools``, ``tool_choice`` and the
+messages' tool calls and results are router.api.tools'. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
 (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
 absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
