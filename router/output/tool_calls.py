@@ -157,6 +157,7 @@ class HermesParser(ToolCallParser):
         super().__init__()
         self._buffer = ""  # text not yet sent: a possible start tag, or a block's body so far
         self._in_block = False
+        self._searched = 0  # in a block: where in self._buffer the end tag may still start
         self._whitespace = ""  # whitespace after a call, sent only if content follows it
 
     def feed(self, text: str) -> ParsedDelta:
@@ -165,8 +166,9 @@ class HermesParser(ToolCallParser):
         calls: list[ToolCallDelta] = []
         while True:
             if self._in_block:
-                end = self._buffer.find(TOOL_CALL_END)
+                end = self._buffer.find(TOOL_CALL_END, self._searched)
                 if end < 0:
+                    self._searched = max(0, len(self._buffer) - len(TOOL_CALL_END) + 1)
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_END):]
                 self._in_block = False
@@ -180,7 +182,7 @@ class HermesParser(ToolCallParser):
                 break
             self._content(self._buffer[:start], content)
             self._buffer = self._buffer[start + len(TOOL_CALL_START):]
-            self._in_block = True
+            self._in_block, self._searched = True, 0
         return ParsedDelta("".join(content), tuple(calls))
 
     def finish(self) -> ParsedDelta:
@@ -239,20 +241,20 @@ class JsonCallsParser(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""  # the text since the end of the last decoded call
+        self._chars: list[str] = []  # the text since the end of the last decoded call
         self._depth = 0  # [ and { open
         self._object_depth = 0  # the depth at which call objects sit: 1 inside an array, 0 alone
         self._started = False  # the first bracket was seen
         self._in_string = False
         self._escaped = False
-        self._object_start = -1  # index in self._text of the object being read
-        self._unparsed_start = -1  # index in self._text of the first object not decoded as a call
+        self._object_start = -1  # index in self._chars of the object being read
+        self._unparsed_start = -1  # index in self._chars of the first object not decoded as a call
 
     def feed(self, text: str) -> ParsedDelta:
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         for char in text:
-            self._text += char
+            self._chars.append(char)
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -267,7 +269,7 @@ class JsonCallsParser(ToolCallParser):
                     self._started = True
                     self._object_depth = 1 if char == "[" else 0
                 if char == "{" and self._depth == self._object_depth:
-                    self._object_start = len(self._text) - 1
+                    self._object_start = len(self._chars) - 1
                     if self._unparsed_start < 0:
                         self._unparsed_start = self._object_start
                 self._depth += 1
@@ -279,20 +281,20 @@ class JsonCallsParser(ToolCallParser):
 
     def finish(self) -> ParsedDelta:
         """What was never decoded (an unfinished object, or objects that are no call) is content."""
-        rest = self._text[self._unparsed_start:] if self._unparsed_start >= 0 else ""
-        self._text, self._object_start, self._unparsed_start = "", -1, -1
+        rest = "".join(self._chars[self._unparsed_start:]) if self._unparsed_start >= 0 else ""
+        self._chars, self._object_start, self._unparsed_start = [], -1, -1
         return ParsedDelta(rest.strip(), ())
 
     def _decode(self, content: list[str], calls: list[ToolCallDelta]) -> None:
         try:
-            call = _call_of(json.loads(self._text[self._object_start:]))
+            call = _call_of(json.loads("".join(self._chars[self._object_start:])))
         except ValueError:
             call = None
         if call is not None:
             if self._unparsed_start < self._object_start:  # objects before it that were no call
-                content.append(self._text[self._unparsed_start:self._object_start].strip())
+                content.append("".join(self._chars[self._unparsed_start:self._object_start]).strip())
             calls.extend(self._whole_call(*call))
-            self._text, self._unparsed_start = "", -1
+            self._chars, self._unparsed_start = [], -1
         self._object_start = -1
 
 
