@@ -47,7 +47,8 @@ class RouterConfig:
         open_paths: HTTP paths served without a key even when ``api_keys`` is set.
         chat_template: the chat template of every chat: a bundled name (``hermes``,
             router.chat_templates) or a Jinja file; empty: the model's own, and the bundled
-            ``hermes`` for a chat involving tools (vLLM's ``--chat-template``).
+            ``hermes`` for a chat involving tools the model's own cannot render (vLLM's
+            ``--chat-template``).
         tool_call_parser: how calls are read from the text under ``tool_choice: "auto"``
             (vLLM's ``--tool-call-parser``; router.output.tool_calls).
 
@@ -80,7 +81,7 @@ class RouterConfig:
     open_paths: tuple[str, ...] = setting(DEFAULT_OPEN_PATHS, "HTTP paths served without an API key, "
                                                               "comma-separated ('' for none).")
     chat_template: str = setting("", "Chat template of every chat: a bundled name (hermes) or a Jinja file; empty: "
-                                     "the model's own, and hermes for a chat with tools.")
+                                     "the model's own, and hermes for a chat with tools the model's cannot render.")
     tool_call_parser: str = setting("hermes", "How tool calls are read from the text under tool_choice auto.",
                                     choices=TOOL_CALL_PARSERS)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ class ModelTokenizer:
             ``ceil(c / max_token_chars)`` tokens; 0: no such bound is known (no pre-check).
         chat_template: the template every chat renders with (``--chat-template``); None: the
             model's own, and the bundled tool template (router.chat_templates) for a chat
-            involving tools.
+            involving tools when the model's own has no place for them.
     """
 
     hf: Any
@@ -49,14 +50,16 @@ class ModelTokenizer:
         """Token ids of a chat rendered by the chat template, ready for the assistant turn.
 
         ``tools``: OpenAI tool objects the template lists. The template is :attr:`chat_template`
-        when set; else, for a chat with tools, tool calls or tool results, the bundled tool
-        template; else the model's own.
+        when set; else the model's own, unless the chat has tools, tool calls or tool results
+        and the model's template has no place for them (:func:`renders_tools`): then the
+        bundled tool template.
 
         Raises:
             ValueError: there is no chat template, or the template rejected the messages.
         """
         template = self.chat_template
-        if template is None and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+        with_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if template is None and with_tools and not renders_tools(getattr(self.hf, "chat_template", None)):
             template = bundled_template(TOOL_TEMPLATE)
         if template is None and not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
@@ -74,6 +77,14 @@ class ModelTokenizer:
         """One token as text for logprobs, special tokens included (``<|im_end|>``); a token that
         holds part of a UTF-8 character renders as U+FFFD."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def renders_tools(template: str | dict[str, str] | None) -> bool:
+    """Whether a model's chat template lists tools: it reads the ``tools`` variable, or it is a
+    set of named templates with a ``tool_use`` one (which transformers picks when tools are given)."""
+    if isinstance(template, dict):
+        return "tool_use" in template or any(renders_tools(t) for t in template.values())
+    return bool(template) and re.search(r"\btools\b", template) is not None
 
 
 def load_tokenizer(source: ModelSource) -> ModelTokenizer:

@@ -2,7 +2,8 @@
 
 ``hermes.jinja``: Hermes-style tool calling for ChatML models (the bundled SmolLM2's own
 template has no tool section). A chat whose request offers tools, or whose messages hold tool
-calls or tool results, renders with it unless ``--chat-template`` names another template.
+calls or tool results, renders with it when the model's own template has no place for tools
+(router.tokenizer.renders_tools) and ``--chat-template`` names no other template.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def bundled_template(name: str) -> str:
 
 def load_chat_template(value: str) -> str | None:
     """The template ``--chat-template`` names: a bundled name, a file's path, or empty (None:
-    the model's own template, and :data:`TOOL_TEMPLATE` for chats with tools).
+    the model's own template, and :data:`TOOL_TEMPLATE` for chats with tools it cannot render).
 
     Raises:
         FileNotFoundError: ``value`` is neither a bundled name nor a readable file.

@@ -3,13 +3,14 @@ the exact text below; which template a chat renders with; ``--chat-template`` va
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 
 from router.api.tools import template_message
 from router.chat_templates import bundled_template, load_chat_template
-from router.tokenizer import ModelTokenizer
+from router.tokenizer import ModelTokenizer, renders_tools
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -82,6 +83,18 @@ def test_a_chat_without_tools_keeps_the_models_own_template(tokenizer: ModelToke
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     # Tools, a call or a result anywhere: the tool template (which adds no system prompt of its own).
     assert render(tokenizer, CONVERSATION[1:]).startswith("<|im_start|>user\nWeather in Paris and Oslo?")
+
+
+def test_a_model_template_that_lists_tools_renders_them_itself(tokenizer: ModelTokenizer) -> None:
+    assert not renders_tools(tokenizer.hf.chat_template)  # SmolLM2's: no place for tools
+    hf = copy.copy(tokenizer.hf)
+    hf.chat_template = ("{% for t in tools %}<{{ t.function.name }}>{% endfor %}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    own = dataclasses.replace(tokenizer, hf=hf)
+    assert render(own, [{"role": "user", "content": "hi"}], [TOOL]) == "<get_weather>hi"
+    assert not renders_tools(tokenizer.hf.chat_template)  # the shared tokenizer is untouched
+    assert renders_tools({"default": "{{ messages }}", "tool_use": "{{ tools }}"})
+    assert not renders_tools({"default": "{{ messages }}"}) and not renders_tools(None)
 
 
 def test_a_configured_template_renders_every_chat(tokenizer: ModelTokenizer, tmp_path) -> None:
