@@ -55,6 +55,10 @@ KV_TRANSFER_ERRORS = "tandem:kv_transfer_errors"  # counter: transfers that rais
 # KV loads from the pool that failed, in the worker that loaded {stage, reason, action}
 # (engine.kv_connector.load_failure).
 KV_LOAD_FAILURES = "tandem:kv_load_failures"  # counter
+# Structured outputs, in each worker's engine {role} (engine.structured_output.GrammarStats).
+GRAMMAR_COMPILES = "tandem:grammar_compiles"  # counter: grammars compiled
+GRAMMAR_COMPILE_SECONDS = "tandem:grammar_compile_seconds"  # counter: time spent compiling
+GRAMMAR_CACHE_HITS = "tandem:grammar_cache_hits"  # counter: requests whose grammar was compiled already
 
 # The router's cluster view: one sample per live worker or pool node, read from its heartbeat.
 CLUSTER_WORKERS = "tandem:cluster_workers"  # gauge {role}: live processes

@@ -8,6 +8,7 @@ from typing import Any
 from core.block_key import BlockKey
 from core.request import FinishReason
 from core.sampling_params import SAMPLING_FIELDS, SamplingParams
+from core.structured_output import StructuredOutputSpec
 from core.worker_load import WorkerLoad
 from tandem.v1 import common_pb2, prefill_worker_pb2
 
@@ -34,13 +35,28 @@ def finish_reason_from_proto(value: int) -> FinishReason:
 WIRE_DEFAULTS: dict[str, Any] = {"temperature": 0.0}
 
 
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """Raises StructuredOutputError (a ValueError) for an unknown kind or a bad value."""
+    return StructuredOutputSpec(msg.kind, msg.value, msg.strict)
+
+
+def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=spec.kind, value=spec.value, strict=spec.strict)
+
+
+# SamplingParams fields that are messages on the wire: name -> (from_proto, to_proto).
+_MESSAGE_FIELDS = {"structured_outputs": (structured_output_from_proto, structured_output_to_proto)}
+
+
 def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     """Each SamplingParams field as ``msg`` carries it, by name, unchecked: an unset optional
     field is its WIRE_DEFAULTS value or None (SamplingParams' default), a repeated one a tuple."""
     fields: dict[str, Any] = {}
     for name in SAMPLING_FIELDS:
         value = getattr(msg, name)
-        if isinstance(value, MutableSequence):  # a repeated field
+        if name in _MESSAGE_FIELDS:
+            fields[name] = _MESSAGE_FIELDS[name][0](value) if msg.HasField(name) else None
+        elif isinstance(value, MutableSequence):  # a repeated field
             fields[name] = tuple(value)
         elif msg.DESCRIPTOR.fields_by_name[name].has_presence and not msg.HasField(name):
             fields[name] = WIRE_DEFAULTS.get(name)
@@ -60,9 +76,10 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     """Every field set, a None (no seed, no logprobs) left unset."""
-    return common_pb2.SamplingParams(
-        **{name: value for name in SAMPLING_FIELDS if (value := getattr(params, name)) is not None}
-    )
+    return common_pb2.SamplingParams(**{
+        name: _MESSAGE_FIELDS[name][1](value) if name in _MESSAGE_FIELDS else value
+        for name in SAMPLING_FIELDS if (value := getattr(params, name)) is not None
+    })
 
 
 def token_logprob_to_proto(

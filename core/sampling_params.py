@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.structured_output import StructuredOutputSpec
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -71,6 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # an integer is a valid float
@@ -100,6 +103,15 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputSpec):
+                raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputSpec")
+            if self.ignore_eos:
+                raise SamplingParamsError("ignore_eos", "ignore_eos cannot be combined with a structured output "
+                                          "(the grammar ends the output with EOS)")
+            if self.min_tokens:
+                raise SamplingParamsError("min_tokens", f"min_tokens must be 0 with a structured output "
+                                          f"(the grammar decides where the output ends), got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"

@@ -51,6 +51,7 @@ class AsyncEngine:
         self._running: Future | None = None
         self._stopping = False
         self._stats = engine.stats()
+        engine.structured.on_ready = self._wakeup.set  # a compiled grammar wakes an idle loop
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -133,8 +134,10 @@ class AsyncEngine:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            ran = False
             try:
                 for outputs in engine.step_stream():
+                    ran = True
                     self._deliver_all(outputs)
                     self._drain_inbox()  # joins and aborts take effect at the next pass
                     self._stats = engine.stats()
@@ -142,6 +145,9 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._deliver_all(self._fail_all())
             self._stats = engine.stats()
+            if not ran:  # only requests whose grammar is compiling: wait for one (on_ready)
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

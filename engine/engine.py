@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.preemption import PreemptionPolicy
 from engine.step_stats import StepStats
+from engine.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from engine.parallel.build import TensorParallel
@@ -80,6 +81,11 @@ class LLMEngine:
         backend, sampler = make_attention_backend(config), Sampler(config.seed)
         self.runner = (ModelRunner(model, kv_cache, backend, sampler) if parallel is None
                        else parallel.runner(model, kv_cache, backend, sampler))
+        self.structured = StructuredOutputManager(lambda: ensure_hf_dir(source), mc.vocab_size)
+        self.runner.structured = self.structured
+        # Requests refused after add_request returned (a grammar that does not compile), reported
+        # with the next pass's outputs.
+        self._refused: list[RequestOutput] = []
         self.step_stats = StepStats()
         self._pass_started_s = 0.0  # perf_counter() at the end of the last forward (see _record)
 
@@ -107,6 +113,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks (nothing at TP=1). Idempotent; the engine is unusable after."""
         self.runner.shutdown()
+        self.structured.shutdown()
 
     def add_request(self, request: Request, external_kv: ExternalKV | None = None) -> None:
         """Queues a request.
@@ -121,9 +128,14 @@ class LLMEngine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
-        self.scheduler.add_request(request, external_kv)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.add(request, external_kv)  # joins the scheduler once its grammar is compiled
+        else:
+            self.scheduler.add_request(request, external_kv)
 
     def abort_request(self, request_id: str) -> bool:
+        if self.structured.discard(request_id):  # still waiting for its grammar
+            return True
         aborted = self.scheduler.abort(request_id) is not None
         if aborted and self.swap_space is not None:
             self.swap_space.discard(request_id)
@@ -131,7 +143,7 @@ class LLMEngine:
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds (not yet finished and freed, nor aborted)."""
-        return self.scheduler.request_ids()
+        return self.scheduler.request_ids() + self.structured.waiting_ids()
 
     def use_swap_space(self, swap_space: SwapSpace) -> None:
         """Swap preempted requests into ``swap_space`` from now on (the decode worker's pool
@@ -139,7 +151,10 @@ class LLMEngine:
         self.swap_space = swap_space
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """True while the engine holds a request (scheduled, or waiting for its grammar) or a
+        refusal to report. A pass may still find nothing to run while grammars compile
+        (``structured.on_ready`` says when one is ready)."""
+        return self.scheduler.num_unfinished > 0 or self.structured.num_waiting > 0 or bool(self._refused)
 
     def step(self) -> list[RequestOutput]:
         """Runs passes until none can be scheduled; returns every output they produced."""
@@ -155,6 +170,9 @@ class LLMEngine:
         (SGLang's overlap scheduler). Returns when a pass would be empty.
         """
         self._pass_started_s = time.perf_counter()  # the first pass's time starts with its scheduling
+        self._admit_compiled()
+        if self._refused:
+            yield self._finish([])
         if self.config.enable_overlap:
             yield from self._overlapped_steps()
             return
@@ -174,9 +192,16 @@ class LLMEngine:
         return self._schedule(), 0
 
     def _schedule(self) -> SchedulerOutput:
-        """Swap-in, then a new scheduling decision (which itself never waits on I/O)."""
+        """Admits requests whose grammar is compiled, swaps in, then makes a new scheduling
+        decision (which itself never waits on I/O)."""
+        self._admit_compiled()
         self._swap_in()
         return self.scheduler.schedule()
+
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar is ready into the scheduler; refusals wait in _refused."""
+        if self.structured.num_waiting:
+            self._refused += self.structured.admit_ready(self.scheduler.add_request)
 
     def _swap_in(self) -> None:
         """Brings swapped-out KV back for the requests the next decision may admit; a swap-in
@@ -253,6 +278,8 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 self._release(output)
+        if self._refused:
+            outputs, self._refused = outputs + self._refused, []
         return outputs
 
     def _release(self, output: RequestOutput) -> None:
@@ -262,6 +289,7 @@ class LLMEngine:
             block_ids = self.scheduler.block_ids(output.request_id)[:num_prompt_blocks]
             output.saved_kv = self.runner.pack_blocks(block_ids)
         self.scheduler.free(output.request_id)
+        self.structured.discard(output.request_id)
         if self.swap_space is not None:
             self.swap_space.discard(output.request_id)
 

@@ -13,6 +13,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.kv_connector.blocks import pack_blocks, unpack_blocks
 from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SamplingInput, SchedulerOutput
 from engine.sampler import Sampler
+from engine.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -59,6 +60,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = sampler
+        # The engine's grammars (engine.structured_output); None runs without structured outputs.
+        self.structured: StructuredOutputManager | None = None
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         # Seconds spent in forward + sampling (the "device busy" time).
@@ -91,17 +94,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
         """Copies blocks (copy-on-write), loads external KV, runs one forward over every scheduled
-        token, samples where due. Mutates the KV cache; touches no request (overlap-safe)."""
+        token, samples where due. Mutates the KV cache and the structured rows' grammar matchers
+        (the bitmask is filled on the fill thread while the forward runs); touches no request
+        (overlap-safe)."""
         out = step.out
         self._move_kv(out)
         if out.is_empty:
             return ModelRunnerOutput()
         started = time.perf_counter()
+        structured = self.structured
+        filling = structured.fill_async(step.sampling) if structured is not None else None
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         ctx = ForwardContext(step.meta, self.backend, list(self.kv_cache.unbind(0)))
         with forward_context(ctx):
             logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_sampling, vocab]
-        sampled = self.sampler.sample(logits, step.sampling)
+        sampled = self.sampler.sample(logits, step.sampling, filling.result() if filling is not None else None)
+        if filling is not None:
+            structured.accept(step.sampling, sampled)
         duration_s = time.perf_counter() - started
         self.busy_time_s += duration_s
         return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling, sampled)},

@@ -6,13 +6,15 @@ depend on its batch, nor on which worker (prefill or decode) samples which token
 
 Each row goes through (vLLM's order)::
 
-    raw logits -> min_tokens mask -> repetition / frequency / presence penalties = processed logits
+    raw logits -> grammar mask (structured outputs) -> min_tokens mask -> repetition / frequency / presence penalties = processed logits
     processed -> argmax                                   (greedy)
     processed -> / temperature -> top-k, top-p -> draw    (sampled)
 
 Log-probabilities are the ``log_softmax`` of the *processed* logits: penalised and masked, but
 before temperature, top-k and top-p. A row that needs no processing skips it (the greedy fast
-path is one batched argmax).
+path is one batched argmax). The grammar mask of every structured row is applied in one
+vectorised call (``engine.structured_output.TokenMask``), so a structured greedy row stays on
+the fast path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import struct
 import torch
 
 from engine.outputs import SampledToken, SamplingInput
+from engine.structured_output import TokenMask
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -97,7 +100,8 @@ def with_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> SampledT
     top: tuple[tuple[int, float], ...] = ()
     if num_top:
         values, ids = torch.topk(logprobs, num_top)
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        # A grammar may allow fewer than num_top tokens: the masked ones (-inf) are not listed.
+        top = tuple((t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
     return SampledToken(token_id, float(logprobs[token_id]), top)
 
 
@@ -105,14 +109,19 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[SamplingInput]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, requests: list[SamplingInput],
+               mask: TokenMask | None = None) -> list[SampledToken]:
         """Picks one token per row of ``logits`` ([num_seqs, vocab], float32) for ``requests[i]``
         (a SamplingInput, or anything with its fields: a core Request reads the same).
 
         A request's ``num_output_tokens`` is the index of the token being sampled (its seed input,
-        and what ``min_tokens`` compares with). Reads, never mutates, ``logits`` and ``requests``.
+        and what ``min_tokens`` compares with). ``mask``: the structured rows' allowed tokens;
+        their other logits are set to -inf in place. Otherwise reads, never mutates, ``logits``
+        and ``requests``.
         """
         logits = logits.cpu()
+        if mask is not None:
+            mask.apply(logits)
         greedy = logits.argmax(-1).tolist()
         tokens = []
         for i, request in enumerate(requests):

@@ -12,6 +12,7 @@ from core.settings import setting
 ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_latency")
 DISAGGREGATION_MODES = ("auto", "always", "never")
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")  # HTTP paths served without an API key
+TOOL_CALL_PARSERS = ("hermes",)  # router.output.tool_calls's formats a model writes by itself
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class RouterConfig:
         api_keys: keys a client must send (``Authorization: Bearer``) on HTTP and gRPC; empty:
             the APIs are open (router.api.auth).
         open_paths: HTTP paths served without a key even when ``api_keys`` is set.
+        chat_template: the chat template of every chat: a bundled name (``hermes``,
+            router.chat_templates) or a Jinja file; empty: the model's own, and the bundled
+            ``hermes`` for a chat involving tools the model's own cannot render (vLLM's
+            ``--chat-template``).
+        tool_call_parser: how calls are read from the text under ``tool_choice: "auto"``
+            (vLLM's ``--tool-call-parser``; router.output.tool_calls).
 
     Raises:
         ValueError: on any out-of-range value, quoting it.
@@ -73,6 +80,10 @@ class RouterConfig:
     api_keys: tuple[str, ...] = setting((), option=False)  # secrets: --api-key, its env var or a file
     open_paths: tuple[str, ...] = setting(DEFAULT_OPEN_PATHS, "HTTP paths served without an API key, "
                                                               "comma-separated ('' for none).")
+    chat_template: str = setting("", "Chat template of every chat: a bundled name (hermes) or a Jinja file; empty: "
+                                     "the model's own, and hermes for a chat with tools the model's cannot render.")
+    tool_call_parser: str = setting("hermes", "How tool calls are read from the text under tool_choice auto.",
+                                    choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -107,6 +118,8 @@ class RouterConfig:
         for key in self.api_keys:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be non-empty and hold no whitespace")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         for path in self.open_paths:
             if not path.startswith("/"):
                 raise ValueError(f"open_paths entries must start with '/', got {path!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 import uvicorn
@@ -15,6 +16,7 @@ from core.grpc_service import GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
 from router.api.auth import ApiKeyMiddleware
+from router.chat_templates import load_chat_template
 from router.cluster_metrics import ClusterCollector
 from router.config import RouterConfig
 from router.placement.admission import Admission
@@ -62,14 +64,18 @@ class RouterServer:
         """Loads the tokenizer, starts watching the registry, then both servers.
 
         Raises:
-            FileNotFoundError: the model cannot be resolved.
+            FileNotFoundError: the model or the chat template cannot be found.
             RuntimeError: a port cannot be bound, or HTTP did not come up.
         """
         config = self.config
         source = resolve_model(config.model, config.served_model_name or None)
+        chat_template = load_chat_template(config.chat_template)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, source)
-        self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens)
+        if chat_template is not None:
+            self.tokenizer = dataclasses.replace(self.tokenizer, chat_template=chat_template)
+        self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens,
+                                   config.tool_call_parser)
         self.registry = WorkerRegistry(config.redis_url)
         self.clients = WorkerClients()
         # A worker marked down after a failure comes back only once it answers health checks.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from core.model_source import ModelSource
+from router.chat_templates import TOOL_TEMPLATE, bundled_template
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +26,16 @@ class ModelTokenizer:
         max_token_chars: the most characters of input text one token can cover (the longest
             vocabulary entry, special tokens included), so a text of ``c`` characters has at least
             ``ceil(c / max_token_chars)`` tokens; 0: no such bound is known (no pre-check).
+        chat_template: the template every chat renders with (``--chat-template``); None: the
+            model's own, and the bundled tool template (router.chat_templates) for a chat
+            involving tools when the model's own has no place for them.
     """
 
     hf: Any
     eos_token_ids: frozenset[int]
     vocab_size: int
     max_token_chars: int = 0
+    chat_template: str | None = None
 
     def min_num_tokens(self, num_chars: int) -> int:
         """A lower bound on the tokens of a text of ``num_chars`` characters, found without
@@ -40,16 +46,26 @@ class ModelTokenizer:
         """Token ids of a completion prompt, with the tokenizer's own special tokens (BOS)."""
         return list(self.hf.encode(text))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered by the model's chat template, ready for the assistant turn.
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat rendered by the chat template, ready for the assistant turn.
+
+        ``tools``: OpenAI tool objects the template lists. The template is :attr:`chat_template`
+        when set; else the model's own, unless the chat has tools, tool calls or tool results
+        and the model's template has no place for them (:func:`renders_tools`): then the
+        bundled tool template.
 
         Raises:
-            ValueError: the tokenizer has no chat template, or the template rejected the messages.
+            ValueError: there is no chat template, or the template rejected the messages.
         """
-        if not getattr(self.hf, "chat_template", None):
+        template = self.chat_template
+        with_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if template is None and with_tools and not renders_tools(getattr(self.hf, "chat_template", None)):
+            template = bundled_template(TOOL_TEMPLATE)
+        if template is None and not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            ids = self.hf.apply_chat_template(messages, tools=tools, chat_template=template,
+                                              add_generation_prompt=True, return_dict=False)
         except Exception as err:  # jinja2 TemplateError and friends
             raise ValueError(f"the chat template rejected the messages: {err}") from err
         return list(ids)
@@ -61,6 +77,14 @@ class ModelTokenizer:
         """One token as text for logprobs, special tokens included (``<|im_end|>``); a token that
         holds part of a UTF-8 character renders as U+FFFD."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def renders_tools(template: str | dict[str, str] | None) -> bool:
+    """Whether a model's chat template lists tools: it reads the ``tools`` variable, or it is a
+    set of named templates with a ``tool_use`` one (which transformers picks when tools are given)."""
+    if isinstance(template, dict):
+        return "tool_use" in template or any(renders_tools(t) for t in template.values())
+    return bool(template) and re.search(r"\btools\b", template) is not None
 
 
 def load_tokenizer(source: ModelSource) -> ModelTokenizer:

@@ -16,7 +16,9 @@ and Tandem's own:
     tandem:cost_model_coefficient_seconds{role, coefficient}      gauge, the fitted step-time model
     tandem:kv_load_bandwidth_bytes_per_second{role}               gauge, measured pool -> worker (EWMA)
 
-plus ``tandem:kv_transfer_*`` (core.kv_transfer.metered) and
+plus ``tandem:grammar_compiles_total``, ``tandem:grammar_compile_seconds_total`` and
+``tandem:grammar_cache_hits_total`` {role} (structured outputs, :class:`GrammarCollector`),
+``tandem:kv_transfer_*`` (core.kv_transfer.metered) and
 ``tandem:kv_load_failures_total{stage, reason, action}`` (engine.kv_connector.load_failure),
 all in one registry.
 """
@@ -83,3 +85,23 @@ class WorkerCollector(Collector):
         for name in COEFFICIENTS:
             coefficient.add_metric([self.role, name], load[f"cost_{name}"])
         yield coefficient
+
+
+class GrammarCollector(Collector):
+    """The engine's grammar compiler counters (engine.structured_output.GrammarStats), read at
+    scrape time from ``stats_fn()``."""
+
+    def __init__(self, stats_fn: Callable[[], object], role: str):
+        self.stats_fn, self.role = stats_fn, role
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats_fn()
+        for name, value, help_text in (
+            (names.GRAMMAR_COMPILES, stats.num_compiled, "Structured-output grammars compiled."),
+            (names.GRAMMAR_COMPILE_SECONDS, stats.compile_time_s, "Seconds spent compiling grammars."),
+            (names.GRAMMAR_CACHE_HITS, stats.num_cache_hits,
+             "Structured requests whose grammar was compiled (or compiling) already."),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["role"])
+            family.add_metric([self.role], value)
+            yield family

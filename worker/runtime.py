@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolLocator
 from worker.config import WorkerConfig
-from worker.metrics import WorkerCollector
+from worker.metrics import GrammarCollector, WorkerCollector
 from worker.stats import worker_load
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def serve_worker(
             if worker.metrics_port:  # vLLM-named gauges (worker.metrics) + KV transfer counters
                 REGISTRY.register(WorkerCollector(lambda: worker_load(async_engine, connector.kv_load).to_wire(),
                                                   role, engine_config.model))
+                REGISTRY.register(GrammarCollector(lambda: async_engine.engine.structured.stats, role))
                 start_http_server(worker.metrics_port, addr=worker.host)
             log.info("serving %s on %s", service_name, address)
 

@@ -22,24 +22,31 @@ from router.api.choices import ChoiceEvent, generate_choices
 from router.generation import Finished, Generation
 from router.metrics import RouterMetrics
 from router.api.request_ids import client_request_id
-from router.api.validation import InvalidRequestError, RequestInput, Validator
+from core.structured_output import StructuredOutputError
+from router.api.validation import InvalidRequestError, RequestInput, Validator, name_structured_param
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 SERVICE_NAME = "tandem.v1.Router"
+STRUCTURED_PARAM = "sampling_params.structured_outputs"
 
 
 def request_input_from_proto(msg: router_pb2.GenerateRequest) -> RequestInput:
     """The request's fields as the validator takes them; unset optionals take gRPC defaults
     (core.proto_convert.WIRE_DEFAULTS: greedy unless a temperature is sent)."""
     prompt = msg.WhichOneof("prompt")
+    try:
+        sampling = sampling_fields_from_proto(msg.sampling_params)
+    except StructuredOutputError as err:
+        raise InvalidRequestError(f"{STRUCTURED_PARAM}: {err}", STRUCTURED_PARAM) from None
     return RequestInput(
         model=msg.model or None,
         prompt=msg.text if prompt == "text" else None,
         prompt_token_ids=tuple(msg.token_ids.ids) if prompt == "token_ids" else None,
         messages=tuple({"role": m.role, "content": m.content} for m in msg.chat.messages) if prompt == "chat" else None,
-        sampling=sampling_fields_from_proto(msg.sampling_params),
+        sampling=sampling,
         stop=tuple(msg.stop),
         n=msg.n or 1,
+        structured_param=STRUCTURED_PARAM if msg.sampling_params.HasField("structured_outputs") else None,
     )
 
 
@@ -81,6 +88,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for event in events:
                     yield response_to_proto(event, request_id)
             except RouterError as err:
+                name_structured_param(err, validated)
                 if err.retry_after is not None:  # SLO admission: when to come back
                     context.set_trailing_metadata(err.grpc_trailing_metadata())
                 await context.abort(err.grpc_code, err.message)

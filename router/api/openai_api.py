@@ -34,7 +34,9 @@ from router.metrics import RouterMetrics
 from router.api.request_ids import client_request_id
 from router.api.openai_models import ChatShape, ChoiceResult, CompletionShape, ResponseShape
 from router.api.openai_requests import ChatCompletionRequest, CompletionRequest, body_error
-from router.api.validation import InvalidRequestError, Validator
+from router.api.validation import InvalidRequestError, Validator, name_structured_param
+from router.output.logprobs import TokenLogprob
+from router.output.tool_calls import ParsedDelta, ToolCallFormat, ToolCallParser, make_parser, parse_tool_calls
 from router.workers.view import WorkerView
 
 T = TypeVar("T")
@@ -72,6 +74,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _finish_reason(reason: str, num_tool_calls: int) -> str:
+    """OpenAI's ``tool_calls`` for a choice that ended by itself after calling tools."""
+    return "tool_calls" if num_tool_calls and reason == "stop" else reason
 
 
 class OpenAIApi:
@@ -162,18 +169,25 @@ class OpenAIApi:
         trace_id = header_id or shape.request_id
         events = generate_choices(self.generation, trace_id, validated, arrival_time_s)
         headers = {"x-request-id": trace_id}
+        tool_format = validated.tool_format
         try:
             if body.stream:
                 first = await _unless_disconnected(request, anext(events))
-                stream = self._stream(events, first, shape, body.include_usage)
+                stream = self._stream(events, first, shape, body.include_usage, tool_format)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
-            return JSONResponse(await _unless_disconnected(request, self._collect(events, shape)), headers=headers)
+            collected = await _unless_disconnected(request, self._collect(events, shape, tool_format))
+            return JSONResponse(collected, headers=headers)
+        except RouterError as err:
+            raise name_structured_param(err, validated) from None
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    async def _collect(self, events: AsyncIterator[ChoiceEvent], shape: ResponseShape) -> dict:
-        """Gathers every choice; answers once the last one finished."""
+    async def _collect(
+        self, events: AsyncIterator[ChoiceEvent], shape: ResponseShape, tool_format: ToolCallFormat | None = None
+    ) -> dict:
+        """Gathers every choice; answers once the last one finished. With ``tool_format`` each
+        choice's text is read for tool calls (router.output.tool_calls)."""
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list] = {}
         finished: dict[int, Finished] = {}
@@ -187,31 +201,45 @@ class OpenAIApi:
                 logprobs.setdefault(i, []).extend(event.logprobs)
         if not finished:
             raise RouterError("generation ended without finishing", ErrorKind.UNAVAILABLE)
-        choices = [
-            ChoiceResult(i, "".join(texts.get(i, [])), finished[i].finish_reason.value, tuple(logprobs.get(i, [])))
-            for i in sorted(finished)
-        ]
+        choices = []
+        for i in sorted(finished):
+            text, calls = "".join(texts.get(i, [])), []
+            if tool_format is not None:
+                text, calls = parse_tool_calls(tool_format, text)
+            reason = _finish_reason(finished[i].finish_reason.value, len(calls))
+            choices.append(ChoiceResult(i, text, reason, tuple(logprobs.get(i, [])), tuple(calls)))
         return shape.response(choices, total_usage([finished[i].usage for i in sorted(finished)]))
 
     async def _stream(
-        self, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent, shape: ResponseShape, include_usage: bool
+        self, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent, shape: ResponseShape, include_usage: bool,
+        tool_format: ToolCallFormat | None = None,
     ) -> AsyncIterator[str]:
         """SSE chunks: each choice's text deltas (with its index) and finish chunk, then
-        optionally one usage chunk for all choices, then ``[DONE]``."""
+        optionally one usage chunk for all choices, then ``[DONE]``. With ``tool_format`` each
+        choice's text goes through its tool call parser: content deltas, then one chunk per
+        ``delta.tool_calls`` piece."""
         async with contextlib.aclosing(events):
             started: set[int] = set()  # choices whose first chunk went out
             usages = []
+            parsers: dict[int, ToolCallParser] = {}
             choice: ChoiceEvent | None = first
             try:
                 while choice is not None:
                     i, event = choice.index, choice.event
+                    parser = None if tool_format is None else parsers.setdefault(i, make_parser(tool_format))
                     if isinstance(event, Finished):
-                        yield _sse(shape.chunk(i, "", event.finish_reason.value, i not in started, include_usage))
+                        reason = event.finish_reason.value
+                        if parser is not None:
+                            for chunk in self._chunks(shape, i, parser.finish(), (), started, include_usage):
+                                yield _sse(chunk)
+                            reason = _finish_reason(reason, len(parser.calls))
+                        yield _sse(shape.chunk(i, "", reason, i not in started, include_usage))
                         started.add(i)
                         usages.append(event.usage)
-                    elif event.text or event.logprobs or i not in started:  # a first chunk goes out at once
-                        yield _sse(shape.chunk(i, event.text, None, i not in started, include_usage, event.logprobs))
-                        started.add(i)
+                    else:
+                        parsed = ParsedDelta(event.text) if parser is None else parser.feed(event.text)
+                        for chunk in self._chunks(shape, i, parsed, event.logprobs, started, include_usage):
+                            yield _sse(chunk)
                     choice = await anext(events, None)
                 if include_usage and usages:
                     yield _sse(shape.usage_chunk(total_usage(usages)))
@@ -219,3 +247,17 @@ class OpenAIApi:
                 yield _sse(shape.chunk(0, "", "abort", 0 not in started, include_usage))
                 yield _sse(err.to_openai())
             yield _sse("[DONE]")
+
+    @staticmethod
+    def _chunks(shape: ResponseShape, index: int, parsed: ParsedDelta, logprobs: tuple[TokenLogprob, ...],
+                started: set[int], include_usage: bool) -> list[dict]:
+        """The chunks of one piece of choice ``index``: its content (and logprobs; a choice's
+        first chunk goes out at once, empty or not), then each tool call piece. Mutates
+        ``started``."""
+        chunks = []
+        if parsed.content or logprobs or index not in started:
+            chunks.append(shape.chunk(index, parsed.content, None, index not in started, include_usage, logprobs))
+            started.add(index)
+        for delta in parsed.tool_calls:
+            chunks.append(shape.chunk(index, "", None, False, include_usage, (), (delta,)))
+        return chunks

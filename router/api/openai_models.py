@@ -9,6 +9,7 @@ from typing import Any
 
 from router.generation import Usage
 from router.output.logprobs import LogprobsFormatter, TokenLogprob
+from router.output.tool_calls import ToolCall, ToolCallDelta
 
 
 def usage_json(usage: Usage) -> dict:
@@ -22,12 +23,14 @@ def usage_json(usage: Usage) -> dict:
 
 @dataclass(frozen=True)
 class ChoiceResult:
-    """One finished choice of a non-streamed response."""
+    """One finished choice of a non-streamed response; ``text`` is its content, without the
+    text its ``tool_calls`` were read from."""
 
     index: int
     text: str
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class ResponseShape:
@@ -53,19 +56,20 @@ class ResponseShape:
     def response(self, choices: list[ChoiceResult], usage: Usage) -> dict:
         """The non-streaming body."""
         body = [
-            self.final_choice(c.index, c.text, c.finish_reason, self._logprobs(c.index, c.logprobs)) for c in choices
+            self.final_choice(c.index, c.text, c.finish_reason, self._logprobs(c.index, c.logprobs), c.tool_calls)
+            for c in choices
         ]
         return self._envelope(self.object_name, body, usage=usage_json(usage))
 
     def chunk(
         self, index: int, text: str, finish_reason: str | None, first: bool, include_usage: bool,
-        logprobs: tuple[TokenLogprob, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (), tool_calls: tuple[ToolCallDelta, ...] = (),
     ) -> dict:
         """One streamed chunk of choice ``index``; ``usage`` is null on every chunk but the last
         when asked for; ``first`` marks the choice's first chunk."""
         extra = {"usage": None} if include_usage else {}
         rendered = self._logprobs(index, logprobs) if logprobs else None  # a chunk without tokens: null
-        choice = self.delta_choice(index, text, finish_reason, first, rendered)
+        choice = self.delta_choice(index, text, finish_reason, first, rendered, tool_calls)
         return self._envelope(self.chunk_object_name, [choice], **extra)
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -80,11 +84,14 @@ class ResponseShape:
     def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
         raise NotImplementedError
 
-    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    def final_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: dict | None, tool_calls: tuple[ToolCall, ...] = ()
+    ) -> dict:
         raise NotImplementedError
 
     def delta_choice(
-        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None,
+        tool_calls: tuple[ToolCallDelta, ...] = (),
     ) -> dict:
         raise NotImplementedError
 
@@ -96,11 +103,14 @@ class CompletionShape(ResponseShape):
     def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
         return formatter.completion(logprobs)
 
-    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    def final_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: dict | None, tool_calls: tuple[ToolCall, ...] = ()
+    ) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(
-        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None,
+        tool_calls: tuple[ToolCallDelta, ...] = (),
     ) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -113,12 +123,19 @@ class ChatShape(ResponseShape):
     def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:
         return formatter.chat(logprobs)
 
-    def final_choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-        message = {"role": "assistant", "content": text}
+    def final_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: dict | None, tool_calls: tuple[ToolCall, ...] = ()
+    ) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:  # OpenAI's content is null beside calls when the model wrote nothing else
+            message.update(content=text or None, tool_calls=[call.to_openai() for call in tool_calls])
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(
-        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None
+        self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: dict | None,
+        tool_calls: tuple[ToolCallDelta, ...] = (),
     ) -> dict:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = [call.to_openai() for call in tool_calls]
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

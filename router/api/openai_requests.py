@@ -1,9 +1,11 @@
 """OpenAI request bodies (pydantic) and how their validation errors read.
 
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
-and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
-``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
-parameter never changes the output silently. The sampling fields are SamplingParams' own
+and an OpenAI field this server does not implement (``echo``, ``best_of``, ``functions``, ...)
+is refused unless it carries its default, so a misspelled or ignored parameter never changes the
+output silently. A structured output (``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``) is router.api.structured_outputs'; ``tools``, ``tool_choice`` and the
+messages' tool calls and results are router.api.tools'. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
 (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``) alike,
 absent or null meaning the default; ``user``, ``metadata`` and the like are accepted and
@@ -17,12 +19,15 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_validator
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
+from core.structured_output import StructuredOutputSpec
 from router.errors import as_json
+from router.api.structured_outputs import StructuredOutputFields
+from router.api.tools import ToolRequest, ToolRequestError, tool_request
 from router.api.validation import InvalidRequestError, RequestInput
 
 
@@ -50,11 +55,8 @@ COMPLETION_UNSUPPORTED = {
 }
 CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
-    "tools": (_empty, "[]"),
-    "functions": (_empty, "[]"),
-    "tool_choice": (_no_tool_choice, '"none"'),
+    "functions": (_empty, "[]"),  # OpenAI's deprecated function calling: tools replace it
     "function_call": (_no_tool_choice, '"none"'),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
     "audio": (_none, "null"),
     "prediction": (_none, "null"),
@@ -65,8 +67,6 @@ CHAT_UNSUPPORTED = {
     "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
 }
 MESSAGE_UNSUPPORTED = {
-    "tool_calls": (_empty, "[]"),
-    "tool_call_id": (_none, "null"),
     "function_call": (_none, "null"),
     "audio": (_none, "null"),
     "refusal": (_none, "null"),
@@ -122,18 +122,22 @@ def _body_type(hint: Any) -> Any:
     return hint | None
 
 
-# Every SamplingParams field is a body field of the same name and type, absent or null meaning
-# its default (so a field added to SamplingParams is accepted here as it is).
+# SamplingParams fields a body spells its own way (router.api.structured_outputs builds the spec
+# from response_format, guided_* and structured_outputs, declared by StructuredOutputFields).
+_OWN_BODY_FIELDS = ("structured_outputs",)
+# Every other SamplingParams field is a body field of the same name and type, absent or null
+# meaning its default (so a field added to SamplingParams is accepted here as it is).
 _SamplingParamsFields = create_model(
     "_SamplingParamsFields",
     __base__=_OpenAIModel,
     **{name: (_body_type(hint), None) for name, hint in typing.get_type_hints(SamplingParams).items()
-       if name in SAMPLING_FIELDS},
+       if name in SAMPLING_FIELDS and name not in _OWN_BODY_FIELDS},
 )
 
 
-class _SamplingFields(_SamplingParamsFields):
-    """The fields both bodies share: SamplingParams' (inherited, see above) and these."""
+class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
+    """The fields both bodies share: SamplingParams' (inherited, see above), the structured
+    output's (router.api.structured_outputs) and these."""
 
     model: str | None = None
     n: int = 1
@@ -153,11 +157,18 @@ class _SamplingFields(_SamplingParamsFields):
     def _input(self, prompt: dict[str, Any], **sampling: Any) -> RequestInput:
         """The request for the validator: the prompt, and every SamplingParams field as sent,
         ``sampling`` replacing those a body spells its own way (chat's ``max_completion_tokens``
-        and ``logprobs`` / ``top_logprobs``)."""
+        and ``logprobs`` / ``top_logprobs``); the structured output's spec under ``structured_outputs``.
+
+        Raises:
+            InvalidRequestError: an unsupported field, or a bad structured output.
+        """
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        fields = {name: getattr(self, name) for name in SAMPLING_FIELDS} | sampling
-        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
+        spec, structured_param = self.structured_output_spec()
+        fields = {name: getattr(self, name) for name in SAMPLING_FIELDS if name not in _OWN_BODY_FIELDS} | sampling
+        fields["structured_outputs"] = spec
+        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
+                            structured_param=structured_param, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
@@ -186,12 +197,56 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(_OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None  # accepted: a forced call's grammar is always strict (router.api.tools)
+
+
+class ToolDefinition(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_OpenAIModel):
     unsupported_fields = MESSAGE_UNSUPPORTED
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, ignored (the chat template has no place for it)
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (router.api.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def to_input(self, index: int) -> dict[str, Any]:
+        """The message as the validator takes it: role and text content, and its tool fields
+        when set. Raises InvalidRequestError as :meth:`text`."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self, index: int) -> str:
         """Raises InvalidRequestError for non-text content parts (images, audio), unknown fields
@@ -216,12 +271,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
-    parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
+    parallel_tool_calls: bool | None = None  # tool_choice "required" may call several tools
+    _tool_request: ToolRequest | None = PrivateAttr(default=None)  # the tools, checked by to_input
 
     def to_input(self) -> RequestInput:
-        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], and
-        for unsupported fields or content parts."""
-        messages = tuple({"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages))
+        """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], for
+        unsupported fields or content parts, and for tools or a tool_choice router.api.tools
+        refuses."""
+        messages = tuple(m.to_input(i) for i, m in enumerate(self.messages))
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -230,7 +289,36 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._input({"messages": messages}, max_tokens=max_tokens, logprobs=logprobs)
+        self._tool_request = self._tools()
+        return self._input({"messages": messages, "tools": self._tool_request}, max_tokens=max_tokens,
+                           logprobs=logprobs)
+
+    def structured_output_spec(self) -> tuple[StructuredOutputSpec | None, str | None]:
+        """The grammar of a forced tool call (``tool_choice`` ``"required"`` or a named function,
+        router.api.tools), else the structured output the body asks for; not both.
+
+        Raises:
+            InvalidRequestError: both, or as StructuredOutputFields.structured_output_spec.
+        """
+        spec, param = super().structured_output_spec()
+        tools = self._tool_request
+        grammar = tools.structured_output() if tools else None
+        if grammar is None:
+            return spec, param
+        if spec is not None:
+            raise InvalidRequestError(f"{param} cannot be combined with tool_choice {as_json(self._tool_choice())}: "
+                                      "the calls follow the functions' parameters", param)
+        return grammar, tools.grammar_param
+
+    def _tool_choice(self) -> str | dict | None:
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    def _tools(self) -> ToolRequest | None:
+        try:
+            return tool_request([t.model_dump(exclude_none=True) for t in self.tools or ()], self._tool_choice(),
+                                self.parallel_tool_calls)
+        except ToolRequestError as err:
+            raise InvalidRequestError(err.message, err.param) from None
 
 
 def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:

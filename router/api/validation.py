@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.sampling_params import SamplingParams, SamplingParamsError
+from router.api.tools import ToolRequest, ToolRequestError, check_tool_messages, template_message
 from router.errors import ErrorKind, RouterError, as_json
+from router.output.tool_calls import ToolCallFormat
 from router.tokenizer import ModelTokenizer
 
 
@@ -30,7 +32,10 @@ class InvalidRequestError(RouterError):
 class RequestInput:
     """A request as a front-end received it, before any check.
 
-    Exactly one of ``prompt`` (text), ``prompt_token_ids`` and ``messages`` (chat) is set.
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` and ``messages`` (chat) is set. A
+    message is ``{"role", "content"}`` (text), plus ``tool_calls`` (OpenAI's, arguments as JSON
+    text) on an assistant message and ``tool_call_id`` on a tool message when sent. ``tools``:
+    the tools a chat offers (router.api.tools), None when none.
     ``sampling``: the SamplingParams fields the client sent, by name (core.sampling_params
     declares them); an absent or None field takes SamplingParams' default, except ``max_tokens``,
     which takes the configured default clamped to what the context leaves.
@@ -39,10 +44,14 @@ class RequestInput:
     model: str | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     n: int = 1
+    # The field that asked for ``sampling["structured_outputs"]`` (``response_format.json_schema
+    # .schema``, ``guided_regex``, ...): a worker's refusal of the spec names it.
+    structured_param: str | None = None
+    tools: ToolRequest | None = None
 
     @property
     def max_tokens(self) -> int | None:
@@ -60,31 +69,36 @@ class RequestInput:
 MAX_N = 64  # choices per request: each is a sub-request on the workers
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 # Chat roles the template renders; "developer" is OpenAI's newer name for "system" and is sent as it.
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
     """What generation needs: the prompt as tokens, checked sampling parameters, stop strings,
-    and how many choices to generate."""
+    how many choices to generate, and how the output holds tool calls (None: it holds none)."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stop: tuple[str, ...]
     n: int = 1
+    structured_param: str | None = None  # see RequestInput
+    tool_format: ToolCallFormat | None = None
 
 
 class Validator:
     """Checks requests against the served model's name, vocabulary and context limit."""
 
-    def __init__(self, tokenizer: ModelTokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int):
+    def __init__(self, tokenizer: ModelTokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int,
+                 tool_call_parser: str = "hermes"):
         """``default_max_tokens``: a completion's ``max_tokens`` when absent (OpenAI's legacy
         completions use 16); a chat's absent ``max_tokens`` is the rest of the context, as vLLM
-        and OpenAI chat do."""
+        and OpenAI chat do. ``tool_call_parser``: how calls are read under ``tool_choice:
+        "auto"`` (router.output.tool_calls)."""
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
+        self.tool_call_parser = tool_call_parser
 
     async def validate_async(self, request: RequestInput) -> ValidatedRequest:
         """:meth:`validate` on a worker thread: tokenizing a long prompt or rendering a chat
@@ -118,7 +132,9 @@ class Validator:
         except SamplingParamsError as err:
             raise InvalidRequestError(str(err), err.param) from None
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n)
+        tool_format = request.tools.output_format(self.tool_call_parser) if request.tools else None
+        return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n, request.structured_param,
+                                tool_format)
 
     def _check_request(self, request: RequestInput) -> None:
         """What the API allows beyond SamplingParams' own ranges: OpenAI's temperature range,
@@ -141,6 +157,10 @@ class Validator:
             texts = [(f"messages.{i}.content", m["content"]) for i, m in enumerate(request.messages)]
             for i, message in enumerate(request.messages):
                 _check_role(message["role"], f"messages.{i}.role")
+            try:
+                check_tool_messages(request.messages)
+            except ToolRequestError as err:
+                raise InvalidRequestError(err.message, err.param) from None
         for param, text in [*texts, *((f"stop.{i}", s) for i, s in enumerate(request.stop))]:
             _check_unicode(text, param)
         num_chars = sum(len(text) for _, text in texts)
@@ -155,10 +175,10 @@ class Validator:
 
     def _tokenize(self, request: RequestInput) -> list[int]:
         if request.messages is not None:
-            messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                        for m in request.messages]
+            messages = [template_message(m) for m in request.messages]
+            tools = request.tools.prompt_tools if request.tools else None
             try:
-                return self.tokenizer.encode_chat(messages)
+                return self.tokenizer.encode_chat(messages, tools)
             except ValueError as err:
                 raise InvalidRequestError(str(err), "messages") from err
         if request.prompt_token_ids is not None:
@@ -203,13 +223,23 @@ class Validator:
         return max_tokens
 
 
+def name_structured_param(err: RouterError, request: ValidatedRequest) -> RouterError:
+    """A worker's refusal of a structured request (a grammar the library cannot compile reaches
+    the router as INVALID_ARGUMENT) names the field that asked for the structured output.
+    Mutates and returns ``err``."""
+    if err.kind is ErrorKind.INVALID_REQUEST and err.param is None and request.structured_param is not None:
+        err.param = request.structured_param
+    return err
+
+
 def _too_long(num_prompt_tokens: int, max_model_len: int, param: str) -> InvalidRequestError:
     return InvalidRequestError(f"prompt has {num_prompt_tokens} tokens but the context is {max_model_len}", param)
 
 
 def _check_role(role: str, param: str) -> None:
-    if role in ("tool", "function"):
-        raise InvalidRequestError(f"{param} {as_json(role)} is not supported: this server does not call tools", param)
+    if role == "function":  # OpenAI's deprecated function calling
+        raise InvalidRequestError(f'{param} "function" is not supported: send a function\'s result as a "tool" '
+                                  "message", param)
     if role not in CHAT_ROLES:
         allowed = ", ".join(as_json(r) for r in CHAT_ROLES)
         raise InvalidRequestError(f"{param} must be one of {allowed}, got {as_json(role)}", param)

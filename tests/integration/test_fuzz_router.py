@@ -69,10 +69,26 @@ COMMON = {
 }
 COMPLETION = {**COMMON, "prompt": field(odd_text | token_ids | st.lists(odd_text, max_size=3)),
               "logprobs": field(st.integers(-1, 30))}
+# Tools: names valid or not, parameters a schema or anything, tool_choice naming one or not, and
+# messages with calls and answers that match or not.
+function_names = st.sampled_from(["f", "g", "bad name", ""])
+tool_parameters = st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "strin"])},
+                                        optional={"properties": json_values, "required": json_values})
+tools = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "retrieval"]), "function": st.fixed_dictionaries(
+        {"name": function_names}, optional={"parameters": field(tool_parameters), "description": odd_text,
+                                            "strict": st.booleans()})}), max_size=3)
+tool_choices = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": function_names})})
+tool_calls = st.lists(st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2"]), "type": st.just("function"),
+                                             "function": st.fixed_dictionaries({"name": function_names,
+                                                                                "arguments": odd_text})}), max_size=2)
 CHAT = {**COMMON, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(-1, 30)),
         "messages": field(st.lists(st.fixed_dictionaries(
-            {"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]), "content": odd_text}),
-            max_size=3))}
+            {"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]), "content": odd_text},
+            optional={"tool_calls": field(tool_calls), "tool_call_id": field(st.sampled_from(["c1", "c2"]))}),
+            max_size=3)),
+        "tools": field(tools), "tool_choice": field(tool_choices), "parallel_tool_calls": field(st.booleans())}
 
 
 def bodies(fields: dict, prompt_field: str) -> st.SearchStrategy[dict]:

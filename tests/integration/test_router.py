@@ -366,9 +366,15 @@ LONG = list(range(100, 170))  # 70 token ids
          "unrecognized request arguments: max_token, temprature", "max_token"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, 400,
          "best_of is not supported (only 1 is accepted), got 2", "best_of"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-         400, "response_format is not supported (only {\"type\": \"text\"} is accepted), got {\"type\": \"json_object\"}",
-         "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integr"}}}}, 400,
+         "response_format.json_schema.schema: the schema is invalid at type: 'integr' is not valid under any of "
+         "the given schemas", "response_format.json_schema.schema"),
+        ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400,
+         "guided_choice: choices must be a non-empty list of strings", "guided_choice"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": "{"}}, 400,
+         "structured_outputs.json: the schema is not valid JSON: Expecting property name enclosed in double quotes: "
+         "line 1 column 2 (char 1)", "structured_outputs.json"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, 'stream: Input should be a valid boolean, got "yes"',
          "stream"),
         ("/v1/completions", {"prompt": "x", "echo": True}, 400,
@@ -380,7 +386,8 @@ LONG = list(range(100, 170))  # 70 token ids
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
          "messages.0.content is not valid Unicode: lone surrogate U+D800 at character 3", "messages.0.content"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
-         'messages.0.role must be one of "system", "user", "assistant", "developer", got "bot"', "messages.0.role"),
+         'messages.0.role must be one of "system", "user", "assistant", "developer", "tool", got "bot"',
+         "messages.0.role"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be in [1, 64], got 0", "n"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2], got 3.0",

@@ -9,6 +9,7 @@ import pytest
 
 from core.proto_convert import sampling_fields_from_proto, sampling_params_from_proto, sampling_params_to_proto
 from core.sampling_params import SAMPLING_FIELDS, SamplingParams, SamplingParamsError
+from core.structured_output import StructuredOutputError, StructuredOutputSpec
 from tandem.v1 import common_pb2
 
 WIRE = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
@@ -17,6 +18,9 @@ DEFAULTS = SamplingParams()
 SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=9, min_tokens=2,
                      stop_token_ids=(5, 6), ignore_eos=True, logprobs=3, presence_penalty=0.25,
                      frequency_penalty=-0.5, repetition_penalty=1.5)
+# A structured output refuses ignore_eos and min_tokens: the fields SET cannot carry.
+STRUCTURED = dataclasses.replace(SET, ignore_eos=False, min_tokens=0,
+                                 structured_outputs=StructuredOutputSpec.json_schema({"type": "integer"}, strict=True))
 
 
 def test_the_dataclass_and_the_wire_message_declare_the_same_fields() -> None:
@@ -30,15 +34,19 @@ def test_an_unset_wire_field_means_the_dataclass_default(name: str) -> None:
     tuple)."""
     default = getattr(DEFAULTS, name)
     zero = getattr(common_pb2.SamplingParams(), name)
-    if isinstance(default, tuple):
+    if WIRE[name].message_type is not None:
+        assert (WIRE[name].has_presence, default) == (True, None)  # a message: unset means None
+    elif isinstance(default, tuple):
         assert (WIRE[name].has_presence, tuple(zero)) == (False, default)  # repeated, empty
     elif not WIRE[name].has_presence:
         assert zero == default, f"{name}: unset on the wire reads {zero!r}, the default is {default!r}: make it optional"
 
 
 def test_round_trip_of_every_field() -> None:
-    assert all(getattr(SET, f.name) != getattr(DEFAULTS, f.name) for f in dataclasses.fields(SamplingParams))
+    assert all(getattr(SET, f.name) != getattr(DEFAULTS, f.name) or getattr(STRUCTURED, f.name) != getattr(DEFAULTS, f.name)
+               for f in dataclasses.fields(SamplingParams))
     assert sampling_params_from_proto(sampling_params_to_proto(SET)) == SET
+    assert sampling_params_from_proto(sampling_params_to_proto(STRUCTURED)) == STRUCTURED
     assert sampling_params_from_proto(sampling_params_to_proto(DEFAULTS)) == DEFAULTS
 
 
@@ -55,3 +63,9 @@ def test_a_bad_wire_value_names_its_field() -> None:
         sampling_params_from_proto(common_pb2.SamplingParams(top_p=1.5))
     assert (info.value.param, str(info.value)) == ("top_p", "top_p must be in (0, 1], got 1.5")
     assert isinstance(info.value, ValueError)  # the servicers answer INVALID_ARGUMENT
+
+
+def test_a_bad_structured_output_on_the_wire_is_a_value_error() -> None:
+    msg = common_pb2.SamplingParams(structured_outputs=common_pb2.StructuredOutput(kind="json_schema", value="{"))
+    with pytest.raises(StructuredOutputError, match="^the schema is not valid JSON: Expecting property name"):
+        sampling_params_from_proto(msg)

@@ -22,6 +22,7 @@ from router.config import RouterConfig
         ({"tbt_slo_s": float("nan")}, "tbt_slo_s must be >= 0, got nan"),
         ({"max_queue_s": -0.1}, "max_queue_s must be >= 0, got -0.1"),
         ({"prefix_cache_blocks": 0}, "prefix_cache_blocks must be >= 1, got 0"),
+        ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of ('hermes',), got 'mistral'"),
     ],
 )
 def test_bad_values(overrides: dict, message: str) -> None:
@@ -35,3 +36,4 @@ def test_defaults() -> None:
     assert (config.http_port, config.grpc_port, config.max_model_len, config.default_max_tokens) == (8000, 50050, 2048, 16)
     assert (config.routing_policy, config.disaggregation, config.ttft_slo_s, config.tbt_slo_s) == (
         "predicted_latency", "auto", 0.0, 0.0)
+    assert (config.chat_template, config.tool_call_parser) == ("", "hermes")

@@ -32,7 +32,8 @@ SENT = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "max_tokens": 
 
 
 def test_every_sampling_field_is_a_body_field_that_reaches_the_params() -> None:
-    assert set(SENT) == set(SAMPLING_FIELDS)  # a new field needs a value here
+    # A new field needs a value here; a structured output has its own fields (test_structured_outputs.py).
+    assert set(SENT) | {"structured_outputs"} == set(SAMPLING_FIELDS)
     request = CompletionRequest.model_validate({"prompt": "x", **SENT}).to_input()
     assert request.to_sampling_params(9) == SamplingParams(**{**SENT, "stop_token_ids": (5, 6)})
     nulls = CompletionRequest.model_validate({"prompt": "x", **dict.fromkeys(SENT)}).to_input()
@@ -173,18 +174,13 @@ def test_form_encoded_body_hints_at_the_content_type() -> None:
         (CompletionRequest, {"best_of": 3}, "best_of is not supported (only 1 is accepted), got 3", "best_of"),
         (CompletionRequest, {"logit_bias": {"50256": -100}},
          "logit_bias is not supported (only {} is accepted), got {\"50256\": -100}", "logit_bias"),
-        (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools is not supported (only [] is accepted), got [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]",
-         "tools"),
-        (ChatCompletionRequest, {"tool_choice": "required"},
-         "tool_choice is not supported (only \"none\" is accepted), got \"required\"", "tool_choice"),
-        (ChatCompletionRequest, {"response_format": {"type": "json_object"}},
-         "response_format is not supported (only {\"type\": \"text\"} is accepted), got {\"type\": \"json_object\"}",
-         "response_format"),
+        (ChatCompletionRequest, {"functions": [{"name": "f"}]},
+         "functions is not supported (only [] is accepted), got [{\"name\": \"f\"}]", "functions"),
         (ChatCompletionRequest, {"modalities": ["text", "audio"]},
          "modalities is not supported (only [\"text\"] is accepted), got [\"text\", \"audio\"]", "modalities"),
-        (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
-         "messages.0.tool_calls is not supported (only [] is accepted), got [{\"id\": \"1\"}]", "messages.0.tool_calls"),
+        (ChatCompletionRequest, {"messages": [{"role": "assistant", "function_call": {"name": "f"}}]},
+         "messages.0.function_call is not supported (only null is accepted), got {\"name\": \"f\"}",
+         "messages.0.function_call"),
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
          "unrecognized request argument: messages.0.content.0.x", "messages.0.content.0"),
     ],
@@ -225,7 +221,8 @@ COMMON_SCALARS = {
     "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int,
     "ignore_eos": bool, "min_tokens": int, "presence_penalty": float, "frequency_penalty": float,
     "repetition_penalty": float, "stream": bool, "stream_options.include_usage": bool,
-    "stream_options.include_obfuscation": bool,
+    "stream_options.include_obfuscation": bool, "response_format.json_schema.strict": bool,
+    "structured_outputs.json_object": bool,
 }
 
 
@@ -248,6 +245,11 @@ def _body_with(name: str, value) -> dict:
     return {head: _body_with(rest, value) if rest else value}
 
 
+# Nested fields beside required ones: the rest of a valid value around them.
+AROUND = {"response_format.json_schema.strict": lambda v: {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": v}}}}
+
+
 @pytest.mark.parametrize(
     ("model", "name", "value", "quoted"),
     [(model, name, value, quoted) for model in (CompletionRequest, ChatCompletionRequest)
@@ -256,7 +258,7 @@ def _body_with(name: str, value) -> dict:
 def test_scalar_fields_have_strict_types(model, name: str, value, quoted: str) -> None:
     base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
     kind = scalar_fields(model)[name]
-    assert body_error_of(model, {**base, **_body_with(name, value)}) == (
+    assert body_error_of(model, {**base, **AROUND.get(name, lambda v: _body_with(name, v))(value)}) == (
         f"{name}: Input should be a valid {TYPE_NAMES[kind]}, got {quoted}", name)
 
 
