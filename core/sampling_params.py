@@ -40,6 +40,8 @@ class SamplingParams:
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 or -1 keeps every token.
+        min_p: in [0, 1]; drop every token whose probability (at the temperature) is below
+            ``min_p`` times the most likely token's (vLLM's min_p); 0 keeps every token.
         seed: per-request seed; with it the request's tokens do not depend on its batch.
         max_tokens: upper bound on generated tokens (>= 1), the first token included.
         min_tokens: EOS and ``stop_token_ids`` neither end the request nor get sampled before
@@ -62,6 +64,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
@@ -86,6 +89,8 @@ class SamplingParams:
             raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise SamplingParamsError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise SamplingParamsError("seed", f"seed must be in [0, 2**64), got {self.seed}")
         if self.min_tokens < 0:

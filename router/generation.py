@@ -18,6 +18,7 @@ that hangs (stops heartbeating) fails its waiting calls the same way (router.wor
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -145,7 +146,8 @@ class Generation:
     ) -> AsyncIterator[GenerationEvent]:
         """``generate`` without the shutdown guard."""
         params = request.sampling_params
-        output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, self.tokenizer.decode)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=request.skip_special_tokens)
+        output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, decode)
         run = _Run(request_id, request, arrival_time_s, output)
         self.metrics.num_requests_running.inc()
         error: BaseException | None = None

@@ -75,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             await context.abort(err.grpc_code, err.message)
-        events = generate_choices(self.generation, request_id, validated, arrival_time_s)
+        events = generate_choices(self.generation, request_id, [validated], arrival_time_s)
         async with contextlib.aclosing(events):
             try:
                 async for event in events:

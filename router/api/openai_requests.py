@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and how their validation errors read.
 
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
-and an OpenAI field this server does not implement (``echo``, ``best_of``, ``tools``,
+and an OpenAI field this server does not implement (``suffix``, ``logit_bias``, ``tools``,
 ``response_format``, ...) is refused unless it carries its default, so a misspelled or ignored
 parameter never changes the output silently. The sampling fields are SamplingParams' own
 (core.sampling_params declares each once, with its default): OpenAI's and vLLM's extras
@@ -10,11 +10,14 @@ absent or null meaning the default; ``user``, ``metadata`` and the like are acce
 ignored. Types are strict, as OpenAI's API is: a number sent as a string
 (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a number sent as
 a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the field's name;
-an integer is a valid float. One prompt per request; ``n`` choices of it.
+an integer is a valid float. A completion's ``prompt`` may be a list of prompts (strings or
+token-id lists): one sub-request per prompt and candidate (router.api.choices). vLLM's
+``skip_special_tokens``, ``add_special_tokens`` and ``chat_template_kwargs`` are accepted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -23,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_val
 
 from core.sampling_params import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from router.errors import as_json
-from router.api.validation import InvalidRequestError, RequestInput
+from router.api.validation import MAX_CHOICES, InvalidRequestError, RequestInput
+from router.tokenizer import ChatOptions
 
 
 def _none(value: Any) -> bool:
@@ -44,9 +48,7 @@ COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 COMPLETION_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
-    "echo": (_empty, "false"),
     "suffix": (_empty, 'null or ""'),
-    "best_of": (lambda v: v is None or v == 1, "1"),
 }
 CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
@@ -140,6 +142,7 @@ class _SamplingFields(_SamplingParamsFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
     # Accepted and ignored: end-user and caching metadata.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -157,24 +160,51 @@ class _SamplingFields(_SamplingParamsFields):
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         fields = {name: getattr(self, name) for name in SAMPLING_FIELDS} | sampling
-        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n, **prompt)
+        return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
+                            skip_special_tokens=self.skip_special_tokens, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
     unsupported_fields = COMPLETION_UNSUPPORTED
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False  # the prompt's text before each choice's
+    best_of: int | None = None  # candidates per prompt; the n of highest cumulative logprob are returned
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
-    def to_input(self) -> RequestInput:
-        """Raises InvalidRequestError for several prompts in one request or an unsupported field."""
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or a token-id list, or a list of either."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError(f"a list of {len(prompt)} prompts is not supported yet; send one", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self._input({"prompt": prompt})
-        return self._input({"prompt_token_ids": tuple(prompt)})
+            return list(prompt)
+        return [prompt]
+
+    def to_inputs(self) -> list[RequestInput]:
+        """One request per prompt.
+
+        Raises:
+            InvalidRequestError: more than MAX_CHOICES sub-requests, ``best_of`` with
+                ``stream``, echo with logprobs, or an unsupported field.
+        """
+        prompts = self.prompts  # [] is one prompt of no tokens: the validator says it is empty
+        num_candidates = max(self.n, self.best_of or 0)
+        if len(prompts) * num_candidates > MAX_CHOICES:
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts x {num_candidates} choices is {len(prompts) * num_candidates} completions; "
+                f"at most {MAX_CHOICES} in one request", "prompt")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best "
+                                      "choices are known only once every candidate finished", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs is not supported: the workers return no prompt logprobs",
+                                      "echo")
+        inputs = []
+        for prompt in prompts:
+            fields = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": tuple(prompt)}
+            request = self._input(fields)
+            inputs.append(dataclasses.replace(request, best_of=self.best_of, add_special_tokens=self.add_special_tokens))
+        return inputs
 
 
 class ContentPart(BaseModel):
@@ -217,6 +247,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the k best tokens per position
     parallel_tool_calls: bool | None = None  # accepted, ignored: no tools
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (vLLM's)
+
+    def to_inputs(self) -> list[RequestInput]:
+        """The one request of a chat (see :meth:`to_input`)."""
+        return [self.to_input()]
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], and
@@ -230,7 +265,8 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._input({"messages": messages}, max_tokens=max_tokens, logprobs=logprobs)
+        chat = ChatOptions(template_kwargs=self.chat_template_kwargs or {})
+        return self._input({"messages": messages, "chat": chat}, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def body_error(errors: list[dict], json_body: bool) -> InvalidRequestError:

@@ -58,6 +58,7 @@ class Script:
     decode_error: grpc.StatusCode | None = None  # after the chunks
     hang_prefill: bool = False
     hang_decode: bool = False  # after the chunks
+    seed_logprob_offsets: dict[int, float] = field(default_factory=dict)  # seed -> added to every logprob
 
 
 class Fakes:
@@ -95,10 +96,11 @@ class Fakes:
         return self.released.setdefault(request_id, asyncio.Event())
 
 
-def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams) -> common_pb2.TokenLogprob:
-    """Position p's logprob is -(p + 1) / 10; its top list repeats the token ``logprobs`` times
-    with falling values (enough to check shapes and order)."""
-    value = -(position + 1) / 10
+def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams,
+                 offset: float = 0.0) -> common_pb2.TokenLogprob:
+    """Position p's logprob is -(p + 1) / 10 + ``offset``; its top list repeats the token
+    ``logprobs`` times with falling values (enough to check shapes and order)."""
+    value = -(position + 1) / 10 + offset
     top = [common_pb2.TopLogprob(token_id=token_id + k, logprob=value - k) for k in range(params.logprobs)]
     return common_pb2.TokenLogprob(token_id=token_id, logprob=value, top_logprobs=top)
 
@@ -121,7 +123,8 @@ class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=script.first_token_id, num_cached_tokens=script.num_cached_tokens, manifest=manifest
         )
         if request.sampling_params.HasField("logprobs"):
-            response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params))
+            offset = script.seed_logprob_offsets.get(request.sampling_params.seed, 0.0)
+            response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params, offset))
         return response
 
 
@@ -133,8 +136,9 @@ class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
         fakes, script = self.fakes, self.fakes.script
         fakes.decode_requests.append(request)
         position, params = 1, request.sampling_params
+        offset = script.seed_logprob_offsets.get(params.seed, 0.0)
         for chunk in script.decode_chunks:
-            logprobs = [fake_logprob(t, position + k, params) for k, t in enumerate(chunk)]
+            logprobs = [fake_logprob(t, position + k, params, offset) for k, t in enumerate(chunk)]
             position += len(chunk)
             tokens = decode_worker_pb2.TokenChunk(token_ids=chunk, logprobs=logprobs if params.HasField("logprobs") else [])
             yield decode_worker_pb2.DecodeResponse(tokens=tokens)
@@ -364,15 +368,15 @@ LONG = list(range(100, 170))  # 70 token ids
          "temperature"),
         ("/v1/completions", {"prompt": "x", "max_token": 2, "temprature": 0}, 400,
          "unrecognized request arguments: max_token, temprature", "max_token"),
-        ("/v1/completions", {"prompt": "x", "best_of": 2}, 400,
-         "best_of is not supported (only 1 is accepted), got 2", "best_of"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400,
+         "best_of must be in [n, 64] (n is 2), got 1", "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
          400, "response_format is not supported (only {\"type\": \"text\"} is accepted), got {\"type\": \"json_object\"}",
          "response_format"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, 'stream: Input should be a valid boolean, got "yes"',
          "stream"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400,
-         "echo is not supported (only false is accepted), got true", "echo"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400,
+         "echo with logprobs is not supported: the workers return no prompt logprobs", "echo"),
         ("/v1/completions", {"prompt": 42}, 400,
          "prompt: expected one of str, list[int], list[str], list[list[int]], got 42", "prompt"),
         ("/v1/completions", {"prompt": "hi \ud800"}, 400,
@@ -456,7 +460,7 @@ async def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster: 
          400, "the request body is not valid UTF-8 (byte 0xff at offset 12)"),
         ("POST", "/v1/nope", {"json": {}}, 404,
          "no such endpoint: POST /v1/nope; this server serves /v1/completions, /v1/chat/completions, /v1/models, "
-         "/health, /metrics"),
+         "/tokenize, /detokenize, /version, /ping, /health, /metrics"),
         ("GET", "/v1/completions", {}, 405, "method not allowed: GET /v1/completions"),
         ("POST", "/v1/completions", {"content": b"x" * (16 * 1024 * 1024 + 1),
                                      "headers": {"content-type": "application/json"}},
