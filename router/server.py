@@ -54,7 +54,6 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: ModelTokenizer | None = None):
         self.config = config
         self.tokenizer = tokenizer  # loaded in start() when not given
-        self.metrics = RouterMetrics()
         self.http_port = 0
         self.grpc_port = 0
 
@@ -67,6 +66,7 @@ class RouterServer:
         """
         config = self.config
         source = resolve_model(config.model, config.served_model_name or None)
+        self.metrics = RouterMetrics(source.name)  # its vllm: metrics labelled with the served name
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, source)
         self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens)

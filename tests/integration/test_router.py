@@ -645,7 +645,7 @@ async def test_models_and_metrics(cluster: Cluster) -> None:
     await assert_serves(cluster)
     text = (await cluster.http.get("/metrics")).text
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop"}',
+                 "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop",model_name=',
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", 'tandem:rejections_total{reason="invalid_request"}',
                  "tandem:router_requests_running 0.0"):

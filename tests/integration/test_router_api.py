@@ -194,3 +194,18 @@ async def test_logprob_bytes_join_into_the_text_across_split_characters(cluster:
     assert bytes(content[-1]["bytes"]) == cluster.tokenizer.hf.decode([EOS]).encode()  # <|im_end|>
     assert any(entry["token"] == "\ufffd" for entry in content)  # a partial character's text
     assert all(bytes(top["bytes"]) == bytes(entry["bytes"]) for entry in content for top in entry["top_logprobs"])
+
+
+async def test_vllm_request_metrics_carry_the_model_name(cluster: Cluster) -> None:
+    cluster.script_text("ok")
+    assert (await cluster.http.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+    text = (await cluster.http.get("/metrics")).text
+    model = f'model_name="{DEFAULT_MODEL}"'
+    families = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    for name in families:
+        assert f"{name}{{{model}}} " in text, name
+    assert f'vllm:request_success_total{{finished_reason="stop",{model}}} ' in text  # labels sorted by name
+    samples = [line for line in text.splitlines() if line.startswith("vllm:")]
+    assert samples and all(model in line for line in samples)  # no vllm: sample without it
