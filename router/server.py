@@ -7,7 +7,8 @@ import contextlib
 import logging
 
 import uvicorn
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection
 
 from core import tracing
 from core.grpc_auth import api_key_gate
@@ -100,6 +101,9 @@ class RouterServer:
                                 internal=False, gates=gates)
         servicer = RouterServicer(self.validator, self.generation, self.metrics)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
+        # Server reflection: grpcurl and other tools list and call the API without the .proto files.
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.grpc.server)
         self.grpc_port = await self.grpc.start()
 
     async def _start_http(self) -> None:

@@ -3,11 +3,16 @@ scripted fake workers of tests/integration/test_router.py (its module-scoped ``c
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 
+import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from core.model_source import DEFAULT_MODEL
+from tandem.v1 import router_pb2
 from tests.integration.test_router import EOS, MAX_MODEL_LEN, TEXT, Cluster, cluster, expected_logprobs, sse_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -209,3 +214,21 @@ async def test_vllm_request_metrics_carry_the_model_name(cluster: Cluster) -> No
     assert f'vllm:request_success_total{{finished_reason="stop",{model}}} ' in text  # labels sorted by name
     samples = [line for line in text.splitlines() if line.startswith("vllm:")]
     assert samples and all(model in line for line in samples)  # no vllm: sample without it
+
+
+def _reflect(address: str) -> tuple[list[str], str, list[str]]:
+    """What a reflection client learns from the server alone: its services, the input type of
+    Router.Generate, and that type's field names."""
+    with grpc.insecure_channel(address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        pool = DescriptorPool(database)
+        generate = pool.FindServiceByName("tandem.v1.Router").methods_by_name["Generate"]
+        return sorted(database.get_services()), generate.input_type.full_name, [
+            f.name for f in generate.input_type.fields]
+
+
+async def test_grpc_server_reflection_lists_and_describes_the_router(cluster: Cluster) -> None:
+    services, request_type, fields = await asyncio.to_thread(_reflect, f"127.0.0.1:{cluster.router.grpc_port}")
+    assert services == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "tandem.v1.Router"]
+    assert request_type == "tandem.v1.GenerateRequest"
+    assert fields == [f.name for f in router_pb2.GenerateRequest.DESCRIPTOR.fields]
