@@ -50,6 +50,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None returns no log-probabilities; k in [0, 20] returns the sampled token's
             and the k most likely tokens' (0: the sampled token's only).
+        prompt_logprobs: None returns none; k in [0, 20] returns each prompt token's (from the
+            second on: the first has no context) and the k most likely tokens' at its position.
+            The prompt is then computed whole (no prefix-cache or pool hit).
         presence_penalty: subtracted once from the logit of every token already generated
             ([-2, 2], OpenAI).
         frequency_penalty: subtracted from a token's logit once per time it was generated
@@ -71,6 +74,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -105,6 +109,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"

@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from engine.outputs import SampledToken, SamplingInput
+from engine.outputs import PromptLogprobsInput, SampledToken, SamplingInput
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -119,6 +119,33 @@ def with_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> SampledT
         values, ids = torch.topk(logprobs, num_top)
         top = tuple(zip(ids.tolist(), values.tolist()))
     return SampledToken(token_id, float(logprobs[token_id]), top)
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[str, PromptLogprobsInput]]) -> dict[str, list[SampledToken]]:
+    """Each request's prompt-token log-probabilities, all rows in one ``log_softmax``.
+
+    Args:
+        logits: [sum of len(target_token_ids), vocab], float32: row ``k`` of a request is the
+            logits of its ``k``-th position in the step (raw: no penalty applies to a prompt).
+        rows: (request_id, what its positions predict), in the order of ``logits``' rows.
+    """
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits.float(), -1)
+    targets = torch.tensor([t for _, spec in rows for t in spec.target_token_ids], device=logprobs.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(spec.num_top for _, spec in rows)
+    top_values, top_ids = (torch.topk(logprobs, max_top) if max_top else (logprobs[:, :0], logprobs[:, :0]))
+    top_values, top_ids = top_values.tolist(), top_ids.long().tolist()
+    out, row = {}, 0
+    for request_id, spec in rows:
+        tokens = []
+        for target in spec.target_token_ids:
+            top = tuple(zip(top_ids[row][: spec.num_top], top_values[row][: spec.num_top]))
+            tokens.append(SampledToken(target, chosen[row], top))
+            row += 1
+        out[request_id] = tokens
+    return out
 
 
 class Sampler:

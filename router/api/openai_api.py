@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import ErrorKind, RouterError, as_json
 from router.api.choices import ChoiceEvent, best_candidates, generate_choices, total_usage
-from router.generation import Finished, Generation, Usage
+from router.generation import Finished, Generation, TextDelta, Usage
+from router.output.logprobs import TokenLogprob
 from router.api.http_errors import BodyLimitMiddleware, http_exception_response
 from router.metrics import RouterMetrics
 from router.api.request_ids import client_request_id
@@ -96,10 +97,19 @@ class _Choices:
     n: int
     per_prompt: int
     echo_texts: list[str] | None = None
+    first_prompt_tokens: list[int] | None = None  # each prompt's first token, with echo and logprobs
 
     def echo(self, index: int) -> str:
         """The echoed prompt of choice ``index`` ("" without echo)."""
         return "" if self.echo_texts is None else self.echo_texts[index // self.n]
+
+    def prompt_logprobs(self, candidate: int, delta: TextDelta) -> tuple[TokenLogprob, ...]:
+        """The echoed prompt's logprobs of ``candidate``, given its first delta (which carries
+        them): the prompt's first token without one (it has no context), then the rest's."""
+        if self.first_prompt_tokens is None:
+            return ()
+        first = self.first_prompt_tokens[candidate // self.per_prompt]
+        return (TokenLogprob(first, None), *delta.prompt_logprobs)
 
 
 class OpenAIApi:
@@ -227,8 +237,10 @@ class OpenAIApi:
         trace_id = header_id or shape.request_id
         events = generate_choices(self.generation, trace_id, validated, arrival_time_s)
         headers = {"x-request-id": trace_id}
+        echo = getattr(body, "echo", False)
         choices = _Choices(validated[0].n, validated[0].num_candidates,
-                           [self._echo_text(one) for one in inputs] if getattr(body, "echo", False) else None)
+                           [self._echo_text(one) for one in inputs] if echo else None,
+                           [one.prompt_token_ids[0] for one in validated] if echo and logprobs else None)
         try:
             if body.stream:
                 first = await _unless_disconnected(request, anext(events))
@@ -251,6 +263,7 @@ class OpenAIApi:
         best ``n`` of each prompt's candidates)."""
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list] = {}
+        prompt_logprobs: dict[int, tuple] = {}  # echo with logprobs
         finished: dict[int, Finished] = {}
         async with contextlib.aclosing(events):
             async for choice in events:
@@ -258,6 +271,8 @@ class OpenAIApi:
                 if isinstance(event, Finished):
                     finished[i] = event
                     continue
+                if i not in texts:
+                    prompt_logprobs[i] = choices.prompt_logprobs(i, event)
                 texts.setdefault(i, []).append(event.text)
                 logprobs.setdefault(i, []).extend(event.logprobs)
         if not finished:
@@ -268,7 +283,8 @@ class OpenAIApi:
         ]
         usage = total_usage([finished[i].usage for i in sorted(finished)], choices.per_prompt)
         best = best_candidates(candidates, choices.per_prompt, choices.n, lambda c: sum(lp.logprob for lp in c.logprobs))
-        results = [dataclasses.replace(c, index=i, text=choices.echo(i) + c.text) for i, c in best]
+        results = [dataclasses.replace(c, index=i, text=choices.echo(i) + c.text,
+                                       logprobs=prompt_logprobs.get(c.index, ()) + c.logprobs) for i, c in best]
         return shape.response(results, usage)
 
     async def _stream(
@@ -291,8 +307,8 @@ class OpenAIApi:
                         started.add(i)
                         usages[i] = event.usage
                     elif event.text or event.logprobs or i not in started:  # a first chunk goes out at once
-                        yield _sse(shape.chunk(i, echo + event.text, None, i not in started, include_usage,
-                                               event.logprobs))
+                        logprobs = event.logprobs if i in started else choices.prompt_logprobs(i, event) + event.logprobs
+                        yield _sse(shape.chunk(i, echo + event.text, None, i not in started, include_usage, logprobs))
                         started.add(i)
                     choice = await anext(events, None)
                 if include_usage and usages:

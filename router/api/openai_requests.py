@@ -158,6 +158,9 @@ class _SamplingFields(_SamplingParamsFields):
         ``sampling`` replacing those a body spells its own way (chat's ``max_completion_tokens``
         and ``logprobs`` / ``top_logprobs``)."""
         self._refuse_unsupported()
+        if self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported: use echo with logprobs on /v1/completions",
+                                      "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         fields = {name: getattr(self, name) for name in SAMPLING_FIELDS} | sampling
         return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
@@ -185,7 +188,7 @@ class CompletionRequest(_SamplingFields):
 
         Raises:
             InvalidRequestError: more than MAX_CHOICES sub-requests, ``best_of`` with
-                ``stream``, echo with logprobs, or an unsupported field.
+                ``stream``, or an unsupported field.
         """
         prompts = self.prompts  # [] is one prompt of no tokens: the validator says it is empty
         num_candidates = max(self.n, self.best_of or 0)
@@ -196,13 +199,12 @@ class CompletionRequest(_SamplingFields):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidRequestError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best "
                                       "choices are known only once every candidate finished", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs is not supported: the workers return no prompt logprobs",
-                                      "echo")
+        # echo with logprobs: the prompt tokens' logprobs too (the workers compute the prompt whole).
+        prompt_logprobs = self.logprobs if self.echo else None
         inputs = []
         for prompt in prompts:
             fields = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": tuple(prompt)}
-            request = self._input(fields)
+            request = self._input(fields, prompt_logprobs=prompt_logprobs)
             inputs.append(dataclasses.replace(request, best_of=self.best_of, add_special_tokens=self.add_special_tokens))
         return inputs
 

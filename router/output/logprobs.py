@@ -25,15 +25,16 @@ MIN_LOGPROB = -9999.0
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the request's ``top_logprobs`` best alternatives."""
+    """One token's log-probability and the request's ``top_logprobs`` best alternatives; a
+    prompt's first token (echoed) has none: ``logprob`` None."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
-def _clamp(logprob: float) -> float:
-    return max(float(logprob), MIN_LOGPROB)
+def _clamp(logprob: float | None) -> float | None:
+    return None if logprob is None else max(float(logprob), MIN_LOGPROB)
 
 
 class LogprobsFormatter:
@@ -49,7 +50,8 @@ class LogprobsFormatter:
         self.text_offset = 0  # characters of token text rendered so far (completions)
 
     def completion(self, logprobs: Sequence[TokenLogprob]) -> dict:
-        """The legacy ``logprobs`` object; ``top_logprobs`` includes the sampled token, as vLLM.
+        """The legacy ``logprobs`` object; ``top_logprobs`` includes the sampled token, as vLLM;
+        a token without a logprob (an echoed prompt's first) has null for both, as vLLM.
 
         Mutates ``text_offset``.
         """
@@ -59,6 +61,9 @@ class LogprobsFormatter:
             tokens.append(text)
             offsets.append(self.text_offset)
             self.text_offset += len(text)
+            if lp.logprob is None:
+                tops.append(None)
+                continue
             top = {self.token_text(t): _clamp(v) for t, v in lp.top_logprobs}
             top.setdefault(text, _clamp(lp.logprob))
             tops.append(top)

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests import reference
+from tests.conftest import poll_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -74,3 +75,19 @@ def test_tokenize_and_detokenize_match_the_tokenizer(cluster, probe):
     got = post(cluster, "/tokenize", {"model": MODEL, "messages": messages})
     assert got["tokens"] == reference.chat_ids(reference.PROMPTS[0]) and got["count"] == len(got["tokens"])
     assert post(cluster, "/detokenize", {"tokens": got["tokens"]})["prompt"] == reference.tokenizer().decode(got["tokens"])
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs_of_hf(cluster, probe):
+    prompt = reference.PROMPTS[4]
+    ids = reference.tokenizer().encode(prompt)
+    expected = reference.hf_prompt_logprobs(tuple(ids))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    for _ in range(2):  # the second time the pool holds the prompt's blocks: computed all the same
+        choice = post(cluster, "/v1/completions", body)["choices"][0]
+        logprobs = choice["logprobs"]
+        assert choice["text"].startswith(prompt)
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        got = logprobs["token_logprobs"][1 : len(ids)]
+        assert got == pytest.approx([float(expected[p, t]) for p, t in enumerate(ids[1:])], abs=2e-3)
+        assert len(logprobs["tokens"]) == len(ids) + 4
+    poll_until(probe.is_idle, timeout_s=10.0, message="every block and lease released")

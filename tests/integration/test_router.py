@@ -105,6 +105,15 @@ def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams
     return common_pb2.TokenLogprob(token_id=token_id, logprob=value, top_logprobs=top)
 
 
+def fake_prompt_logprobs(prompt_token_ids, params: common_pb2.SamplingParams) -> list[common_pb2.TokenLogprob]:
+    """With ``prompt_logprobs``: prompt token k (from k = 1) has logprob -k / 100, its top list
+    the token itself."""
+    if not params.HasField("prompt_logprobs"):
+        return []
+    return [common_pb2.TokenLogprob(token_id=t, logprob=-k / 100, top_logprobs=[common_pb2.TopLogprob(
+        token_id=t, logprob=-k / 100)] * params.prompt_logprobs) for k, t in enumerate(prompt_token_ids) if k]
+
+
 class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, fakes: Fakes):
         self.fakes = fakes
@@ -125,6 +134,7 @@ class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         if request.sampling_params.HasField("logprobs"):
             offset = script.seed_logprob_offsets.get(request.sampling_params.seed, 0.0)
             response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params, offset))
+        response.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids, request.sampling_params))
         return response
 
 
@@ -141,6 +151,8 @@ class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
             logprobs = [fake_logprob(t, position + k, params, offset) for k, t in enumerate(chunk)]
             position += len(chunk)
             tokens = decode_worker_pb2.TokenChunk(token_ids=chunk, logprobs=logprobs if params.HasField("logprobs") else [])
+            if position == 1 + len(chunk) and not request.HasField("first_token_id"):  # colocated: prefilled here
+                tokens.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids, params))
             yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         if script.decode_error is not None:
             await context.abort(script.decode_error, "fake decode broke")
@@ -375,8 +387,8 @@ LONG = list(range(100, 170))  # 70 token ids
          "response_format"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, 'stream: Input should be a valid boolean, got "yes"',
          "stream"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400,
-         "echo with logprobs is not supported: the workers return no prompt logprobs", "echo"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400,
+         "prompt_logprobs is not supported: use echo with logprobs on /v1/completions", "prompt_logprobs"),
         ("/v1/completions", {"prompt": 42}, 400,
          "prompt: expected one of str, list[int], list[str], list[list[int]], got 42", "prompt"),
         ("/v1/completions", {"prompt": "hi \ud800"}, 400,

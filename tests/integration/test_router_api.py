@@ -11,8 +11,9 @@ import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from core.grpc_service import aio_channel
 from core.model_source import DEFAULT_MODEL
-from tandem.v1 import router_pb2
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.test_router import EOS, MAX_MODEL_LEN, TEXT, Cluster, cluster, expected_logprobs, sse_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -232,3 +233,41 @@ async def test_grpc_server_reflection_lists_and_describes_the_router(cluster: Cl
     assert services == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "tandem.v1.Router"]
     assert request_type == "tandem.v1.GenerateRequest"
     assert fields == [f.name for f in router_pb2.GenerateRequest.DESCRIPTOR.fields]
+
+
+async def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs_first(cluster: Cluster) -> None:
+    cluster.script_text("Hi there")
+    prompt_ids = cluster.tokenizer.encode("Say hello to me")
+    body = {"prompt": "Say hello to me", "echo": True, "logprobs": 1, "max_tokens": 20}
+    data = (await cluster.http.post("/v1/completions", json=body)).json()
+    assert cluster.fakes.prefill_requests[-1].sampling_params.prompt_logprobs == 1
+    logprobs = data["choices"][0]["logprobs"]
+    generated = cluster.tokenizer.encode("Hi there") + [EOS]
+    assert logprobs["tokens"] == [cluster.tokenizer.token_text(t) for t in prompt_ids + generated]
+    num_prompt = len(prompt_ids)
+    assert logprobs["token_logprobs"][:num_prompt] == [None] + [pytest.approx(-k / 100) for k in range(1, num_prompt)]
+    assert logprobs["token_logprobs"][num_prompt:] == expected_logprobs(cluster, "Hi there")
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {cluster.tokenizer.token_text(prompt_ids[1]): pytest.approx(-0.01)}
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs["text_offset"] == offsets
+    assert data["choices"][0]["text"] == "Say hello to meHi there"
+    async with cluster.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = await sse_events(response)
+    streamed = [t for e in events[:-1] if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == logprobs["tokens"]
+    first = events[0]["choices"][0]
+    assert first["text"].startswith("Say hello to me") and first["logprobs"]["token_logprobs"][0] is None
+
+
+async def test_grpc_prompt_logprobs_come_with_the_first_delta(cluster: Cluster) -> None:
+    cluster.script_text()
+    channel = aio_channel(f"127.0.0.1:{cluster.router.grpc_port}")
+    params = common_pb2.SamplingParams(max_tokens=40, prompt_logprobs=0)
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]), sampling_params=params)
+    deltas = [r.delta async for r in router_pb2_grpc.RouterStub(channel).Generate(request) if r.HasField("delta")]
+    await channel.close()
+    assert [(lp.token_id, round(lp.logprob, 6)) for lp in deltas[0].prompt_logprobs] == [(6, -0.01), (7, -0.02)]
+    assert all(not d.prompt_logprobs for d in deltas[1:])

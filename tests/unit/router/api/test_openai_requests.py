@@ -32,7 +32,8 @@ SENT = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "seed": 11,
 
 
 def test_every_sampling_field_is_a_body_field_that_reaches_the_params() -> None:
-    assert set(SENT) == set(SAMPLING_FIELDS)  # a new field needs a value here
+    # A new field needs a value here; prompt_logprobs is set by echo with logprobs, refused as a field.
+    assert set(SENT) | {"prompt_logprobs"} == set(SAMPLING_FIELDS)
     request = CompletionRequest.model_validate({"prompt": "x", **SENT}).to_inputs()[0]
     assert request.to_sampling_params(9) == SamplingParams(**{**SENT, "stop_token_ids": (5, 6)})
     nulls = CompletionRequest.model_validate({"prompt": "x", **dict.fromkeys(SENT)}).to_inputs()[0]
@@ -56,8 +57,8 @@ def test_token_id_prompts(prompt) -> None:
          "request", "prompt"),
         ({"prompt": "a", "best_of": 2, "stream": True}, "best_of (2) > n (1) cannot be streamed: the best choices "
          "are known only once every candidate finished", "best_of"),
-        ({"prompt": "a", "echo": True, "logprobs": 0},
-         "echo with logprobs is not supported: the workers return no prompt logprobs", "echo"),
+        ({"prompt": "a", "prompt_logprobs": 1},
+         "prompt_logprobs is not supported: use echo with logprobs on /v1/completions", "prompt_logprobs"),
     ],
 )
 def test_unsupported_completion_bodies(body: dict, message: str, param: str) -> None:
@@ -229,7 +230,7 @@ def scalar_fields(model: type[BaseModel], prefix: str = "") -> dict[str, type]:
 COMMON_SCALARS = {
     "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int,
     "ignore_eos": bool, "min_tokens": int, "presence_penalty": float, "frequency_penalty": float,
-    "repetition_penalty": float, "min_p": float, "stream": bool, "stream_options.include_usage": bool,
+    "repetition_penalty": float, "min_p": float, "prompt_logprobs": int, "stream": bool, "stream_options.include_usage": bool,
     "stream_options.include_obfuscation": bool, "skip_special_tokens": bool,
 }
 
@@ -303,6 +304,9 @@ def test_a_list_of_prompts_is_one_request_each_with_the_completion_options() -> 
     assert [r.prompt_token_ids for r in ids] == [(1, 2), (3,)]
     plain = CompletionRequest.model_validate({"prompt": "a"}).to_inputs()[0]
     assert (plain.best_of, plain.add_special_tokens, plain.skip_special_tokens) == (None, True, True)
+    echoed = CompletionRequest.model_validate({"prompt": "a", "echo": True, "logprobs": 2}).to_inputs()[0]
+    assert (echoed.sampling["logprobs"], echoed.sampling["prompt_logprobs"]) == (2, 2)
+    assert plain.sampling["prompt_logprobs"] is None
 
 
 def test_chat_template_kwargs_reach_the_chat_options() -> None:
