@@ -9,8 +9,8 @@ router, which is what a vLLM API server is to its clients). Everything vLLM has 
 ``tandem:`` (pool tiers, transfers, leases, placements, migrations, the cluster view).
 
 Labels differ from vLLM's: Tandem sets ``role`` (and ``model_name``) on worker gauges instead of
-vLLM's ``model_name`` and ``engine``; queries that aggregate (``sum``, ``max``, ``rate``) work as
-they are.
+vLLM's ``model_name`` and ``engine``; the router's request metrics carry ``model_name`` as vLLM's
+do. Queries that aggregate (``sum``, ``max``, ``rate``) work as they are.
 """
 
 from __future__ import annotations

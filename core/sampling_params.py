@@ -42,6 +42,8 @@ class SamplingParams:
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 or -1 keeps every token.
+        min_p: in [0, 1]; drop every token whose probability (at the temperature) is below
+            ``min_p`` times the most likely token's (vLLM's min_p); 0 keeps every token.
         seed: per-request seed; with it the request's tokens do not depend on its batch.
         max_tokens: upper bound on generated tokens (>= 1), the first token included.
         min_tokens: EOS and ``stop_token_ids`` neither end the request nor get sampled before
@@ -50,6 +52,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: None returns no log-probabilities; k in [0, 20] returns the sampled token's
             and the k most likely tokens' (0: the sampled token's only).
+        prompt_logprobs: None returns none; k in [0, 20] returns each prompt token's (from the
+            second on: the first has no context) and the k most likely tokens' at its position.
+            The prompt is then computed whole (no prefix-cache or pool hit).
         presence_penalty: subtracted once from the logit of every token already generated
             ([-2, 2], OpenAI).
         frequency_penalty: subtracted from a token's logit once per time it was generated
@@ -64,12 +69,14 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -89,6 +96,8 @@ class SamplingParams:
             raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise SamplingParamsError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise SamplingParamsError("seed", f"seed must be in [0, 2**64), got {self.seed}")
         if self.min_tokens < 0:
@@ -112,6 +121,9 @@ class SamplingParams:
             if self.min_tokens:
                 raise SamplingParamsError("min_tokens", f"min_tokens must be 0 with a structured output "
                                           f"(the grammar decides where the output ends), got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"

@@ -71,7 +71,10 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             async for output in self.engine.generate(engine_request, external):
                 if output.new_token_ids:
                     logprobs = [token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs) for s in output.logprobs]
-                    tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids, logprobs=logprobs)
+                    prompt = [token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs)
+                              for s in output.prompt_logprobs or ()]
+                    tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids, logprobs=logprobs,
+                                                          prompt_logprobs=prompt)
                     yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

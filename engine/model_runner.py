@@ -11,8 +11,8 @@ import torch
 from core.cost_model import StepSample, prefill_attn_pairs
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
 from engine.kv_connector.blocks import pack_blocks, unpack_blocks
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SamplingInput, SchedulerOutput
-from engine.sampler import Sampler
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, PromptLogprobsInput, SamplingInput, SchedulerOutput
+from engine.sampler import Sampler, prompt_logprobs
 from engine.structured_output import StructuredOutputManager
 
 
@@ -25,11 +25,13 @@ class PreparedStep:
     input_ids: list[int] = field(default_factory=list)
     positions: torch.Tensor | None = None  # [num_tokens], int64
     meta: AttentionMetadata | None = None
-    logits_indices: torch.Tensor | None = None  # [num_sampling], int64
+    logits_indices: torch.Tensor | None = None  # [num_sampling + num_prompt_logprobs], int64
     # What the sampler reads of each sampling request (copied at schedule time).
     sampling: list[SamplingInput] = field(default_factory=list)
     # (index into input_ids, request_id) whose token comes from the previous step.
     placeholders: list[tuple[int, str]] = field(default_factory=list)
+    # Requests whose prompt logprobs this step computes; their logits rows follow the sampling ones.
+    prompt_rows: list[tuple[str, PromptLogprobsInput]] = field(default_factory=list)
 
     def patch(self, sampled: dict[str, int]) -> None:
         """Fills placeholders with the tokens the previous step sampled. Mutates this step (and
@@ -89,7 +91,9 @@ class ModelRunner:
             if input_ids[i] == PLACEHOLDER_TOKEN_ID
         ]
         sampling = [item.sampling for item in out.scheduled if item.sampling is not None]
-        return PreparedStep(out, input_ids, positions, meta, logits_indices, sampling, placeholders)
+        prompt_rows = [(item.request_id, item.prompt_logprobs) for item in out.scheduled
+                       if item.prompt_logprobs is not None]
+        return PreparedStep(out, input_ids, positions, meta, logits_indices, sampling, placeholders, prompt_rows)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
@@ -107,14 +111,17 @@ class ModelRunner:
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         ctx = ForwardContext(step.meta, self.backend, list(self.kv_cache.unbind(0)))
         with forward_context(ctx):
-            logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_sampling, vocab]
-        sampled = self.sampler.sample(logits, step.sampling, filling.result() if filling is not None else None)
+            logits = self.model(input_ids, step.positions, step.logits_indices)  # [num_logits, vocab]
+        num_sampling = len(step.sampling)
+        sampled = self.sampler.sample(logits[:num_sampling], step.sampling,
+                                      filling.result() if filling is not None else None)
         if filling is not None:
             structured.accept(step.sampling, sampled)
+        prompt = prompt_logprobs(logits[num_sampling:], step.prompt_rows)
         duration_s = time.perf_counter() - started
         self.busy_time_s += duration_s
         return ModelRunnerOutput({r.request_id: t for r, t in zip(step.sampling, sampled)},
-                                 StepSample(*step.features, duration_s))
+                                 step_sample=StepSample(*step.features, duration_s), prompt_logprobs=prompt)
 
     def _move_kv(self, out: SchedulerOutput) -> None:
         """The step's copy-on-write block copies, then its external KV loads. Mutates the KV cache."""
@@ -157,7 +164,12 @@ class ModelRunner:
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         samples = np.fromiter((s.samples for s in scheduled), bool, num_seqs)
-        logits_indices = starts[1:][samples] - 1
+        logits_indices = starts[1:][samples] - 1  # each sampling sequence's last token
+        # Then, for prompt logprobs, a sequence's first len(targets) tokens (PromptLogprobsInput).
+        prompt_indices = [np.arange(starts[i], starts[i] + len(s.prompt_logprobs.target_token_ids))
+                          for i, s in enumerate(scheduled) if s.prompt_logprobs is not None]
+        if prompt_indices:
+            logits_indices = np.concatenate([logits_indices, *prompt_indices])
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(self.device),
             query_start_loc=torch.from_numpy(starts),

@@ -40,6 +40,16 @@ class SamplingInput:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsInput:
+    """A step's share of a request's prompt logprobs: the logits of the step's first
+    ``len(target_token_ids)`` tokens of the request give the log-probabilities of
+    ``target_token_ids`` (the prompt token after each), with the ``num_top`` best tokens."""
+
+    target_token_ids: list[int]
+    num_top: int
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step, as plain data: compute ``token_ids`` at positions
     ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` into ``block_ids``.
@@ -53,6 +63,8 @@ class ScheduledRequest:
     block_ids: list[int]
     # Set when this step reaches the request's last token, so a new token is sampled.
     sampling: SamplingInput | None = None
+    # Set when the request asked for prompt logprobs and this step computes prompt positions.
+    prompt_logprobs: PromptLogprobsInput | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -116,6 +128,8 @@ class SampledToken:
 class ModelRunnerOutput:
     # request_id -> sampled token, for requests whose step reached their last token.
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request_id -> the logprobs of the prompt tokens this step's positions predict, in order.
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
     # What the pass computed and its forward + sampling wall time (duration_s; the engine widens
     # it to the whole pass, see LLMEngine._record); None for an empty pass.
     step_sample: StepSample | None = None
@@ -137,3 +151,5 @@ class RequestOutput:
     error: str | None = None
     # One entry per new token when the request asked for logprobs.
     logprobs: list[SampledToken] = field(default_factory=list)
+    # With its first token, when the request asked for prompt logprobs: prompt tokens 1.. in order.
+    prompt_logprobs: list[SampledToken] | None = None

@@ -1,5 +1,5 @@
-"""Token sampling: penalties, min_tokens, greedy, temperature, top-k, top-p, per-request seeds,
-log-probabilities.
+"""Token sampling: penalties, min_tokens, greedy, temperature, min-p, top-k, top-p, per-request
+seeds, log-probabilities.
 
 A seeded request draws token ``i`` from a generator seeded by ``(seed, i)``, so its text does not
 depend on its batch, nor on which worker (prefill or decode) samples which token.
@@ -8,7 +8,7 @@ Each row goes through (vLLM's order)::
 
     raw logits -> grammar mask (structured outputs) -> min_tokens mask -> repetition / frequency / presence penalties = processed logits
     processed -> argmax                                   (greedy)
-    processed -> / temperature -> top-k, top-p -> draw    (sampled)
+    processed -> / temperature -> min-p -> top-k, top-p -> draw    (sampled; min-p batched)
 
 Log-probabilities are the ``log_softmax`` of the *processed* logits: penalised and masked, but
 before temperature, top-k and top-p. A row that needs no processing skips it (the greedy fast
@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from engine.outputs import SampledToken, SamplingInput
+from engine.outputs import PromptLogprobsInput, SampledToken, SamplingInput
 from engine.structured_output import TokenMask
 
 
@@ -47,6 +47,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         drop = (cum - sorted_logits.softmax(-1)) >= top_p
         logits[order[drop]] = float("-inf")
     return logits
+
+
+def apply_min_p(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p over a batch in one step: masks to -inf each token whose probability at its
+    row's temperature is below ``min_p`` times the row's most likely token's, that is
+    ``(logit - max_logit) / T < log(min_p)``. Rows with ``min_p`` 0 or temperature 0 (greedy) are
+    kept whole. Returns ``logits`` itself when no row is masked, else a new tensor.
+
+    Args:
+        logits: [num_seqs, vocab], float32, processed (penalised), before temperature.
+        temperatures: [num_seqs], float32.
+        min_ps: [num_seqs], float32 in [0, 1].
+    """
+    active = (min_ps > 0) & (temperatures > 0)
+    if not bool(active.any()):
+        return logits
+    with torch.no_grad():
+        floor = logits.max(-1, keepdim=True).values + (temperatures * torch.log(min_ps)).unsqueeze(-1)
+        drop = (logits < floor) & active.unsqueeze(-1)  # an inactive row's floor may be NaN: never dropped
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def needs_processing(request: SamplingInput) -> bool:
@@ -105,6 +125,33 @@ def with_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> SampledT
     return SampledToken(token_id, float(logprobs[token_id]), top)
 
 
+def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[str, PromptLogprobsInput]]) -> dict[str, list[SampledToken]]:
+    """Each request's prompt-token log-probabilities, all rows in one ``log_softmax``.
+
+    Args:
+        logits: [sum of len(target_token_ids), vocab], float32: row ``k`` of a request is the
+            logits of its ``k``-th position in the step (raw: no penalty applies to a prompt).
+        rows: (request_id, what its positions predict), in the order of ``logits``' rows.
+    """
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits.float(), -1)
+    targets = torch.tensor([t for _, spec in rows for t in spec.target_token_ids], device=logprobs.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(spec.num_top for _, spec in rows)
+    top_values, top_ids = (torch.topk(logprobs, max_top) if max_top else (logprobs[:, :0], logprobs[:, :0]))
+    top_values, top_ids = top_values.tolist(), top_ids.long().tolist()
+    out, row = {}, 0
+    for request_id, spec in rows:
+        tokens = []
+        for target in spec.target_token_ids:
+            top = tuple(zip(top_ids[row][: spec.num_top], top_values[row][: spec.num_top]))
+            tokens.append(SampledToken(target, chosen[row], top))
+            row += 1
+        out[request_id] = tokens
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -122,22 +169,25 @@ class Sampler:
         logits = logits.cpu()
         if mask is not None:
             mask.apply(logits)
+        rows = [i for i, request in enumerate(requests) if needs_processing(request)]
+        if rows:
+            logits = logits.clone()
+            for i in rows:
+                logits[i] = process_logits(logits[i], requests[i])
         greedy = logits.argmax(-1).tolist()
+        params = [request.sampling_params for request in requests]
+        drawn = apply_min_p(logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                            torch.tensor([p.min_p for p in params], dtype=torch.float32))
         tokens = []
         for i, request in enumerate(requests):
-            p = request.sampling_params
-            row = logits[i]
-            if needs_processing(request):
-                row = process_logits(row, request)
-                token_id = int(row.argmax()) if p.greedy else self._draw(row, request)
-            else:
-                token_id = greedy[i] if p.greedy else self._draw(row, request)
-            tokens.append(SampledToken(token_id) if p.logprobs is None else with_logprobs(row, token_id, p.logprobs))
+            p = params[i]
+            token_id = greedy[i] if p.greedy else self._draw(drawn[i], request)
+            tokens.append(SampledToken(token_id) if p.logprobs is None else with_logprobs(logits[i], token_id, p.logprobs))
         return tokens
 
     def _draw(self, logits: torch.Tensor, request: SamplingInput) -> int:
-        """Draws from ``logits`` ([vocab], float32, processed) at the request's temperature,
-        top-k and top-p; a seeded request uses its own generator for this token index."""
+        """Draws from ``logits`` ([vocab], float32, processed and min-p masked) at the request's
+        temperature, top-k and top-p; a seeded request uses its own generator for this token index."""
         p = request.sampling_params
         masked = apply_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
         gen = self.generator

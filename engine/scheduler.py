@@ -19,10 +19,10 @@ from collections import deque
 from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
-from engine.kv_cache.kv_cache_manager import KVCacheManager
+from engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.outputs import (
-    PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, RequestOutput, SamplingInput, ScheduledRequest,
-    SchedulerOutput, SwapOut,
+    PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, PromptLogprobsInput, RequestOutput, SampledToken,
+    SamplingInput, ScheduledRequest, SchedulerOutput, SwapOut,
 )
 from engine.preemption import PreemptionMode, PreemptionPolicy
 
@@ -47,7 +47,23 @@ def scheduled_request(request: Request, num_new_tokens: int, block_ids: list[int
         sampling = SamplingInput(request.request_id, params, request.num_output_tokens, request.stop_token_ids,
                                  request.prompt_token_ids, outputs)
     return ScheduledRequest(request.request_id, token_slice(request, start, start + num_new_tokens), start,
-                            list(block_ids), sampling)
+                            list(block_ids), sampling, _prompt_logprobs_input(request, start, num_new_tokens))
+
+
+def _prompt_logprobs_input(request: Request, start: int, num_new_tokens: int) -> PromptLogprobsInput | None:
+    """The prompt tokens this step's positions ``[start, start + num_new_tokens)`` predict,
+    when the request asked for prompt logprobs and has no output token yet (they go out with
+    the first; a recompute or a resumed request has them already): position ``p`` predicts
+    prompt token ``p + 1``::
+
+        prompt:     t0  t1  t2  t3  t4
+        position:   0   1   2   3          (4 predicts the first output token)
+    """
+    num_top = request.sampling_params.prompt_logprobs
+    end = min(start + num_new_tokens, request.num_prompt_tokens - 1)
+    if num_top is None or request.num_output_tokens or end <= start:
+        return None
+    return PromptLogprobsInput(request.prompt_token_ids[start + 1 : end + 1], num_top)
 
 
 class Scheduler:
@@ -65,6 +81,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Preempted requests whose KV is in the engine's swap space, not yet back (resume_swapped).
         self.swapped: set[str] = set()
+        # Prompt logprobs collected so far, by request (handed out with the first token).
+        self.prompt_logprobs: dict[str, list[SampledToken]] = {}
         self.num_preemptions = 0
 
     @property
@@ -176,7 +194,8 @@ class Scheduler:
         if request.request_id in self.swapped:  # its KV is not back from the swap space yet
             return None
         bs = self.config.block_size
-        hit = self.kv.find_prefix(request)
+        # Prompt logprobs need the logits of every prompt position: no prefix-cache hit.
+        hit = self.kv.find_prefix(request) if request.sampling_params.prompt_logprobs is None else PrefixHit([], 0)
         ext = self.external_kv.get(request.request_id)
         num_loaded = ext.num_tokens if ext else 0
         # The last token is always computed: its logits give the next token.
@@ -257,6 +276,7 @@ class Scheduler:
         Finished requests leave ``running`` (or ``waiting``, if preempted meanwhile) but keep
         their blocks until :meth:`free` (so the engine can save their KV first).
         """
+        self._add_prompt_logprobs(out, runner_out)
         outputs = []
         for item in out.scheduled:
             request = self.requests.get(item.request_id)
@@ -277,8 +297,23 @@ class Scheduler:
             )
             if sampled.logprob is not None:
                 output.logprobs.append(sampled)
+            if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
+                output.prompt_logprobs = self.prompt_logprobs.pop(request.request_id, [])
             outputs.append(output)
         return outputs
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Appends the step's prompt logprobs to each request's, once per position: a position
+        computed again (a recompute after preemption before the first token) is not added twice.
+        Mutates ``prompt_logprobs``."""
+        for item in out.scheduled:
+            step_logprobs = runner_out.prompt_logprobs.get(item.request_id)
+            if step_logprobs is None or item.request_id not in self.requests:
+                continue
+            collected = self.prompt_logprobs.setdefault(item.request_id, [])
+            # collected[k] is prompt token k + 1's, so this step's first is at item.num_computed_tokens.
+            if len(collected) >= item.num_computed_tokens:
+                collected += step_logprobs[len(collected) - item.num_computed_tokens :]
 
     def free(self, request_id: str) -> None:
         """Returns a finished request's blocks and forgets it (the engine discards its swapped
@@ -286,6 +321,7 @@ class Scheduler:
         self.kv.free(request_id)
         self.requests.pop(request_id, None)
         self.swapped.discard(request_id)
+        self.prompt_logprobs.pop(request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its blocks; None if unknown."""

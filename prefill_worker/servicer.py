@@ -84,7 +84,10 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _prefill(self, request: Request, ring: HashRing, started: float):
         rid = request.request_id
-        cached = await self.connector.load_cached_prefix(rid, request.prompt_token_ids, ring)
+        # Prompt logprobs need the logits of every prompt position: no cached prefix is loaded.
+        wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+        cached = None if wants_prompt_logprobs else await self.connector.load_cached_prefix(
+            rid, request.prompt_token_ids, ring)
         output = None
         async for output in self.engine.generate(request, cached):
             pass
@@ -102,6 +105,8 @@ class PrefillServicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         if output.logprobs:
             first = output.logprobs[0]
             response.first_token_logprob.CopyFrom(token_logprob_to_proto(first.token_id, first.logprob, first.top_logprobs))
+        response.prompt_logprobs.extend(token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs)
+                                        for s in output.prompt_logprobs or ())
         return response
 
     async def GetStats(self, request, context):

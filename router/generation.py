@@ -18,6 +18,7 @@ that hangs (stops heartbeating) fails its waiting calls the same way (router.wor
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -53,11 +54,14 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids when the request asked for them
+    # On the first delta when the request asked for prompt logprobs: prompt tokens 1.. in order.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-def _delta(step: OutputStep, logprobs: tuple[TokenLogprob, ...]) -> TextDelta:
+def _delta(step: OutputStep, logprobs: tuple[TokenLogprob, ...],
+           prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> TextDelta:
     """The step's text and accepted tokens, with the logprobs of those tokens only."""
-    return TextDelta(step.text, step.token_ids, logprobs[: len(step.token_ids)])
+    return TextDelta(step.text, step.token_ids, logprobs[: len(step.token_ids)], prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,8 @@ class Generation:
     ) -> AsyncIterator[GenerationEvent]:
         """``generate`` without the shutdown guard."""
         params = request.sampling_params
-        output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, self.tokenizer.decode)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=request.skip_special_tokens)
+        output = OutputProcessor(params, request.stop, self.tokenizer.eos_token_ids, decode)
         run = _Run(request_id, request, arrival_time_s, output)
         self.metrics.num_requests_running.inc()
         error: BaseException | None = None
@@ -237,7 +242,7 @@ class Generation:
     def _first_token(self, run: _Run, prefill: PrefillResult) -> TextDelta:
         self._mark_first_token(run, prefill.num_cached_tokens)
         logprobs = () if prefill.first_token_logprob is None else (prefill.first_token_logprob,)
-        return _delta(run.output.add_tokens([prefill.first_token_id]), logprobs)
+        return _delta(run.output.add_tokens([prefill.first_token_id]), logprobs, prefill.prompt_logprobs)
 
     def _mark_first_token(self, run: _Run, num_cached_tokens: int) -> None:
         now_s = time.monotonic()
@@ -295,7 +300,8 @@ class Generation:
                         step = run.output.add_tokens(event.token_ids)
                         if not first:
                             self._count_tokens(run, len(step.token_ids))
-                        yield _delta(step, event.logprobs)
+                        # A resumed stream computes the prompt again: its prompt logprobs were sent.
+                        yield _delta(step, event.logprobs, event.prompt_logprobs if first else ())
                         if run.output.stopped_by_string:
                             return  # the decode worker knows no stop strings: cancel it
                     else:

@@ -1,7 +1,9 @@
 """The router's Prometheus metrics (docs/design.md §9b): the request histograms and token counters
 under vLLM's names (core.metric_names), the rest under ``tandem:``.
 
-Each :class:`RouterMetrics` owns its registry, so several routers (tests) never collide.
+Each :class:`RouterMetrics` owns its registry, so several routers (tests) never collide. The
+``vllm:`` metrics carry vLLM's ``model_name`` label (the served model's name, as the workers'
+gauges), which vLLM's dashboards filter on.
 """
 
 from __future__ import annotations
@@ -21,21 +23,31 @@ class RouterMetrics:
     """Counters, gauges and histograms of requests passing through this router.
 
     Exposed names (prometheus-client appends ``_total`` to counters): see ``__init__``.
+    ``model_name``: the served model's name, the ``model_name`` label of the ``vllm:`` metrics.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft_s = Histogram(names.TTFT_SECONDS, "Time to first token.", buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl_s = Histogram(names.ITL_SECONDS, "Time between output tokens.", buckets=ITL_BUCKETS_S, registry=r)
-        self.e2e_s = Histogram(names.E2E_SECONDS, "Arrival to last token.", buckets=E2E_BUCKETS_S, registry=r)
+        self.model_name = model_name
+        r, model = self.registry, {"model_name": model_name}
+        vllm_label = ["model_name"]
+        self.ttft_s = Histogram(names.TTFT_SECONDS, "Time to first token.", vllm_label, buckets=TTFT_BUCKETS_S,
+                                registry=r).labels(**model)
+        self.itl_s = Histogram(names.ITL_SECONDS, "Time between output tokens.", vllm_label, buckets=ITL_BUCKETS_S,
+                               registry=r).labels(**model)
+        self.e2e_s = Histogram(names.E2E_SECONDS, "Arrival to last token.", vllm_label, buckets=E2E_BUCKETS_S,
+                               registry=r).labels(**model)
         self.request_success = Counter(
-            names.REQUEST_SUCCESS, "Finished requests by finish reason.", ["finished_reason"], registry=r
+            names.REQUEST_SUCCESS, "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
         )
-        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Generated tokens.", registry=r)
-        self.prefix_cache_queries = Counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.prefix_cache_hits = Counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", registry=r)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens of admitted requests.", vllm_label,
+                                     registry=r).labels(**model)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Generated tokens.", vllm_label,
+                                         registry=r).labels(**model)
+        self.prefix_cache_queries = Counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
+                                            vllm_label, registry=r).labels(**model)
+        self.prefix_cache_hits = Counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.",
+                                         vllm_label, registry=r).labels(**model)
         self.rejections = Counter("tandem:rejections", "Requests refused before any token, by reason.", ["reason"], registry=r)
         self.routing_decisions = Counter(
             "tandem:routing_decisions", "Workers chosen, by policy and role.", ["policy", "role"], registry=r
@@ -102,7 +114,7 @@ class RouterMetrics:
             self.itl_s.observe(elapsed_s / num_tokens)
 
     def finished(self, finish_reason: str, e2e_s: float) -> None:
-        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.request_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
         self.e2e_s.observe(e2e_s)
 
     def render(self) -> bytes:

@@ -8,7 +8,8 @@ import dataclasses
 import logging
 
 import uvicorn
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection
 
 from core import tracing
 from core.grpc_auth import api_key_gate
@@ -56,7 +57,6 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: ModelTokenizer | None = None):
         self.config = config
         self.tokenizer = tokenizer  # loaded in start() when not given
-        self.metrics = RouterMetrics()
         self.http_port = 0
         self.grpc_port = 0
 
@@ -70,6 +70,7 @@ class RouterServer:
         config = self.config
         source = resolve_model(config.model, config.served_model_name or None)
         chat_template = load_chat_template(config.chat_template)
+        self.metrics = RouterMetrics(source.name)  # its vllm: metrics labelled with the served name
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, source)
         if chat_template is not None:
@@ -106,6 +107,9 @@ class RouterServer:
                                 internal=False, gates=gates)
         servicer = RouterServicer(self.validator, self.generation, self.metrics)
         router_pb2_grpc.add_RouterServicer_to_server(servicer, self.grpc.server)
+        # Server reflection: grpcurl and other tools list and call the API without the .proto files.
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.grpc.server)
         self.grpc_port = await self.grpc.start()
 
     async def _start_http(self) -> None:

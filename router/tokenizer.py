@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from core.model_source import ModelSource
 from router.chat_templates import TOOL_TEMPLATE, bundled_template
 
 log = logging.getLogger(__name__)
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is rendered into a prompt (vLLM's chat request fields).
+
+    Attributes:
+        add_generation_prompt: end with the template's assistant header (the model answers).
+        continue_final_message: leave the last message open so the model continues it (its
+            role must be ``assistant``; excludes ``add_generation_prompt``).
+        add_special_tokens: tokenize the rendered text with the tokenizer's own special tokens
+            (BOS) on top of the template's.
+        template_kwargs: extra variables for the chat template (``{"enable_thinking": false}``).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -42,12 +66,21 @@ class ModelTokenizer:
         tokenizing it (0 when ``max_token_chars`` is unknown)."""
         return -(-num_chars // self.max_token_chars) if self.max_token_chars else 0
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, with the tokenizer's own special tokens (BOS)."""
-        return list(self.hf.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt, with the tokenizer's own special tokens (BOS)
+        unless ``add_special_tokens`` is false."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a chat rendered by the chat template, ready for the assistant turn.
+    @cached_property
+    def reserved_template_names(self) -> frozenset[str]:
+        """Names ``apply_chat_template`` takes itself, so a template variable cannot have them."""
+        names = inspect.signature(self.hf.apply_chat_template).parameters
+        return frozenset(n for n, p in names.items() if p.kind is not inspect.Parameter.VAR_KEYWORD) | {"messages"}
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: ChatOptions = ChatOptions()) -> list[int]:
+        """Token ids of a chat rendered by the chat template (by default ready for the assistant
+        turn, see :class:`ChatOptions`).
 
         ``tools``: OpenAI tool objects the template lists. The template is :attr:`chat_template`
         when set; else the model's own, unless the chat has tools, tool calls or tool results
@@ -55,7 +88,8 @@ class ModelTokenizer:
         bundled tool template.
 
         Raises:
-            ValueError: there is no chat template, or the template rejected the messages.
+            ValueError: there is no chat template, the template rejected the messages, or a
+                template variable takes the name of a render option.
         """
         template = self.chat_template
         with_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
@@ -63,20 +97,58 @@ class ModelTokenizer:
             template = bundled_template(TOOL_TEMPLATE)
         if template is None and not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
+        reserved = sorted(self.reserved_template_names & options.template_kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         try:
-            ids = self.hf.apply_chat_template(messages, tools=tools, chat_template=template,
-                                              add_generation_prompt=True, return_dict=False)
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, chat_template=template, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False, **options.template_kwargs,
+            )
         except Exception as err:  # jinja2 TemplateError and friends
             raise ValueError(f"the chat template rejected the messages: {err}") from err
-        return list(ids)
+        return self.encode(text, add_special_tokens=options.add_special_tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token as text for logprobs, special tokens included (``<|im_end|>``); a token that
-        holds part of a UTF-8 character renders as U+FFFD."""
+        holds part of a UTF-8 character renders as U+FFFD (its :meth:`token_bytes` are exact)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for, so the bytes of a text's tokens join into the
+        text's UTF-8 even where a token holds part of a character.
+
+        Byte-level BPE (GPT-2, Llama 3, SmolLM) writes each byte as one printable character of
+        its vocabulary entry (``bytes_to_unicode``), SentencePiece a space as ``▁`` and a
+        byte-fallback byte as ``<0xE3>``; special tokens are their text.
+        """
+        return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+
+    @cached_property
+    def _token_bytes(self) -> tuple[bytes, ...]:
+        """Every token's bytes by id (built once: ~50 ms for a 50k vocabulary)."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # heavy import, kept off module import
+
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        special = set(self.hf.all_special_tokens) | {str(t) for t in getattr(self.hf, "added_tokens_decoder", {}).values()}
+        table = []
+        for token in self.hf.convert_ids_to_tokens(list(range(len(self.hf)))):
+            if token is None:
+                table.append(b"")
+            elif token in special:
+                table.append(token.encode("utf-8"))
+            elif byte_level and all(c in unicode_to_byte for c in token):
+                table.append(bytes(unicode_to_byte[c] for c in token))
+            elif (match := _BYTE_FALLBACK.fullmatch(token)) is not None:
+                table.append(bytes([int(match.group(1), 16)]))
+            else:
+                table.append(token.replace("\u2581", " ").encode("utf-8"))
+        return tuple(table)
 
 
 def renders_tools(template: str | dict[str, str] | None) -> bool:

@@ -57,3 +57,14 @@ def _greedy(prompt_ids: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
 def hf_greedy(prompt_ids: list[int], max_tokens: int) -> list[int]:
     """transformers ``generate()`` greedy tokens, batch 1 (no padding), stopping at EOS like Tandem."""
     return list(_greedy(tuple(prompt_ids), max_tokens))
+
+
+@functools.lru_cache(maxsize=16)
+def hf_prompt_logprobs(prompt_ids: tuple[int, ...]):
+    """``log_softmax`` of transformers' logits at every prompt position: [num_prompt_tokens,
+    vocab], float32 (row p predicts prompt token p + 1)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model()(torch.tensor([prompt_ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)

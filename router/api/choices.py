@@ -1,10 +1,13 @@
-"""``n`` > 1: one request fanned out to ``n`` sub-requests, their events merged by choice index.
+"""Several prompts, ``n`` > 1 or ``best_of``: one request fanned out to sub-requests, their events
+merged by candidate index.
 
-Choice ``i`` runs as sub-request ``<request_id>-<i>`` (just ``<request_id>`` when ``n`` is 1); a
-seeded request gives choice ``i`` the seed ``seed + i`` so that the choices differ. Choice 0 starts
-first and the others once it has produced its first event: by then its prefill has written the
-prompt's full blocks to the pool, so the other choices load them as a cached prefix instead of
-computing them again (and a colocated decode worker finds them in its prefix cache).
+Prompt ``i``'s candidate ``j`` (``best_of`` of them, ``n`` when not set) has the index
+``i * best_of + j`` (OpenAI's choice index when ``best_of`` is ``n``) and runs as sub-request
+``<request_id>-<index>`` (just ``<request_id>`` for a single candidate); a seeded request gives
+candidate ``j`` the seed ``seed + j`` so that a prompt's candidates differ. Each prompt's candidate
+0 starts first and its others once it has produced its first event: by then its prefill has
+written the prompt's full blocks to the pool, so the other candidates load them as a cached prefix
+instead of computing them again (and a colocated decode worker finds them in its prefix cache).
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from router.generation import Generation, GenerationEvent, Usage
 from router.api.validation import ValidatedRequest
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,38 +32,57 @@ class ChoiceEvent:
 
 
 def choice_requests(request: ValidatedRequest) -> list[ValidatedRequest]:
-    """The ``n`` sub-requests of ``request``: seeds ``seed + i`` (mod 2**64), ``n`` 1 each."""
+    """The ``best_of`` (or ``n``) candidate sub-requests of ``request``: seeds ``seed + j``
+    (mod 2**64), one choice each."""
     params = request.sampling_params
     subs = []
-    for i in range(request.n):
-        seed = None if params.seed is None else (params.seed + i) % 2**64
-        subs.append(dataclasses.replace(request, sampling_params=dataclasses.replace(params, seed=seed), n=1))
+    for j in range(request.num_candidates):
+        seed = None if params.seed is None else (params.seed + j) % 2**64
+        subs.append(dataclasses.replace(request, sampling_params=dataclasses.replace(params, seed=seed), n=1,
+                                        best_of=None))
     return subs
 
 
-def total_usage(usages: Sequence[Usage]) -> Usage:
-    """Usage of all choices: the prompt counted once, completion tokens summed, the best cache hit."""
-    completion_tokens = sum(u.completion_tokens for u in usages)
-    return Usage(usages[0].prompt_tokens, completion_tokens, max(u.cached_tokens for u in usages))
+def total_usage(usages: Sequence[Usage], per_prompt: int | None = None) -> Usage:
+    """Usage of all candidates (in index order, ``per_prompt`` of each prompt; None: all of one
+    prompt): each prompt counted once with its best cache hit, completion tokens summed (every
+    candidate's, also those ``best_of`` drops: they were generated)."""
+    per_prompt = per_prompt or len(usages)
+    groups = [usages[i : i + per_prompt] for i in range(0, len(usages), per_prompt)]
+    return Usage(sum(g[0].prompt_tokens for g in groups), sum(u.completion_tokens for u in usages),
+                 sum(max(u.cached_tokens for u in g) for g in groups))
+
+
+def best_candidates(candidates: Sequence[T], per_prompt: int, n: int, cumulative_logprob) -> list[tuple[int, T]]:
+    """``best_of``: of each prompt's ``per_prompt`` candidates (in index order), the ``n`` of
+    highest ``cumulative_logprob(candidate)``, best first, as (choice index ``i * n + rank``,
+    candidate); ties keep the lower candidate index first."""
+    chosen = []
+    for first in range(0, len(candidates), per_prompt):
+        group = sorted(candidates[first : first + per_prompt], key=cumulative_logprob, reverse=True)  # stable
+        chosen += [(first // per_prompt * n + rank, c) for rank, c in enumerate(group[:n])]
+    return chosen
 
 
 async def generate_choices(
-    generation: Generation, request_id: str, request: ValidatedRequest, arrival_time_s: float
+    generation: Generation, request_id: str, requests: Sequence[ValidatedRequest], arrival_time_s: float
 ) -> AsyncIterator[ChoiceEvent]:
-    """Yields every choice's events, each choice's in order, ending after the n-th Finished.
+    """Yields every candidate's events of every prompt (``requests``, one per prompt, all with
+    the same ``num_candidates``), each candidate's in order, ending after the last Finished.
 
-    Closing this generator (or an error in any choice) cancels every choice still running; each
+    Closing this generator (or an error in any candidate) cancels every one still running; each
     releases its own pool state.
 
     Raises:
-        RouterError: the first error of any choice.
+        RouterError: the first error of any candidate.
     """
-    if request.n == 1:
-        async with contextlib.aclosing(generation.generate(request_id, request, arrival_time_s)) as events:
+    if len(requests) == 1 and requests[0].num_candidates == 1:
+        async with contextlib.aclosing(generation.generate(request_id, requests[0], arrival_time_s)) as events:
             async for event in events:
                 yield ChoiceEvent(0, event)
         return
-    subs = choice_requests(request)
+    per_prompt = requests[0].num_candidates
+    subs = [sub for request in requests for sub in choice_requests(request)]
     queue: asyncio.Queue[tuple[int, GenerationEvent | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -71,13 +96,17 @@ async def generate_choices(
             return
         queue.put_nowait((index, None))
 
-    tasks = [asyncio.create_task(pump(0))]
+    tasks = [asyncio.create_task(pump(first)) for first in range(0, len(subs), per_prompt)]
+    started = set()  # prompts whose other candidates run
     try:
         num_done = 0
-        while num_done < request.n:
+        while num_done < len(subs):
             index, item = await queue.get()
-            if len(tasks) < request.n:  # choice 0 has prefilled: start the others
-                tasks += [asyncio.create_task(pump(i)) for i in range(1, request.n)]
+            prompt = index // per_prompt
+            if prompt not in started:  # the prompt's candidate 0 has prefilled: start the others
+                started.add(prompt)
+                first = prompt * per_prompt
+                tasks += [asyncio.create_task(pump(i)) for i in range(first + 1, first + per_prompt)]
             if isinstance(item, Exception):
                 raise item
             if item is None:

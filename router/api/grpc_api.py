@@ -64,7 +64,9 @@ def response_to_proto(choice: ChoiceEvent, request_id: str) -> router_pb2.Genera
         )
         return router_pb2.GenerateResponse(finished=finished)
     logprobs = [token_logprob_to_proto(lp.token_id, lp.logprob, lp.top_logprobs) for lp in event.logprobs]
-    delta = router_pb2.TextDelta(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=choice.index)
+    prompt = [token_logprob_to_proto(lp.token_id, lp.logprob, lp.top_logprobs) for lp in event.prompt_logprobs]
+    delta = router_pb2.TextDelta(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=choice.index,
+                                 prompt_logprobs=prompt)
     return router_pb2.GenerateResponse(delta=delta)
 
 
@@ -82,7 +84,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except InvalidRequestError as err:
             self.metrics.rejected(err.kind.value)
             await context.abort(err.grpc_code, err.message)
-        events = generate_choices(self.generation, request_id, validated, arrival_time_s)
+        events = generate_choices(self.generation, request_id, [validated], arrival_time_s)
         async with contextlib.aclosing(events):
             try:
                 async for event in events:

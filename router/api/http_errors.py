@@ -9,7 +9,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context
-ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+ROUTES = ("/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /ping, /health, "
+          "/metrics")
 
 
 def openai_error(status: int, message: str, error_type: str = "invalid_request_error",

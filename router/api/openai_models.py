@@ -37,16 +37,17 @@ class ResponseShape:
     """How one endpoint's responses look; subclasses fill in the choice objects.
 
     With ``token_text`` (renders a token id) the choices carry logprobs; without it
-    ``"logprobs": null``.
+    ``"logprobs": null``. ``token_bytes``: a token's raw bytes (router.output.logprobs).
     """
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, request_id: str, model: str, created_s: int, token_text: Callable[[int], str] | None = None):
+    def __init__(self, request_id: str, model: str, created_s: int, token_text: Callable[[int], str] | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None):
         self.request_id, self.model, self.created_s = request_id, model, created_s
-        self.token_text = token_text
+        self.token_text, self.token_bytes = token_text, token_bytes
         self._formatters: dict[int, LogprobsFormatter] = {}  # choice index -> its formatter
 
     def _envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict:
@@ -78,7 +79,7 @@ class ResponseShape:
     def _logprobs(self, index: int, logprobs: tuple[TokenLogprob, ...]) -> dict | None:
         if self.token_text is None:
             return None
-        formatter = self._formatters.setdefault(index, LogprobsFormatter(self.token_text))
+        formatter = self._formatters.setdefault(index, LogprobsFormatter(self.token_text, self.token_bytes))
         return self.format_logprobs(formatter, logprobs)
 
     def format_logprobs(self, formatter: LogprobsFormatter, logprobs: tuple[TokenLogprob, ...]) -> dict:

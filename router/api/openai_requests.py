@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and how their validation errors read.
 
 Bodies are strict about names: an unknown field is refused ("unrecognized request argument"),
-and an OpenAI field this server does not implement (``echo``, ``best_of``, ``functions``, ...)
+and an OpenAI field this server does not implement (``suffix``, ``logit_bias``, ``functions``, ...)
 is refused unless it carries its default, so a misspelled or ignored parameter never changes the
 output silently. A structured output (``response_format``, vLLM's ``guided_*`` and
 ``structured_outputs``) is router.api.structured_outputs'; ``tools``, ``tool_choice`` and the
@@ -12,11 +12,14 @@ absent or null meaning the default; ``user``, ``metadata`` and the like are acce
 ignored. Types are strict, as OpenAI's API is: a number sent as a string
 (``"max_tokens": "5"``), a boolean sent as 0/1 or a string (``"stream": 1``), a number sent as
 a boolean, or a float for an integer (``2.5``, also ``2.0``) is refused with the field's name;
-an integer is a valid float. One prompt per request; ``n`` choices of it.
+an integer is a valid float. A completion's ``prompt`` may be a list of prompts (strings or
+token-id lists): one sub-request per prompt and candidate (router.api.choices). vLLM's
+``skip_special_tokens``, ``add_special_tokens`` and ``chat_template_kwargs`` are accepted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -28,7 +31,8 @@ from core.structured_output import StructuredOutputSpec
 from router.errors import as_json
 from router.api.structured_outputs import StructuredOutputFields
 from router.api.tools import ToolRequest, ToolRequestError, tool_request
-from router.api.validation import InvalidRequestError, RequestInput
+from router.api.validation import MAX_CHOICES, InvalidRequestError, RequestInput
+from router.tokenizer import ChatOptions
 
 
 def _none(value: Any) -> bool:
@@ -49,9 +53,7 @@ COMMON_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 COMPLETION_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
-    "echo": (_empty, "false"),
     "suffix": (_empty, 'null or ""'),
-    "best_of": (lambda v: v is None or v == 1, "1"),
 }
 CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
@@ -144,6 +146,7 @@ class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
     # Accepted and ignored: end-user and caching metadata.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -163,29 +166,57 @@ class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
             InvalidRequestError: an unsupported field, or a bad structured output.
         """
         self._refuse_unsupported()
+        if self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported: use echo with logprobs on /v1/completions",
+                                      "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         spec, structured_param = self.structured_output_spec()
         fields = {name: getattr(self, name) for name in SAMPLING_FIELDS if name not in _OWN_BODY_FIELDS} | sampling
         fields["structured_outputs"] = spec
         return RequestInput(model=self.model, sampling=fields, stop=tuple(stop), n=self.n,
-                            structured_param=structured_param, **prompt)
+                            structured_param=structured_param, skip_special_tokens=self.skip_special_tokens, **prompt)
 
 
 class CompletionRequest(_SamplingFields):
     unsupported_fields = COMPLETION_UNSUPPORTED
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False  # the prompt's text before each choice's
+    best_of: int | None = None  # candidates per prompt; the n of highest cumulative logprob are returned
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
-    def to_input(self) -> RequestInput:
-        """Raises InvalidRequestError for several prompts in one request or an unsupported field."""
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or a token-id list, or a list of either."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError(f"a list of {len(prompt)} prompts is not supported yet; send one", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self._input({"prompt": prompt})
-        return self._input({"prompt_token_ids": tuple(prompt)})
+            return list(prompt)
+        return [prompt]
+
+    def to_inputs(self) -> list[RequestInput]:
+        """One request per prompt.
+
+        Raises:
+            InvalidRequestError: more than MAX_CHOICES sub-requests, ``best_of`` with
+                ``stream``, or an unsupported field.
+        """
+        prompts = self.prompts  # [] is one prompt of no tokens: the validator says it is empty
+        num_candidates = max(self.n, self.best_of or 0)
+        if len(prompts) * num_candidates > MAX_CHOICES:
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts x {num_candidates} choices is {len(prompts) * num_candidates} completions; "
+                f"at most {MAX_CHOICES} in one request", "prompt")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best "
+                                      "choices are known only once every candidate finished", "best_of")
+        # echo with logprobs: the prompt tokens' logprobs too (the workers compute the prompt whole).
+        prompt_logprobs = self.logprobs if self.echo else None
+        inputs = []
+        for prompt in prompts:
+            fields = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": tuple(prompt)}
+            request = self._input(fields, prompt_logprobs=prompt_logprobs)
+            inputs.append(dataclasses.replace(request, best_of=self.best_of, add_special_tokens=self.add_special_tokens))
+        return inputs
 
 
 class ContentPart(BaseModel):
@@ -274,7 +305,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None  # tool_choice "required" may call several tools
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (vLLM's)
     _tool_request: ToolRequest | None = PrivateAttr(default=None)  # the tools, checked by to_input
+
+    def to_inputs(self) -> list[RequestInput]:
+        """The one request of a chat (see :meth:`to_input`)."""
+        return [self.to_input()]
 
     def to_input(self) -> RequestInput:
         """Raises InvalidRequestError for top_logprobs without logprobs, or out of [0, 20], for
@@ -290,7 +326,8 @@ class ChatCompletionRequest(_SamplingFields):
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         self._tool_request = self._tools()
-        return self._input({"messages": messages, "tools": self._tool_request}, max_tokens=max_tokens,
+        chat = ChatOptions(template_kwargs=self.chat_template_kwargs or {})
+        return self._input({"messages": messages, "tools": self._tool_request, "chat": chat}, max_tokens=max_tokens,
                            logprobs=logprobs)
 
     def structured_output_spec(self) -> tuple[StructuredOutputSpec | None, str | None]:

@@ -10,6 +10,7 @@ a worker thread, so one huge prompt never stalls the event loop that serves ever
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from core.sampling_params import SamplingParams, SamplingParamsError
 from router.api.tools import ToolRequest, ToolRequestError, check_tool_messages, template_message
 from router.errors import ErrorKind, RouterError, as_json
 from router.output.tool_calls import ToolCallFormat
-from router.tokenizer import ModelTokenizer
+from router.tokenizer import ChatOptions, ModelTokenizer
 
 
 class InvalidRequestError(RouterError):
@@ -39,6 +40,10 @@ class RequestInput:
     ``sampling``: the SamplingParams fields the client sent, by name (core.sampling_params
     declares them); an absent or None field takes SamplingParams' default, except ``max_tokens``,
     which takes the configured default clamped to what the context leaves.
+    ``best_of``: candidates generated per prompt, the ``n`` of highest cumulative logprob
+    returned (None: ``n``). ``add_special_tokens``: a text prompt gets the tokenizer's special
+    tokens (BOS); ``chat``: how ``messages`` are rendered. ``skip_special_tokens``: special
+    tokens are left out of the output text.
     """
 
     model: str | None = None
@@ -52,6 +57,10 @@ class RequestInput:
     # .schema``, ``guided_regex``, ...): a worker's refusal of the spec names it.
     structured_param: str | None = None
     tools: ToolRequest | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    skip_special_tokens: bool = True
 
     @property
     def max_tokens(self) -> int | None:
@@ -67,6 +76,7 @@ class RequestInput:
 
 
 MAX_N = 64  # choices per request: each is a sub-request on the workers
+MAX_CHOICES = 256  # sub-requests of one request: prompts x candidates (best_of or n)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 # Chat roles the template renders; "developer" is OpenAI's newer name for "system" and is sent as it.
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -75,7 +85,9 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 @dataclass(frozen=True)
 class ValidatedRequest:
     """What generation needs: the prompt as tokens, checked sampling parameters, stop strings,
-    how many choices to generate, and how the output holds tool calls (None: it holds none)."""
+    how many choices to return (``n``) out of how many candidates (``best_of``: None is ``n``;
+    more than ``n`` forces logprobs on, to rank them), how the output is detokenized, and how it
+    holds tool calls (``tool_format`` None: it holds none)."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -83,6 +95,12 @@ class ValidatedRequest:
     n: int = 1
     structured_param: str | None = None  # see RequestInput
     tool_format: ToolCallFormat | None = None
+    best_of: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
 
 
 class Validator:
@@ -115,13 +133,7 @@ class Validator:
         Raises:
             InvalidRequestError: the first problem found, with its ``param``.
         """
-        if request.model and request.model != self.served_model_name:
-            raise InvalidRequestError(
-                f"model {as_json(request.model)} does not exist; "
-                f"this cluster serves {as_json(self.served_model_name)}",
-                "model",
-                ErrorKind.MODEL_NOT_FOUND,
-            )
+        self.check_model(request.model)
         self._check_request(request)
         self._check_text(request)
         prompt_token_ids = self._tokenize(request)
@@ -132,9 +144,35 @@ class Validator:
         except SamplingParamsError as err:
             raise InvalidRequestError(str(err), err.param) from None
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if (request.best_of or request.n) > request.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # candidates are ranked by cumulative logprob
         tool_format = request.tools.output_format(self.tool_call_parser) if request.tools else None
         return ValidatedRequest(prompt_token_ids, params, tuple(request.stop), request.n, request.structured_param,
-                                tool_format)
+                                tool_format, request.best_of, request.skip_special_tokens)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises InvalidRequestError (404, MODEL_NOT_FOUND) unless ``model`` is absent or served."""
+        if model and model != self.served_model_name:
+            raise InvalidRequestError(
+                f"model {as_json(model)} does not exist; this cluster serves {as_json(self.served_model_name)}",
+                "model",
+                ErrorKind.MODEL_NOT_FOUND,
+            )
+
+    def tokenize(self, request: RequestInput) -> list[int]:
+        """The prompt's token ids for ``/tokenize``: the model, chat roles and Unicode checked,
+        the context limit not (a client may count the tokens of a text too long to serve).
+
+        Raises:
+            InvalidRequestError: with its ``param``.
+        """
+        self.check_model(request.model)
+        self._check_text(request, check_length=False)
+        return self._encode(request)
+
+    def check_token_ids(self, token_ids, param: str) -> None:
+        """Raises InvalidRequestError naming ``param`` for a token id outside the vocabulary."""
+        self._check_token_ids(token_ids, param)
 
     def _check_request(self, request: RequestInput) -> None:
         """What the API allows beyond SamplingParams' own ranges: OpenAI's temperature range,
@@ -146,10 +184,14 @@ class Validator:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {request.n}", "n")
         if any(not s for s in request.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if request.best_of is not None and not request.n <= request.best_of <= MAX_N:
+            raise InvalidRequestError(f"best_of must be in [n, {MAX_N}] (n is {request.n}), got {request.best_of}",
+                                      "best_of")
 
-    def _check_text(self, request: RequestInput) -> None:
+    def _check_text(self, request: RequestInput, check_length: bool = True) -> None:
         """Chat roles, text that is valid Unicode (JSON can carry a lone UTF-16 surrogate, which
-        no tokenizer takes), and a prompt that may fit the context, checked without tokenizing."""
+        no tokenizer takes), and (``check_length``) a prompt that may fit the context, checked
+        without tokenizing."""
         texts = [("prompt", request.prompt or "")]
         if request.messages is not None:
             if not request.messages:
@@ -163,6 +205,8 @@ class Validator:
                 raise InvalidRequestError(err.message, err.param) from None
         for param, text in [*texts, *((f"stop.{i}", s) for i, s in enumerate(request.stop))]:
             _check_unicode(text, param)
+        if not check_length:
+            return
         num_chars = sum(len(text) for _, text in texts)
         min_tokens = self.tokenizer.min_num_tokens(num_chars)
         if min_tokens > self.max_model_len:
@@ -174,23 +218,30 @@ class Validator:
             )
 
     def _tokenize(self, request: RequestInput) -> list[int]:
-        if request.messages is not None:
-            messages = [template_message(m) for m in request.messages]
-            tools = request.tools.prompt_tools if request.tools else None
-            try:
-                return self.tokenizer.encode_chat(messages, tools)
-            except ValueError as err:
-                raise InvalidRequestError(str(err), "messages") from err
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             if len(ids) > self.max_model_len:  # before scanning every id of a huge list
                 raise _too_long(len(ids), self.max_model_len, "prompt")
             self._check_token_ids(ids, "prompt")
         else:
-            ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+            ids = self._encode(request)
         if not ids:
             raise InvalidRequestError("prompt is empty", "prompt")
         return ids
+
+    def _encode(self, request: RequestInput) -> list[int]:
+        """The token ids of a text prompt or a chat (as sent, for token ids)."""
+        if request.messages is not None:
+            messages = [template_message(m) for m in request.messages]
+            tools = request.tools.prompt_tools if request.tools else None
+            try:
+                return self.tokenizer.encode_chat(messages, tools, request.chat)
+            except ValueError as err:
+                param = "chat_template_kwargs" if str(err).startswith("chat_template_kwargs") else "messages"
+                raise InvalidRequestError(str(err), param) from err
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        return self.tokenizer.encode(request.prompt, request.add_special_tokens) if request.prompt else []
 
     def _check_token_ids(self, token_ids, param: str) -> None:
         vocab_size = self.tokenizer.vocab_size

@@ -25,7 +25,8 @@ class OutputProcessor:
 
     A token ends the request by the engine's own rule (core.request.stop_reason): an EOS token
     (unless ``ignore_eos``) or one of ``stop_token_ids`` at an output index >= ``min_tokens``, or
-    the ``max_tokens``-th token; such a token is still part of the output.
+    the ``max_tokens``-th token; such a token is still part of the output tokens, but a stop
+    token's text is not part of the output text (vLLM's rule, also with special tokens kept).
     A stop string ends it too; its text and everything after is dropped. Like vLLM, stop strings
     are looked for only once ``min_tokens`` tokens were generated (checked per batch of tokens:
     text of a batch that ends at or below ``min_tokens`` is sent unfiltered). Tokens arriving
@@ -67,7 +68,8 @@ class OutputProcessor:
             accepted.append(token_id)
             self.token_ids.append(token_id)
             self.finish_reason = stop_reason(self.params, self.stop_token_ids, token_id, len(self.token_ids))
-        text = self.detokenizer.add(accepted)
+        stop_token = self.finish_reason is FinishReason.STOP  # ended by a stop token: its text is left out
+        text = self.detokenizer.add(accepted[:-1] if stop_token else accepted)
         if len(self.token_ids) > self.params.min_tokens:
             text = self.stop_matcher.feed(text)
         if self.stop_matcher.stopped:

@@ -53,12 +53,14 @@ class PrefillResult:
     pool_address: str
     manifest: common_pb2.KVManifest  # handed to the decode worker untouched
     first_token_logprob: TokenLogprob | None = None  # set when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., when asked for
 
 
 @dataclass(frozen=True)
 class DecodeTokens:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids, or empty
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., with a colocated first token
 
 
 def logprobs_from_proto(messages) -> tuple[TokenLogprob, ...]:
@@ -103,7 +105,8 @@ class DecodeStream:
             async for response in self._call:
                 if response.WhichOneof("event") == "tokens":
                     tokens = response.tokens
-                    yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs))
+                    yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs),
+                                       logprobs_from_proto(tokens.prompt_logprobs))
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
                     yield DecodeFinished(finish_reason_from_proto(done.finish_reason), done.num_output_tokens)
@@ -164,7 +167,7 @@ class WorkerClients:
             (first_logprob,) = logprobs_from_proto([response.first_token_logprob])
         return PrefillResult(
             response.first_token_id, response.num_cached_tokens, response.manifest.pool_address, response.manifest,
-            first_logprob,
+            first_logprob, logprobs_from_proto(response.prompt_logprobs),
         )
 
     def decode(

@@ -55,3 +55,21 @@ def test_colocated_cluster_answers_like_the_reference(colocated):
     decode = decode_worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(colocated.addresses["decode"]))
     poll_until(lambda: decode.GetStats(prefill_worker_pb2.GetWorkerStatsRequest(), timeout=5).num_used_blocks == 0,
                timeout_s=5, message="decode blocks back to idle")
+
+
+def test_colocated_echo_with_logprobs_and_a_list_of_prompts(colocated):
+    """The decode worker prefills in chunks of 32 and sends the prompt logprobs with the first token."""
+    prompts = reference.PROMPTS[4:6]
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": 4, "temperature": 0, "echo": True,
+            "logprobs": 1}
+    choices = httpx.post(f"{colocated.http_url}/v1/completions", json=body, timeout=300).json()["choices"]
+    for choice, prompt in zip(choices, prompts):
+        ids = reference.tokenizer().encode(prompt)
+        expected = reference.hf_prompt_logprobs(tuple(ids))
+        logprobs = choice["logprobs"]["token_logprobs"]
+        generated = reference.hf_greedy(ids, 4)  # EOS may end it sooner
+        assert logprobs[0] is None and len(logprobs) == len(ids) + len(generated)
+        assert logprobs[1 : len(ids)] == pytest.approx([float(expected[p, t]) for p, t in enumerate(ids[1:])],
+                                                       abs=2e-3)
+        assert choice["text"] == prompt + reference.tokenizer().decode(generated, skip_special_tokens=True)
+    assert [c["index"] for c in choices] == [0, 1]

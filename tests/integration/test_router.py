@@ -58,6 +58,7 @@ class Script:
     decode_error: grpc.StatusCode | None = None  # after the chunks
     hang_prefill: bool = False
     hang_decode: bool = False  # after the chunks
+    seed_logprob_offsets: dict[int, float] = field(default_factory=dict)  # seed -> added to every logprob
 
 
 class Fakes:
@@ -95,12 +96,22 @@ class Fakes:
         return self.released.setdefault(request_id, asyncio.Event())
 
 
-def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams) -> common_pb2.TokenLogprob:
-    """Position p's logprob is -(p + 1) / 10; its top list repeats the token ``logprobs`` times
-    with falling values (enough to check shapes and order)."""
-    value = -(position + 1) / 10
+def fake_logprob(token_id: int, position: int, params: common_pb2.SamplingParams,
+                 offset: float = 0.0) -> common_pb2.TokenLogprob:
+    """Position p's logprob is -(p + 1) / 10 + ``offset``; its top list repeats the token
+    ``logprobs`` times with falling values (enough to check shapes and order)."""
+    value = -(position + 1) / 10 + offset
     top = [common_pb2.TopLogprob(token_id=token_id + k, logprob=value - k) for k in range(params.logprobs)]
     return common_pb2.TokenLogprob(token_id=token_id, logprob=value, top_logprobs=top)
+
+
+def fake_prompt_logprobs(prompt_token_ids, params: common_pb2.SamplingParams) -> list[common_pb2.TokenLogprob]:
+    """With ``prompt_logprobs``: prompt token k (from k = 1) has logprob -k / 100, its top list
+    the token itself."""
+    if not params.HasField("prompt_logprobs"):
+        return []
+    return [common_pb2.TokenLogprob(token_id=t, logprob=-k / 100, top_logprobs=[common_pb2.TopLogprob(
+        token_id=t, logprob=-k / 100)] * params.prompt_logprobs) for k, t in enumerate(prompt_token_ids) if k]
 
 
 class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
@@ -121,7 +132,9 @@ class FakePrefill(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=script.first_token_id, num_cached_tokens=script.num_cached_tokens, manifest=manifest
         )
         if request.sampling_params.HasField("logprobs"):
-            response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params))
+            offset = script.seed_logprob_offsets.get(request.sampling_params.seed, 0.0)
+            response.first_token_logprob.CopyFrom(fake_logprob(script.first_token_id, 0, request.sampling_params, offset))
+        response.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids, request.sampling_params))
         return response
 
 
@@ -133,10 +146,13 @@ class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
         fakes, script = self.fakes, self.fakes.script
         fakes.decode_requests.append(request)
         position, params = 1, request.sampling_params
+        offset = script.seed_logprob_offsets.get(params.seed, 0.0)
         for chunk in script.decode_chunks:
-            logprobs = [fake_logprob(t, position + k, params) for k, t in enumerate(chunk)]
+            logprobs = [fake_logprob(t, position + k, params, offset) for k, t in enumerate(chunk)]
             position += len(chunk)
             tokens = decode_worker_pb2.TokenChunk(token_ids=chunk, logprobs=logprobs if params.HasField("logprobs") else [])
+            if position == 1 + len(chunk) and not request.HasField("first_token_id"):  # colocated: prefilled here
+                tokens.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids, params))
             yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         if script.decode_error is not None:
             await context.abort(script.decode_error, "fake decode broke")
@@ -364,8 +380,8 @@ LONG = list(range(100, 170))  # 70 token ids
          "temperature"),
         ("/v1/completions", {"prompt": "x", "max_token": 2, "temprature": 0}, 400,
          "unrecognized request arguments: max_token, temprature", "max_token"),
-        ("/v1/completions", {"prompt": "x", "best_of": 2}, 400,
-         "best_of is not supported (only 1 is accepted), got 2", "best_of"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, 400,
+         "best_of must be in [n, 64] (n is 2), got 1", "best_of"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
             "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integr"}}}}, 400,
          "response_format.json_schema.schema: the schema is invalid at type: 'integr' is not valid under any of "
@@ -377,8 +393,8 @@ LONG = list(range(100, 170))  # 70 token ids
          "line 1 column 2 (char 1)", "structured_outputs.json"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, 'stream: Input should be a valid boolean, got "yes"',
          "stream"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400,
-         "echo is not supported (only false is accepted), got true", "echo"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400,
+         "prompt_logprobs is not supported: use echo with logprobs on /v1/completions", "prompt_logprobs"),
         ("/v1/completions", {"prompt": 42}, 400,
          "prompt: expected one of str, list[int], list[str], list[list[int]], got 42", "prompt"),
         ("/v1/completions", {"prompt": "hi \ud800"}, 400,
@@ -463,7 +479,7 @@ async def test_chat_without_max_tokens_may_use_the_rest_of_the_context(cluster: 
          400, "the request body is not valid UTF-8 (byte 0xff at offset 12)"),
         ("POST", "/v1/nope", {"json": {}}, 404,
          "no such endpoint: POST /v1/nope; this server serves /v1/completions, /v1/chat/completions, /v1/models, "
-         "/health, /metrics"),
+         "/tokenize, /detokenize, /version, /ping, /health, /metrics"),
         ("GET", "/v1/completions", {}, 405, "method not allowed: GET /v1/completions"),
         ("POST", "/v1/completions", {"content": b"x" * (16 * 1024 * 1024 + 1),
                                      "headers": {"content-type": "application/json"}},
@@ -648,7 +664,7 @@ async def test_models_and_metrics(cluster: Cluster) -> None:
     await assert_serves(cluster)
     text = (await cluster.http.get("/metrics")).text
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop"}',
+                 "vllm:e2e_request_latency_seconds_count", 'vllm:request_success_total{finished_reason="stop",model_name=',
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", 'tandem:rejections_total{reason="invalid_request"}',
                  "tandem:router_requests_running 0.0"):

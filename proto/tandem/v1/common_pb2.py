@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xb5\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"?\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"8\n\rScopedBlockId\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\"l\n\x08\x42lockKey\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\nblock_hash\x18\x02 \x01(\x04H\x00\x12*\n\x06scoped\x18\x03 \x01(\x0b\x32\x18.tandem.v1.ScopedBlockIdH\x00\x42\x04\n\x02id\"u\n\nKVManifest\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0cpool_address\x18\x02 \x01(\t\x12#\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x12\n\nnum_tokens\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xf6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"?\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"8\n\rScopedBlockId\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\"l\n\x08\x42lockKey\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\nblock_hash\x18\x02 \x01(\x04H\x00\x12*\n\x06scoped\x18\x03 \x01(\x0b\x32\x18.tandem.v1.ScopedBlockIdH\x00\x42\x04\n\x02id\"u\n\nKVManifest\x12\x18\n\x10spec_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0cpool_address\x18\x02 \x01(\t\x12#\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x13.tandem.v1.BlockKey\x12\x12\n\nnum_tokens\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=974
-  _globals['_FINISHREASON']._serialized_end=1094
+  _globals['_FINISHREASON']._serialized_start=1039
+  _globals['_FINISHREASON']._serialized_end=1159
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=475
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=477
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=540
-  _globals['_TOPLOGPROB']._serialized_start=542
-  _globals['_TOPLOGPROB']._serialized_end=589
-  _globals['_TOKENLOGPROB']._serialized_start=591
-  _globals['_TOKENLOGPROB']._serialized_end=685
-  _globals['_SCOPEDBLOCKID']._serialized_start=687
-  _globals['_SCOPEDBLOCKID']._serialized_end=743
-  _globals['_BLOCKKEY']._serialized_start=745
-  _globals['_BLOCKKEY']._serialized_end=853
-  _globals['_KVMANIFEST']._serialized_start=855
-  _globals['_KVMANIFEST']._serialized_end=972
+  _globals['_SAMPLINGPARAMS']._serialized_end=540
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=542
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=605
+  _globals['_TOPLOGPROB']._serialized_start=607
+  _globals['_TOPLOGPROB']._serialized_end=654
+  _globals['_TOKENLOGPROB']._serialized_start=656
+  _globals['_TOKENLOGPROB']._serialized_end=750
+  _globals['_SCOPEDBLOCKID']._serialized_start=752
+  _globals['_SCOPEDBLOCKID']._serialized_end=808
+  _globals['_BLOCKKEY']._serialized_start=810
+  _globals['_BLOCKKEY']._serialized_end=918
+  _globals['_KVMANIFEST']._serialized_start=920
+  _globals['_KVMANIFEST']._serialized_end=1037
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/v1/prefill_worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"r\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xbb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\'\n\x08manifest\x18\x03 \x01(\x0b\x32\x15.tandem.v1.KVManifest\x12\x16\n\x0eprefill_time_s\x18\x04 \x01(\x01\x12\x34\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x17\n\x15GetWorkerStatsRequest\"\xd8\x04\n\x16GetWorkerStatsResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x06 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12num_batched_tokens\x18\t \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\n \x01(\x04\x12\x15\n\rnum_kv_tokens\x18\x0b \x01(\x04\x12\x1a\n\x12recent_step_time_s\x18\x0c \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x0e \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x0f \x01(\x01\x12\x16\n\x0e\x63ost_per_seq_s\x18\x10 \x01(\x01\x12\x17\n\x0f\x63ost_per_attn_s\x18\x11 \x01(\x01\x12\x18\n\x10\x63ost_num_samples\x18\x12 \x01(\r\x12#\n\x1b\x63ost_max_num_batched_tokens\x18\x13 \x01(\r\x12 \n\x18\x63ost_kv_load_bytes_per_s\x18\x14 \x01(\x01\x12\x1f\n\x17\x63ost_kv_bytes_per_token\x18\x15 \x01(\x01\x32\xa2\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12O\n\x08GetStats\x12 .tandem.v1.GetWorkerStatsRequest\x1a!.tandem.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/v1/prefill_worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"r\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xed\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\'\n\x08manifest\x18\x03 \x01(\x0b\x32\x15.tandem.v1.KVManifest\x12\x16\n\x0eprefill_time_s\x18\x04 \x01(\x01\x12\x34\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x17\n\x15GetWorkerStatsRequest\"\xd8\x04\n\x16GetWorkerStatsResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x06 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12num_batched_tokens\x18\t \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\n \x01(\x04\x12\x15\n\rnum_kv_tokens\x18\x0b \x01(\x04\x12\x1a\n\x12recent_step_time_s\x18\x0c \x01(\x01\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x13\n\x0b\x63ost_base_s\x18\x0e \x01(\x01\x12\x18\n\x10\x63ost_per_token_s\x18\x0f \x01(\x01\x12\x16\n\x0e\x63ost_per_seq_s\x18\x10 \x01(\x01\x12\x17\n\x0f\x63ost_per_attn_s\x18\x11 \x01(\x01\x12\x18\n\x10\x63ost_num_samples\x18\x12 \x01(\r\x12#\n\x1b\x63ost_max_num_batched_tokens\x18\x13 \x01(\r\x12 \n\x18\x63ost_kv_load_bytes_per_s\x18\x14 \x01(\x01\x12\x1f\n\x17\x63ost_kv_bytes_per_token\x18\x15 \x01(\x01\x32\xa2\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12O\n\x08GetStats\x12 .tandem.v1.GetWorkerStatsRequest\x1a!.tandem.v1.GetWorkerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=69
   _globals['_PREFILLREQUEST']._serialized_end=183
   _globals['_PREFILLRESPONSE']._serialized_start=186
-  _globals['_PREFILLRESPONSE']._serialized_end=373
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=375
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=398
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=401
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1001
-  _globals['_PREFILLWORKER']._serialized_start=1004
-  _globals['_PREFILLWORKER']._serialized_end=1166
+  _globals['_PREFILLRESPONSE']._serialized_end=423
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=425
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=448
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=451
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1051
+  _globals['_PREFILLWORKER']._serialized_start=1054
+  _globals['_PREFILLWORKER']._serialized_end=1216
 # @@protoc_insertion_point(module_scope)

@@ -18,18 +18,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "num_cached_tokens", "manifest", "prefill_time_s", "first_token_logprob")
+    __slots__ = ("first_token_id", "num_cached_tokens", "manifest", "prefill_time_s", "first_token_logprob", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     num_cached_tokens: int
     manifest: _common_pb2.KVManifest
     prefill_time_s: float
     first_token_logprob: _common_pb2.TokenLogprob
-    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., manifest: _Optional[_Union[_common_pb2.KVManifest, _Mapping]] = ..., prefill_time_s: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., manifest: _Optional[_Union[_common_pb2.KVManifest, _Mapping]] = ..., prefill_time_s: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetWorkerStatsRequest(_message.Message):
     __slots__ = ()

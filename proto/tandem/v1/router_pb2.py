@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xee\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"s\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.tandem.v1.TextDeltaH\x00\x12/\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"f\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x01\n\x10GenerateFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\r\n\x05index\x18\x05 \x01(\r2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xee\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"s\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.tandem.v1.TextDeltaH\x00\x12/\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"\x98\x01\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x01\n\x10GenerateFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\r\n\x05index\x18\x05 \x01(\r2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,12 +42,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_end=429
   _globals['_GENERATERESPONSE']._serialized_start=431
   _globals['_GENERATERESPONSE']._serialized_end=546
-  _globals['_TEXTDELTA']._serialized_start=548
-  _globals['_TEXTDELTA']._serialized_end=650
-  _globals['_USAGE']._serialized_start=652
-  _globals['_USAGE']._serialized_end=732
-  _globals['_GENERATEFINISHED']._serialized_start=735
-  _globals['_GENERATEFINISHED']._serialized_end=885
-  _globals['_ROUTER']._serialized_start=887
-  _globals['_ROUTER']._serialized_end=966
+  _globals['_TEXTDELTA']._serialized_start=549
+  _globals['_TEXTDELTA']._serialized_end=701
+  _globals['_USAGE']._serialized_start=703
+  _globals['_USAGE']._serialized_end=783
+  _globals['_GENERATEFINISHED']._serialized_start=786
+  _globals['_GENERATEFINISHED']._serialized_end=936
+  _globals['_ROUTER']._serialized_start=938
+  _globals['_ROUTER']._serialized_end=1017
 # @@protoc_insertion_point(module_scope)

@@ -15,8 +15,8 @@ from tandem.v1 import common_pb2
 WIRE = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
 DEFAULTS = SamplingParams()
 # Every field away from its default; floats that float32 holds exactly (the wire's float).
-SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=9, min_tokens=2,
-                     stop_token_ids=(5, 6), ignore_eos=True, logprobs=3, presence_penalty=0.25,
+SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=2**64 - 1, max_tokens=9, min_tokens=2,
+                     stop_token_ids=(5, 6), ignore_eos=True, logprobs=3, prompt_logprobs=2, presence_penalty=0.25,
                      frequency_penalty=-0.5, repetition_penalty=1.5)
 # A structured output refuses ignore_eos and min_tokens: the fields SET cannot carry.
 STRUCTURED = dataclasses.replace(SET, ignore_eos=False, min_tokens=0,

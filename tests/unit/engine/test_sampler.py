@@ -9,7 +9,7 @@ import torch
 
 from core.request import FinishReason, Request
 from core.sampling_params import SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, apply_min_p
 
 EOS = 2
 
@@ -116,3 +116,27 @@ def test_seeded_penalised_sampling_is_reproducible():
     a = Sampler(seed=1).sample(logits[:1], [request(output=(4, 9), **params)])
     b = Sampler(seed=2).sample(logits, [request(output=(4, 9), **params), request(temperature=1.0)])
     assert a[0] == b[0]
+
+
+def test_min_p_masks_a_batch_at_each_rows_temperature():
+    #                       p at T=1 ~ [0.64, 0.24, 0.09, 0.03]
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 4)
+    temperatures = torch.tensor([1.0, 2.0, 1.0, 0.0])
+    min_ps = torch.tensor([0.3, 0.3, 0.0, 0.9])
+    masked = apply_min_p(logits, temperatures, min_ps)
+    inf = float("-inf")
+    # Row 0: p_i / p_max = e^(l_i - 3) >= 0.3 keeps 3.0 (1) and 2.0 (0.37) only.
+    # Row 1 at T=2: e^((l_i - 3) / 2) = 1, 0.61, 0.37, 0.22: 0.0's drops.
+    # Row 2 (min_p 0) and row 3 (greedy) are untouched.
+    assert masked.tolist() == [[3.0, 2.0, inf, inf], [3.0, 2.0, 1.0, inf], [3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]]
+    assert apply_min_p(logits, temperatures, torch.zeros(4)) is logits  # no row masked: no copy
+
+
+def test_min_p_sampling_never_draws_a_dropped_token_and_keeps_logprobs_unmasked():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    drawn = set()
+    for seed in range(64):
+        got = Sampler().sample(logits, [request(temperature=1.0, min_p=0.3, seed=seed, logprobs=0)])[0]
+        drawn.add(got.token_id)
+        assert got.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[got.token_id]), abs=1e-6)
+    assert drawn == {0, 1}  # both kept tokens drawn in 64 seeded draws, never 2 or 3

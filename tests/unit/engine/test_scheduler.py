@@ -223,3 +223,52 @@ def test_multi_step_runs_n_passes_per_decision_and_stops_finished_requests_on_ti
     assert long_.num_output_tokens == 8 and s.kv.get(long_.request_id).capacity_tokens >= long_.num_tokens
     run_decision(s, 4)
     assert long_.num_output_tokens == 9 and long_.is_finished and s.kv.num_used_blocks == 0
+
+
+def prompt_logprobs_output(out, runner_out):
+    """``runner_out`` with a fake prompt logprob per predicted position: logprob -position."""
+    from engine.outputs import SampledToken
+
+    for item in out.scheduled:
+        if item.prompt_logprobs is not None:
+            start = item.num_computed_tokens
+            runner_out.prompt_logprobs[item.request_id] = [
+                SampledToken(t, -float(start + k)) for k, t in enumerate(item.prompt_logprobs.target_token_ids)]
+    return runner_out
+
+
+def test_prompt_logprobs_cover_every_chunk_skip_the_prefix_cache_and_come_with_the_first_token():
+    s = make_scheduler(max_num_batched_tokens=8)
+    for round_ in range(2):  # round 1: the prompt's blocks are cached, computed all the same
+        r = make_request(20, max_tokens=2, request_id=f"r{round_}", prompt_logprobs=1)
+        s.add_request(r)
+        targets, got = [], None
+        while s.num_unfinished:
+            out = s.schedule()
+            targets += [x.prompt_logprobs.target_token_ids for x in out.scheduled if x.prompt_logprobs]
+            for o in s.update_from_output(out, prompt_logprobs_output(out, fake_runner_output(out))):
+                if o.prompt_logprobs is not None:
+                    assert got is None
+                    got = o.prompt_logprobs
+                if o.finished:
+                    s.free(o.request_id)
+        prompt = r.prompt_token_ids
+        assert targets == [prompt[1:9], prompt[9:17], prompt[17:20]]  # position p predicts token p + 1
+        assert [(t.token_id, t.logprob) for t in got] == [(t, -float(p)) for p, t in enumerate(prompt[1:])]
+        assert r.num_cached_tokens == 0
+    assert s.prompt_logprobs == {}
+
+
+def test_prompt_logprobs_of_a_recomputed_prompt_are_not_added_twice():
+    s = make_scheduler(max_num_batched_tokens=8)
+    r = make_request(12, max_tokens=2, prompt_logprobs=0)
+    s.add_request(r)
+    out = s.schedule()  # positions 0..7
+    s.update_from_output(out, prompt_logprobs_output(out, fake_runner_output(out)))
+    s._preempt(r, out)  # before its first token: recomputed from position 0
+    outputs = []
+    while not outputs:
+        out = s.schedule()
+        outputs = s.update_from_output(out, prompt_logprobs_output(out, fake_runner_output(out)))
+    assert [t.token_id for t in outputs[0].prompt_logprobs] == r.prompt_token_ids[1:]
+    assert [t.logprob for t in outputs[0].prompt_logprobs] == [-float(p) for p in range(11)]

@@ -8,7 +8,7 @@ import pytest
 
 from core.request import FinishReason
 from core.sampling_params import SamplingParams
-from router.api.choices import choice_requests, generate_choices, total_usage
+from router.api.choices import best_candidates, choice_requests, generate_choices, total_usage
 from router.errors import ErrorKind, RouterError
 from router.generation import Finished, TextDelta, Usage
 from router.api.validation import ValidatedRequest
@@ -43,7 +43,7 @@ def request(n: int, seed: int | None = 10) -> ValidatedRequest:
 
 
 async def collect(gen: FakeGeneration, n: int, seed: int | None = 10) -> list:
-    return [(c.index, c.event) async for c in generate_choices(gen, "cmpl-x", request(n, seed), 0.0)]
+    return [(c.index, c.event) async for c in generate_choices(gen, "cmpl-x", [request(n, seed)], 0.0)]
 
 
 def test_choice_requests_offset_seeds_and_keep_unseeded() -> None:
@@ -76,3 +76,21 @@ async def test_an_error_in_one_choice_cancels_the_others() -> None:
     with pytest.raises(RouterError, match="decode worker failed"):
         await collect(gen, 3)
     assert sorted(gen.closed) == sorted(gen.started)
+
+
+async def test_several_prompts_each_start_their_candidate_0_and_index_prompt_major() -> None:
+    gen = FakeGeneration()
+    gen.first_done.set()  # every prompt's candidate 0 starts at once; each prompt's others after it
+    subs = [ValidatedRequest([1], SamplingParams(seed=10), (), 2), ValidatedRequest([2], SamplingParams(seed=10), (), 2)]
+    events = [(c.index, c.event) async for c in generate_choices(gen, "cmpl-x", subs, 0.0)]
+    assert gen.started[:2] == ["cmpl-x-0", "cmpl-x-2"]
+    texts = {i: e.text for i, e in events if isinstance(e, TextDelta)}
+    assert texts == {0: "cmpl-x-0:10", 1: "cmpl-x-1:11", 2: "cmpl-x-2:10", 3: "cmpl-x-3:11"}
+    usages = [Usage(7, 2, 4), Usage(7, 5, 6), Usage(3, 1, 0), Usage(3, 1, 2)]
+    assert total_usage(usages, per_prompt=2) == Usage(10, 9, 8)
+
+
+def test_best_candidates_keeps_the_n_best_of_each_prompt_best_first() -> None:
+    scores = [-3.0, -1.0, -2.0, -0.5, -0.5, -9.0]  # two prompts of 3 candidates
+    chosen = best_candidates(list(range(6)), per_prompt=3, n=2, cumulative_logprob=scores.__getitem__)
+    assert chosen == [(0, 1), (1, 2), (2, 3), (3, 4)]  # a tie keeps the lower candidate first

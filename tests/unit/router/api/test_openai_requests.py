@@ -17,7 +17,7 @@ def test_completion_fields_and_vllm_extras() -> None:
         {"model": "m", "prompt": "hi", "stop": "\n", "top_k": 5, "ignore_eos": True, "stop_token_ids": [7],
          "logit_bias": {}, "user": "u", "stream": True, "stream_options": {"include_usage": True}}
     )
-    request = body.to_input()
+    request = body.to_inputs()[0]
     params = request.to_sampling_params(16)
     assert (request.prompt, request.stop, params.top_k, params.ignore_eos, params.stop_token_ids) == (
         "hi", ("\n",), 5, True, (7,))
@@ -26,37 +26,45 @@ def test_completion_fields_and_vllm_extras() -> None:
 
 
 # A value other than the default for every SamplingParams field, as a JSON body sends it.
-SENT = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "max_tokens": 9, "min_tokens": 2,
+SENT = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "seed": 11, "max_tokens": 9, "min_tokens": 2,
         "stop_token_ids": [5, 6], "ignore_eos": True, "logprobs": 3, "presence_penalty": 0.25,
         "frequency_penalty": -0.5, "repetition_penalty": 1.5}
 
 
 def test_every_sampling_field_is_a_body_field_that_reaches_the_params() -> None:
-    # A new field needs a value here; a structured output has its own fields (test_structured_outputs.py).
-    assert set(SENT) | {"structured_outputs"} == set(SAMPLING_FIELDS)
-    request = CompletionRequest.model_validate({"prompt": "x", **SENT}).to_input()
+    # A new field needs a value here; a structured output has its own fields (test_structured_outputs.py),
+    # prompt_logprobs is set by echo with logprobs, refused as a field.
+    assert set(SENT) | {"structured_outputs", "prompt_logprobs"} == set(SAMPLING_FIELDS)
+    request = CompletionRequest.model_validate({"prompt": "x", **SENT}).to_inputs()[0]
     assert request.to_sampling_params(9) == SamplingParams(**{**SENT, "stop_token_ids": (5, 6)})
-    nulls = CompletionRequest.model_validate({"prompt": "x", **dict.fromkeys(SENT)}).to_input()
+    nulls = CompletionRequest.model_validate({"prompt": "x", **dict.fromkeys(SENT)}).to_inputs()[0]
     assert nulls.to_sampling_params(16) == SamplingParams() and nulls.max_tokens is None
     chat = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], **SENT, "logprobs": True, "top_logprobs": 3}).to_input()
+        {"messages": [{"role": "user", "content": "x"}], **SENT, "logprobs": True, "top_logprobs": 3}).to_inputs()[0]
     assert chat.to_sampling_params(9) == request.to_sampling_params(9)
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
 def test_token_id_prompts(prompt) -> None:
-    assert CompletionRequest(prompt=prompt).to_input().prompt_token_ids == (5, 6, 7)
+    assert CompletionRequest(prompt=prompt).to_inputs()[0].prompt_token_ids == (5, 6, 7)
 
 
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
-        ({"prompt": ["a", "b"]}, "a list of 2 prompts is not supported yet; send one", "prompt"),
+        ({"prompt": ["a"] * 65, "n": 4}, "65 prompts x 4 choices is 260 completions; at most 256 in one request",
+         "prompt"),
+        ({"prompt": ["a", "b"], "best_of": 130}, "2 prompts x 130 choices is 260 completions; at most 256 in one "
+         "request", "prompt"),
+        ({"prompt": "a", "best_of": 2, "stream": True}, "best_of (2) > n (1) cannot be streamed: the best choices "
+         "are known only once every candidate finished", "best_of"),
+        ({"prompt": "a", "prompt_logprobs": 1},
+         "prompt_logprobs is not supported: use echo with logprobs on /v1/completions", "prompt_logprobs"),
     ],
 )
 def test_unsupported_completion_bodies(body: dict, message: str, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        CompletionRequest.model_validate(body).to_input()
+        CompletionRequest.model_validate(body).to_inputs()[0]
     assert (info.value.message, info.value.param) == (message, param)
 
 
@@ -65,25 +73,25 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
          "max_tokens": 3, "max_completion_tokens": 9}
     )
-    request = body.to_input()
+    request = body.to_inputs()[0]
     assert (request.messages, request.max_tokens) == (({"role": "user", "content": "ab"},), 9)
 
 
 def test_chat_image_part_is_refused() -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     with pytest.raises(InvalidRequestError, match='only text content parts are supported, got "image_url"'):
-        body.to_input()
+        body.to_inputs()[0]
 
 
 def test_sampling_extras_and_completion_logprobs() -> None:
     request = CompletionRequest.model_validate(
         {"prompt": "hi", "n": 3, "logprobs": 2, "min_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": None,
          "repetition_penalty": 1.2}
-    ).to_input()
+    ).to_inputs()[0]
     params = request.to_sampling_params(8)
     assert (request.n, params.logprobs, params.min_tokens) == (3, 2, 4)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, 0.0, 1.2)
-    plain = CompletionRequest(prompt="hi").to_input()
+    plain = CompletionRequest(prompt="hi").to_inputs()[0]
     assert (plain.to_sampling_params(16).logprobs, plain.to_sampling_params(16).repetition_penalty, plain.n) == (
         None, 1.0, 1)
 
@@ -94,7 +102,7 @@ def test_sampling_extras_and_completion_logprobs() -> None:
 )
 def test_chat_logprobs_flag_and_top_logprobs(body: dict, logprobs: int | None) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    request = ChatCompletionRequest.model_validate({"messages": messages, **body}).to_input()
+    request = ChatCompletionRequest.model_validate({"messages": messages, **body}).to_inputs()[0]
     assert request.to_sampling_params(16).logprobs == logprobs
 
 
@@ -108,7 +116,7 @@ def test_chat_logprobs_flag_and_top_logprobs(body: dict, logprobs: int | None) -
 def test_chat_top_logprobs_refused(body: dict, message: str) -> None:
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
     with pytest.raises(InvalidRequestError) as info:
-        request.to_input()
+        request.to_inputs()[0]
     assert (info.value.message, info.value.param) == (message, "top_logprobs")
 
 
@@ -168,10 +176,8 @@ def test_form_encoded_body_hints_at_the_content_type() -> None:
 @pytest.mark.parametrize(
     ("model", "body", "message", "param"),
     [
-        (CompletionRequest, {"echo": True}, "echo is not supported (only false is accepted), got true", "echo"),
         (CompletionRequest, {"suffix": "end"}, "suffix is not supported (only null or \"\" is accepted), got \"end\"",
          "suffix"),
-        (CompletionRequest, {"best_of": 3}, "best_of is not supported (only 1 is accepted), got 3", "best_of"),
         (CompletionRequest, {"logit_bias": {"50256": -100}},
          "logit_bias is not supported (only {} is accepted), got {\"50256\": -100}", "logit_bias"),
         (ChatCompletionRequest, {"functions": [{"name": "f"}]},
@@ -188,19 +194,19 @@ def test_form_encoded_body_hints_at_the_content_type() -> None:
 def test_unsupported_fields_with_a_value_are_refused(model, body: dict, message: str, param: str) -> None:
     base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(InvalidRequestError) as info:
-        model.model_validate({**base, **body}).to_input()
+        model.model_validate({**base, **body}).to_inputs()[0]
     assert (info.value.message, info.value.param) == (message, param)
 
 
 def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> None:
     completion = {"prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logit_bias": {}, "user": "u",
                   "top_k": 3, "min_tokens": 1, "repetition_penalty": 1.1, "ignore_eos": True, "stop_token_ids": [2]}
-    assert CompletionRequest.model_validate(completion).to_input().to_sampling_params(16).top_k == 3
+    assert CompletionRequest.model_validate(completion).to_inputs()[0].to_sampling_params(16).top_k == 3
     chat = {"messages": [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "x"}],
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True,
             "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "modalities": ["text"],
             "stream_options": {"include_usage": True, "include_obfuscation": False}}
-    request = ChatCompletionRequest.model_validate(chat).to_input()
+    request = ChatCompletionRequest.model_validate(chat).to_inputs()[0]
     assert request.messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "x"})
 
 
@@ -220,14 +226,15 @@ def scalar_fields(model: type[BaseModel], prefix: str = "") -> dict[str, type]:
 COMMON_SCALARS = {
     "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int,
     "ignore_eos": bool, "min_tokens": int, "presence_penalty": float, "frequency_penalty": float,
-    "repetition_penalty": float, "stream": bool, "stream_options.include_usage": bool,
-    "stream_options.include_obfuscation": bool, "response_format.json_schema.strict": bool,
-    "structured_outputs.json_object": bool,
+    "repetition_penalty": float, "min_p": float, "prompt_logprobs": int, "stream": bool,
+    "stream_options.include_usage": bool, "stream_options.include_obfuscation": bool, "skip_special_tokens": bool,
+    "response_format.json_schema.strict": bool, "structured_outputs.json_object": bool,
 }
 
 
 def test_every_numeric_and_boolean_field_is_listed() -> None:
-    assert scalar_fields(CompletionRequest) == {**COMMON_SCALARS, "logprobs": int}
+    assert scalar_fields(CompletionRequest) == {**COMMON_SCALARS, "logprobs": int, "echo": bool, "best_of": int,
+                                                "add_special_tokens": bool}
     assert scalar_fields(ChatCompletionRequest) == {**COMMON_SCALARS, "max_completion_tokens": int, "logprobs": bool,
                                                     "top_logprobs": int, "parallel_tool_calls": bool}
 
@@ -276,7 +283,7 @@ def test_token_id_lists_have_strict_types(body: dict, message: str, param: str) 
 
 
 def test_an_integer_is_a_valid_float() -> None:
-    request = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 1}).to_input()
+    request = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 1}).to_inputs()[0]
     params = request.to_sampling_params(16)
     assert (params.temperature, params.top_p) == (1.0, 1.0)
     assert type(params.temperature) is float and type(params.top_p) is float
@@ -286,3 +293,26 @@ def test_quoted_strings_stay_readable_and_encodable() -> None:
     message, _ = body_error_of(CompletionRequest, {"prompt": "x", "model": ["é", "\ud800"]})
     assert message == 'model: Input should be a valid string, got ["é", "\\ud800"]'
     message.encode("utf-8")  # the error body must encode: the lone surrogate is escaped
+
+
+def test_a_list_of_prompts_is_one_request_each_with_the_completion_options() -> None:
+    body = CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 2, "best_of": 3, "echo": True,
+                                             "add_special_tokens": False, "skip_special_tokens": False, "min_p": 0.1})
+    inputs = body.to_inputs()
+    assert [(r.prompt, r.n, r.best_of, r.add_special_tokens, r.skip_special_tokens) for r in inputs] == [
+        ("a", 2, 3, False, False), ("b", 2, 3, False, False)]
+    assert inputs[0].sampling["min_p"] == 0.1
+    ids = CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).to_inputs()
+    assert [r.prompt_token_ids for r in ids] == [(1, 2), (3,)]
+    plain = CompletionRequest.model_validate({"prompt": "a"}).to_inputs()[0]
+    assert (plain.best_of, plain.add_special_tokens, plain.skip_special_tokens) == (None, True, True)
+    echoed = CompletionRequest.model_validate({"prompt": "a", "echo": True, "logprobs": 2}).to_inputs()[0]
+    assert (echoed.sampling["logprobs"], echoed.sampling["prompt_logprobs"]) == (2, 2)
+    assert plain.sampling["prompt_logprobs"] is None
+
+
+def test_chat_template_kwargs_reach_the_chat_options() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}}
+    request = ChatCompletionRequest.model_validate(body).to_inputs()[0]
+    assert request.chat.template_kwargs == {"enable_thinking": False}
+    assert (request.chat.add_generation_prompt, request.chat.add_special_tokens) == (True, False)

@@ -35,7 +35,7 @@ SCHEMA_TEXT = '{"type": "object", "properties": {"a": {"type": "integer"}}, "req
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_each_field_makes_its_spec_and_it_reaches_the_params(model, fields: dict, spec, param) -> None:
     base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
-    request = model.model_validate({**base, **fields}).to_input()
+    request = model.model_validate({**base, **fields}).to_inputs()[0]
     assert (request.sampling["structured_outputs"], request.structured_param) == (spec, param)
     assert request.to_sampling_params(16).structured_outputs == spec
 
@@ -63,11 +63,11 @@ def test_each_field_makes_its_spec_and_it_reaches_the_params(model, fields: dict
 ])
 def test_a_bad_structured_output_is_a_400_naming_its_field(fields: dict, message: str, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        CompletionRequest.model_validate({"prompt": "x", **fields}).to_input()
+        CompletionRequest.model_validate({"prompt": "x", **fields}).to_inputs()[0]
     assert (info.value.message, info.value.param, info.value.http_status) == (message, param, 400)
 
 
 def test_a_structured_output_refuses_ignore_eos_naming_it() -> None:
-    request = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a", "ignore_eos": True}).to_input()
+    request = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a", "ignore_eos": True}).to_inputs()[0]
     with pytest.raises(ValueError, match="^ignore_eos cannot be combined with a structured output"):
         request.to_sampling_params(16)

@@ -11,6 +11,7 @@ from core.model_source import DEFAULT_MODEL
 from router.errors import ErrorKind
 from core.sampling_params import SAMPLING_FIELDS
 from router.api.validation import InvalidRequestError, RequestInput, Validator
+from router.tokenizer import ChatOptions
 
 MAX_MODEL_LEN = 64
 
@@ -159,9 +160,9 @@ class CountingHF:
         self.hf, self.calls = hf, 0
         self.chat_template = hf.chat_template
 
-    def encode(self, text):
+    def encode(self, text, **kwargs):
         self.calls += 1
-        return self.hf.encode(text)
+        return self.hf.encode(text, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
         self.calls += 1
@@ -201,9 +202,9 @@ async def test_validate_async_tokenizes_off_the_event_loop(validator: Validator)
         def __getattr__(self, name):
             return getattr(validator.tokenizer.hf, name)
 
-        def encode(self, text):
+        def encode(self, text, **kwargs):
             threads.append(threading.get_ident())
-            return original(text)
+            return original(text, **kwargs)
 
     spied = Validator(dataclasses.replace(validator.tokenizer, hf=Spy()), DEFAULT_MODEL, MAX_MODEL_LEN, 16)
     request = await spied.validate_async(make_input(prompt="Hello world"))
@@ -225,3 +226,43 @@ def test_sampling_extras_reach_the_params(validator: Validator) -> None:
     params = request.sampling_params
     assert (params.min_tokens, params.presence_penalty, params.frequency_penalty) == (8, -2.0, 2.0)
     assert (params.repetition_penalty, params.logprobs, request.n) == (1.3, 0, 4)
+
+
+@pytest.mark.parametrize(
+    ("request_input", "message", "param"),
+    [
+        (make_input(prompt="x", n=3, best_of=2), "best_of must be in [n, 64] (n is 3), got 2", "best_of"),
+        (make_input(prompt="x", best_of=65), "best_of must be in [n, 64] (n is 1), got 65", "best_of"),
+        (make_input(prompt="x", min_p=1.5), "min_p must be in [0, 1], got 1.5", "min_p"),
+        (make_input(messages=({"role": "user", "content": "x"},), chat=ChatOptions(template_kwargs={"tokenize": 1})),
+         "chat_template_kwargs may not set tokenize", "chat_template_kwargs"),
+    ],
+)
+def test_completion_options_out_of_range(validator: Validator, request_input, message: str, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(request_input)
+    assert (info.value.message, info.value.param) == (message, param)
+
+
+def test_best_of_asks_the_workers_for_logprobs_to_rank_the_candidates(validator: Validator) -> None:
+    ranked = validator.validate(make_input(prompt="x", n=2, best_of=3))
+    assert (ranked.n, ranked.best_of, ranked.num_candidates, ranked.sampling_params.logprobs) == (2, 3, 3, 0)
+    asked = validator.validate(make_input(prompt="x", best_of=2, logprobs=4))
+    assert asked.sampling_params.logprobs == 4
+    same = validator.validate(make_input(prompt="x", n=2, best_of=2))
+    assert (same.num_candidates, same.sampling_params.logprobs) == (2, None)
+
+
+def test_chat_template_kwargs_and_special_tokens_options(validator: Validator, tokenizer) -> None:
+    chat = ({"role": "user", "content": "hi"},)
+    plain = validator.validate(make_input(messages=chat)).prompt_token_ids
+    extra = ChatOptions(template_kwargs={"enable_thinking": False})  # a variable this template does not use
+    assert validator.validate(make_input(messages=chat, chat=extra)).prompt_token_ids == plain
+    # tokenize() renders without the generation prompt when asked, and never checks the context.
+    no_prompt = validator.tokenize(make_input(messages=chat, chat=ChatOptions(add_generation_prompt=False)))
+    assert tokenizer.hf.decode(no_prompt).endswith("<|im_start|>user\nhi<|im_end|>\n")
+    assert plain[: len(no_prompt)] == no_prompt and len(plain) > len(no_prompt)
+    assert validator.tokenize(make_input(prompt="hi" * 100)) == tokenizer.encode("hi" * 100)
+    assert len(tokenizer.encode("hi" * 100)) > MAX_MODEL_LEN  # over the context: counted all the same
+    kept = validator.validate(make_input(prompt="x", skip_special_tokens=False))
+    assert (kept.skip_special_tokens, validator.validate(make_input(prompt="x")).skip_special_tokens) == (False, True)

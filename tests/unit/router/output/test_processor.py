@@ -87,3 +87,11 @@ def test_engine_and_router_end_a_request_at_the_same_token(min_tokens, ignore_eo
     assert stop_reason(params, frozenset({9}), 9, max(1, min_tokens)) is (None if min_tokens else FinishReason.STOP)
     assert stop_reason(params, frozenset(), 5, 6) is FinishReason.LENGTH
     assert stop_token_ids(params, [2]) == (frozenset({9}) if ignore_eos else frozenset({2, 9}))
+
+
+def test_a_stop_tokens_text_is_left_out_of_the_output_text() -> None:
+    out = make(max_tokens=10, stop_token_ids=(ord("!"),))
+    step = out.add_tokens(list(b"ok!more"))
+    assert (step.text, step.token_ids, step.finish_reason) == ("ok", tuple(b"ok!"), FinishReason.STOP)
+    capped = make(max_tokens=3, stop_token_ids=(ord("!"),))
+    assert capped.add_tokens(list(b"abc")).text == "abc"  # the max_tokens-th token's text stays
