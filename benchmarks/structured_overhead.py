@@ -9,7 +9,9 @@ tokens, lets them prefill, and times ``passes`` decode passes: the ModelRunner's
 pass (forward, waiting for the bitmask fill that ran beside it, the mask, sampling, the
 matchers' accept; no RPC). Structured rows follow a schema whose one string must be at least
 ``--min-chars`` long, so no row can end inside the timed passes; free rows use ``ignore_eos``.
-Prints the medians and the overhead; writes JSON.
+Prints the medians and the overhead (and the minima's: the least disturbed passes), then the
+three pieces structured outputs add to a pass timed alone at the same batch (bitmask fill, mask,
+accept) as a share of the free pass; writes JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.model_source import DEFAULT_MODEL  # noqa: E402
@@ -31,6 +35,7 @@ from core.sampling_params import SamplingParams  # noqa: E402
 from core.structured_output import StructuredOutputSpec  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
+from engine.outputs import SampledToken, SamplingInput  # noqa: E402
 
 
 def schema_spec(min_chars: int) -> StructuredOutputSpec:
@@ -50,17 +55,50 @@ def pass_times_ms(engine: LLMEngine, batch: int, context: int, passes: int, spec
                 for i in range(batch)]
     for request in requests:
         engine.add_request(request)
-    while engine.structured.num_waiting:  # the grammar compiles on its thread (cached after round 1)
-        time.sleep(0.001)
     times_ms = []
     busy = engine.runner.busy_time_s
-    for _ in engine.step_stream():
-        now = engine.runner.busy_time_s
-        if all(r.num_output_tokens >= 2 for r in requests) and not any(r.is_finished for r in requests):
-            times_ms.append((now - busy) * 1e3)
-        busy = now
+    while engine.has_unfinished_requests():  # step_stream returns at once while the grammar compiles
+        for _ in engine.step_stream():
+            now = engine.runner.busy_time_s
+            if all(r.num_output_tokens >= 2 for r in requests) and not any(r.is_finished for r in requests):
+                times_ms.append((now - busy) * 1e3)
+            busy = now
     assert all(r.finish_reason.value == "length" for r in requests)  # no row left early
     return times_ms[:passes]
+
+
+def component_times_ms(engine: LLMEngine, batch: int, spec: StructuredOutputSpec, reps: int = 50) -> dict[str, float]:
+    """Median ms of the three per-pass pieces structured outputs add, at ``batch`` structured
+    rows, timed alone (less sensitive to machine load than whole passes): the batched bitmask
+    fill, the mask applied to ``[batch, vocab]`` float32 logits, and the matchers' accept. Each
+    repetition accepts one more token (the schema's long string never ends inside them)."""
+    vocab = engine.runner.model.config.vocab_size
+    requests = [Request(f"c{i}", [5], SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
+                for i in range(batch)]
+    manager = engine.structured
+    for request in requests:
+        manager.add(request, None)
+    while manager.num_waiting:
+        manager.admit_ready(lambda r, kv: None)
+    rows = [SamplingInput(r.request_id, r.sampling_params, 0, frozenset(), r.prompt_token_ids, []) for r in requests]
+    times: dict[str, list[float]] = {"fill": [], "apply": [], "accept": []}
+    base = torch.randn(batch, vocab)
+    for _ in range(reps):
+        logits = base.clone()
+        started = time.perf_counter()
+        mask = manager.fill(rows)
+        filled = time.perf_counter()
+        mask.apply(logits)
+        applied = time.perf_counter()
+        tokens = [SampledToken(int(t)) for t in logits.argmax(-1)]  # allowed: the mask was applied
+        manager.accept(rows, tokens)
+        accepted = time.perf_counter()
+        times["fill"].append((filled - started) * 1e3)
+        times["apply"].append((applied - filled) * 1e3)
+        times["accept"].append((accepted - applied) * 1e3)
+    for request in requests:
+        manager.discard(request.request_id)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,12 +126,20 @@ def main(argv: list[str] | None = None) -> int:
             free += pass_times_ms(engine, batch, args.context, args.passes, None, seed=2 * r + 1)
             structured += pass_times_ms(engine, batch, args.context, args.passes, spec, seed=2 * r + 2)
         free_ms, structured_ms = statistics.median(free), statistics.median(structured)
+        parts = component_times_ms(engine, batch, spec)
         rows.append({"batch": batch, "free_ms": free_ms, "structured_ms": structured_ms,
-                     "overhead_pct": 100 * (structured_ms / free_ms - 1), "passes": len(free)})
+                     "overhead_pct": 100 * (structured_ms / free_ms - 1), "passes": len(free),
+                     "free_min_ms": min(free), "structured_min_ms": min(structured),
+                     **{f"{name}_ms": value for name, value in parts.items()},
+                     "components_pct": 100 * sum(parts.values()) / free_ms})
     load = os.getloadavg()[0]
-    print(f"{'batch':>5} {'free ms':>9} {'json_schema ms':>15} {'overhead':>9}   (load {load:.1f}, {os.cpu_count()} cpus)")
+    print(f"{'batch':>5} {'free ms':>9} {'json_schema ms':>15} {'overhead':>9} {'(min/min)':>10}  "
+          f"{'fill ms':>8} {'apply ms':>8} {'accept ms':>9} {'parts/free':>10}   (load {load:.1f}, {os.cpu_count()} cpus)")
     for row in rows:
-        print(f"{row['batch']:>5} {row['free_ms']:>9.2f} {row['structured_ms']:>15.2f} {row['overhead_pct']:>8.1f}%")
+        min_pct = 100 * (row["structured_min_ms"] / row["free_min_ms"] - 1)
+        print(f"{row['batch']:>5} {row['free_ms']:>9.2f} {row['structured_ms']:>15.2f} {row['overhead_pct']:>8.1f}% "
+              f"{min_pct:>9.1f}%  {row['fill_ms']:>8.3f} {row['apply_ms']:>8.3f} {row['accept_ms']:>9.3f} "
+              f"{row['components_pct']:>9.1f}%")
     print(f"grammar compiles: {engine.structured.stats.num_compiled}, "
           f"{engine.structured.stats.compile_time_s * 1e3:.1f} ms in all")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -222,13 +222,17 @@ class StructuredOutputManager:
         return TokenMask(self._bitmask, rows, self.vocab_size)
 
     def accept(self, sampling: list[SamplingInput], tokens: list[SampledToken]) -> None:
-        """Advances each structured row's matcher by its sampled token (runner thread)."""
-        for item, token in zip(sampling, tokens):
-            if item.sampling_params.structured_outputs is None:
-                continue
-            matcher = self._matchers.get(item.request_id)
-            if matcher is not None and not matcher.accept_token(token.token_id):
-                log.error("request %s: sampled token %d is outside its grammar", item.request_id, token.token_id)
+        """Advances each structured row's matcher by its sampled token, in one batched C++ call
+        (runner thread)."""
+        rows = [(matcher, item.request_id, token.token_id) for item, token in zip(sampling, tokens)
+                if item.sampling_params.structured_outputs is not None
+                and (matcher := self._matchers.get(item.request_id)) is not None]
+        if not rows:
+            return
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([m for m, _, _ in rows], [t for _, _, t in rows])
+        for (_, request_id, token_id), ok in zip(rows, accepted):
+            if not ok:
+                log.error("request %s: sampled token %d is outside its grammar", request_id, token_id)
 
     def shutdown(self) -> None:
         self._compile_thread.shutdown(wait=False, cancel_futures=True)
