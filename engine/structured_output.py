@@ -10,11 +10,11 @@ request keeps its matcher (it stays in the engine).
 
 Per pass (``ModelRunner.run``)::
 
-    fill thread:   fill the bitmask of every structured row (one batched C++ call)
-    runner thread: forward ........................ | wait fill | apply mask, sample | accept
+    fill thread:   accept pass k-1's tokens, fill the bitmask (two batched C++ calls)
+    runner thread: forward ........................ | wait fill | apply mask, sample | queue tokens
 
-The matchers are only touched in that order: the fill for pass k+1 starts after pass k accepted
-its tokens, since passes run one after another, overlapped or not.
+The matchers are only touched in that order: pass k+1's fill job starts after pass k queued its
+tokens, since passes run one after another, overlapped or not.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class StructuredOutputManager:
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, grown on demand
+        # (matcher, request_id, token_id) sampled by the last pass, accepted by the next fill.
+        self._to_accept: list[tuple[xgr.GrammarMatcher, str, int]] = []
 
     # -- admission (engine thread) --------------------------------------------------------
 
@@ -205,8 +207,10 @@ class StructuredOutputManager:
 
     def fill(self, sampling: list[SamplingInput]) -> TokenMask | None:
         """The bitmask of the structured rows of ``sampling``, filled by one batched C++ call
-        (no Python work per vocabulary entry). A row whose matcher is gone (its request aborted
-        while the pass was prepared) is left out."""
+        (no Python work per vocabulary entry), after accepting the tokens the previous passes
+        queued (:meth:`accept`). A row whose matcher is gone (its request aborted while the pass
+        was prepared) is left out."""
+        self._accept_queued()
         rows, matchers = [], []
         for i, item in enumerate(sampling):
             matcher = self._matchers.get(item.request_id)
@@ -222,11 +226,15 @@ class StructuredOutputManager:
         return TokenMask(self._bitmask, rows, self.vocab_size)
 
     def accept(self, sampling: list[SamplingInput], tokens: list[SampledToken]) -> None:
-        """Advances each structured row's matcher by its sampled token, in one batched C++ call
-        (runner thread)."""
-        rows = [(matcher, item.request_id, token.token_id) for item, token in zip(sampling, tokens)
-                if item.sampling_params.structured_outputs is not None
-                and (matcher := self._matchers.get(item.request_id)) is not None]
+        """Queues each structured row's sampled token for its matcher (runner thread). The next
+        :meth:`fill` accepts them first, in one batched C++ call on the fill thread, beside that
+        pass's forward: off the critical path."""
+        self._to_accept += [(matcher, item.request_id, token.token_id) for item, token in zip(sampling, tokens)
+                            if item.sampling_params.structured_outputs is not None
+                            and (matcher := self._matchers.get(item.request_id)) is not None]
+
+    def _accept_queued(self) -> None:
+        rows, self._to_accept = self._to_accept, []
         if not rows:
             return
         accepted = xgr.BatchGrammarMatcher.batch_accept_token([m for m, _, _ in rows], [t for _, _, t in rows])
