@@ -10,12 +10,25 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with ``
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.structured_output import StructuredOutputError, StructuredOutputSpec
 from router.api.validation import InvalidRequestError
+
+# A spec from one field's value, by kind; each kind's field in the guided_* form and in vLLM's
+# structured_outputs object (whose "json" is the attribute json_).
+_SPEC_OF_KIND = {
+    "json": StructuredOutputSpec.json_schema,
+    "regex": functools.partial(StructuredOutputSpec, "regex"),
+    "choice": StructuredOutputSpec.choice,
+    "grammar": functools.partial(StructuredOutputSpec, "grammar"),
+}
+_GUIDED_NAMES = (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                 ("grammar", "guided_grammar"))
+_STRUCTURED_NAMES = (("json", "json_"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"))
 
 
 class _Strict(BaseModel):
@@ -86,23 +99,13 @@ class StructuredOutputFields(BaseModel):
                 {} if schema is None else schema, bool(fmt.json_schema.strict))
         elif fmt is not None and fmt.type == "json_object":
             yield "response_format", lambda: StructuredOutputSpec("json_object")
-        if self.guided_json is not None:
-            yield "guided_json", lambda: StructuredOutputSpec.json_schema(self.guided_json)
-        if self.guided_regex is not None:
-            yield "guided_regex", lambda: StructuredOutputSpec("regex", self.guided_regex)
-        if self.guided_choice is not None:
-            yield "guided_choice", lambda: StructuredOutputSpec.choice(self.guided_choice)
-        if self.guided_grammar is not None:
-            yield "guided_grammar", lambda: StructuredOutputSpec("grammar", self.guided_grammar)
+        # vLLM's guided_* fields and its structured_outputs object name the same four kinds.
         body = self.structured_outputs
+        for prefix, source, names in (("", self, _GUIDED_NAMES), ("structured_outputs.", body, _STRUCTURED_NAMES)):
+            for kind, name in (() if source is None else names):
+                value = getattr(source, name)
+                if value is not None:
+                    yield prefix + name.rstrip("_"), functools.partial(_SPEC_OF_KIND[kind], value)
         if body is not None:
-            if body.json_ is not None:
-                yield "structured_outputs.json", lambda: StructuredOutputSpec.json_schema(body.json_)
-            if body.regex is not None:
-                yield "structured_outputs.regex", lambda: StructuredOutputSpec("regex", body.regex)
-            if body.choice is not None:
-                yield "structured_outputs.choice", lambda: StructuredOutputSpec.choice(body.choice)
-            if body.grammar is not None:
-                yield "structured_outputs.grammar", lambda: StructuredOutputSpec("grammar", body.grammar)
             if body.json_object:
                 yield "structured_outputs.json_object", lambda: StructuredOutputSpec("json_object")
