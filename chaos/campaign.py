@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -22,6 +24,7 @@ from bench.client import ClientConfig
 from bench.workloads import BenchRequest
 from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
+from chaos.link_proxy import LinkProxies
 from chaos.probe import ClusterProbe
 from chaos.reference import reference_key
 from chaos.sampler import Sample, Sampler, summary
@@ -48,11 +51,35 @@ class ScenarioResult:
     supervision: list[str] = field(default_factory=list)  # what tandem up's supervision did
     samples: list[Sample] = field(default_factory=list)  # gauges over time (campaign sample_every_s > 0)
     offered_rate_per_s: float = 0.0  # the open loop's arrival rate (0: closed loop)
+    # Seconds from a link fault's start until a router marked its worker down (None: no link
+    # fault, or never marked down)
+    detect_s: float | None = None
 
     @property
     def completion_rate_per_s(self) -> float:
         """Completed requests per second of the run: its throughput (a capacity when saturated)."""
         return self.counts["completed"] / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def detect_s(router_logs: list[Path], address: str, started_at: float) -> float | None:
+    """Seconds from ``started_at`` (wall clock) until the first router log line (JSON lines with
+    ``ts``) after it that marks the worker at ``address`` down; None: none does."""
+    first = None
+    for path in router_logs:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if "marked down" not in line or address not in line:
+                continue
+            try:
+                ts = json.loads(line)["ts"]
+            except (ValueError, KeyError):
+                continue
+            if ts >= started_at and (first is None or ts < first):
+                first = ts
+    return None if first is None else first - started_at
 
 
 def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
@@ -100,9 +127,11 @@ class CampaignRunner:
     thread that started the cluster (supervision forks from it)."""
 
     def __init__(self, cluster: LocalCluster, campaign: Campaign, requests: list[BenchRequest],
-                 client: ClientConfig, refs: dict[str, str] | None, fault_file: str, expected_workers: dict[str, int]):
+                 client: ClientConfig, refs: dict[str, str] | None, fault_file: str, expected_workers: dict[str, int],
+                 links: LinkProxies | None = None):
         self.cluster, self.campaign, self.requests, self.client = cluster, campaign, requests, client
         self.refs, self.fault_file, self.expected_workers = refs, fault_file, expected_workers
+        self.links = links
 
     async def run(self, scenario: Scenario, seed: int, previous: ScenarioResult | None = None) -> ScenarioResult:
         """Runs ``scenario``; ``previous`` (the scenario run before it) sets the open loop's rate
@@ -122,7 +151,7 @@ class CampaignRunner:
         duration_s = c.duration_s if scenario.duration_s is None else scenario.duration_s
         driver = Driver(self.requests, self.client, c.concurrency, c.deadline_s, seed, duration_s, rate,
                         tuple(r.http_url for r in self.cluster.routers))
-        ctx = FaultContext(self.cluster, driver, self.fault_file)
+        ctx = FaultContext(self.cluster, driver, self.fault_file, links=self.links)
         events: list[str] = []
         supervisor = asyncio.create_task(self._supervise(ctx, events))
         sampler = Sampler(probe, driver, c.sample_every_s)
@@ -151,9 +180,15 @@ class CampaignRunner:
             await asyncio.gather(supervisor, return_exceptions=True)
         rss_growth = probe.rss_bytes() - rss_before
         probe.close()
+        detected = None
+        link_faults = [f for f in logs if f.fault.do == "partition" and f.note != "not triggered"]
+        if link_faults and self.links is not None:
+            first = link_faults[0]
+            detected = detect_s([self.cluster.config.log_dir / f"{r.name}.log" for r in self.cluster.routers],
+                                self.links.proxies[first.fault.service].address, first.started_at)
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
                               rss_growth, recovery_s(driver.progress, [f for f in logs if f.note != "not triggered"]), duration_s, _examples(outcomes), events,
-                              sampler.samples, rate)
+                              sampler.samples, rate, detected)
 
     async def _supervise(self, ctx: FaultContext, events: list[str]) -> None:
         while True:

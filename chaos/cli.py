@@ -24,14 +24,15 @@ from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
 from chaos import report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
+from chaos.link_proxy import LinkProxies
 from chaos.sampler import plot
 from chaos.reference import references
-from chaos.schedule import Campaign, load_campaign
+from chaos.schedule import LINK_FAULTS, Campaign, load_campaign
 from core.fault_injection import ENV_VAR
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.config import ClusterConfig
 from launcher.local_cluster import LocalCluster
-from launcher.ports import free_port_run
+from launcher.ports import free_port, free_port_run
 
 console = Console()
 
@@ -93,10 +94,14 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
     expected = {"decode": config.num_decode_workers, "pool": 1,
                 **({} if config.colocated else {"prefill": config.num_prefill_workers})}
     results: list[ScenarioResult] = []
-    with _fault_injection(fault_file), LocalCluster(config) as cluster:
+    linked = sorted({f.service for s in scenarios for f in s.faults if f.do in LINK_FAULTS})
+    with _fault_injection(fault_file), LocalCluster(config) as cluster, LinkProxies() as links:
+        for name in linked:  # the routers dial these workers through a proxy that link faults drive
+            cluster.addresses[name] = f"{config.host}:{free_port()}"
+            cluster.advertised[name] = links.add(name, cluster.addresses[name])
         cluster.start(on_progress=console.print)
         client = ClientConfig(cluster.http_url, resolve_model(model).name, timeout_s=campaign.deadline_s)
-        runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected)
+        runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected, links)
         rng = random.Random(campaign.seed)
         for scenario in scenarios:
             console.print(f"scenario: {scenario.name}")

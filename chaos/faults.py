@@ -16,6 +16,13 @@
   ``fraction`` chance to disconnect at ``stage``.
 - ``abort_storm``: ``fraction`` of the requests in flight are cancelled within one second.
 - ``burst``: ``multiplier`` x concurrency extra requests sent at once.
+- ``partition``: for ``duration_s`` the link to ``service`` drops every packet (``direction``:
+  both ways, or only ``to_server`` / ``to_client``) without closing a connection, then heals.
+  A worker's link is the routers' calls to it (it keeps heartbeating to Redis: a split view); a
+  pool node's is every gRPC call of the workers and routers to it (its Redis index stays).
+  Played by a chaos.link_proxy proxy that the campaign puts in front of ``service`` (the address
+  it advertises, and for a pool node the workers' ``--pool-address``).
+- ``slow_link``: for ``duration_s`` that link holds each chunk ``delay_s`` seconds.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 from chaos.driver import DisconnectPlan, Driver
+from chaos.link_proxy import LinkFault, LinkProxies
 from chaos.schedule import Fault
 from core.block_key import BlockKey
 from core.fault_injection import FaultRule, write_rules
@@ -44,6 +53,7 @@ class FaultLog:
     start_s: float = 0.0
     end_s: float = 0.0
     note: str = "not triggered"
+    started_at: float = 0.0  # wall clock (time.time()) when it was applied
 
 
 @dataclass
@@ -53,6 +63,7 @@ class FaultContext:
     fault_file: str
     held: set[str] = field(default_factory=set)  # services kept out of supervision (redis_down)
     stopped: set[int] = field(default_factory=set)  # pids under SIGSTOP (resumed at the end)
+    links: LinkProxies | None = None  # proxies between the routers and the workers named in link faults
 
 
 async def run_fault(fault: Fault, ctx: FaultContext, log: FaultLog) -> FaultLog:
@@ -65,7 +76,7 @@ async def run_fault(fault: Fault, ctx: FaultContext, log: FaultLog) -> FaultLog:
         while progress.num_tokens < fault.at_tokens:
             progress.changed.clear()
             await progress.changed.wait()
-    log.start_s, log.note = progress.now_s(), "running"
+    log.start_s, log.note, log.started_at = progress.now_s(), "running", time.time()
     try:
         log.note = await _APPLY[fault.do](fault, ctx) or ""
     except Exception as err:  # reported in the row, the run goes on
@@ -155,15 +166,45 @@ async def _burst(fault: Fault, ctx: FaultContext) -> str:
     return f"sent {num} extra requests at once"
 
 
+async def _hold_link(fault: Fault, ctx: FaultContext, link_fault: LinkFault) -> None:
+    """Applies ``link_fault`` to ``fault.service``'s proxy for ``fault.duration_s``, then heals it.
+
+    Raises:
+        ValueError: the service has no link proxy.
+    """
+    if ctx.links is None or fault.service not in ctx.links.proxies:
+        raise ValueError(f"{fault.service} has no link proxy (the campaign puts one in front of each service a "
+                         "link fault names)")
+    ctx.links.set_fault(fault.service, link_fault)
+    try:
+        await asyncio.sleep(fault.duration_s)  # the fault's duration, not a wait for an event
+    finally:
+        ctx.links.set_fault(fault.service, LinkFault())
+
+
+async def _partition(fault: Fault, ctx: FaultContext) -> str:
+    await _hold_link(fault, ctx, LinkFault("blackhole", direction=fault.direction))
+    return f"packets to/from {fault.service} dropped ({fault.direction}) for {fault.duration_s:g} s, then healed"
+
+
+async def _slow_link(fault: Fault, ctx: FaultContext) -> str:
+    await _hold_link(fault, ctx, LinkFault("delay", delay_s=fault.delay_s))
+    return f"{fault.service}'s link +{fault.delay_s:g} s per chunk for {fault.duration_s:g} s"
+
+
 _APPLY = {
     "sigkill": _sigkill, "sigstop": _sigstop, "redis_restart": _redis_restart, "redis_down": _redis_down,
     "redis_pause": _redis_pause, "pool_dram_full": _pool_dram_full, "transfer": _transfer,
-    "disconnect": _disconnect, "abort_storm": _abort_storm, "burst": _burst,
+    "disconnect": _disconnect, "abort_storm": _abort_storm, "burst": _burst, "partition": _partition,
+    "slow_link": _slow_link,
 }
 
 
 def resume_stopped(ctx: FaultContext) -> None:
-    """SIGCONT to every process a fault left stopped (a scenario that ended early)."""
+    """SIGCONT to every process a fault left stopped, and every link healed (a scenario that
+    ended early)."""
+    if ctx.links is not None:
+        ctx.links.heal_all()
     for pid in list(ctx.stopped):
         try:
             os.kill(pid, signal.SIGCONT)

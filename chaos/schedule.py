@@ -32,9 +32,12 @@ import yaml
 
 FAULT_KINDS = (
     "sigkill", "sigstop", "redis_restart", "redis_down", "redis_pause", "pool_dram_full", "transfer",
-    "disconnect", "abort_storm", "burst",
+    "disconnect", "abort_storm", "burst", "partition", "slow_link",
 )
-SERVICE_FAULTS = ("sigkill", "sigstop")  # need ``service``
+SERVICE_FAULTS = ("sigkill", "sigstop", "partition", "slow_link")  # need ``service``
+# On the link to a worker (from the routers) or to a pool node (from the workers and routers): chaos.link_proxy
+LINK_FAULTS = ("partition", "slow_link")
+LINK_DIRECTIONS = ("both", "to_server", "to_client")
 DISCONNECT_STAGES = ("before_first_token", "mid_transfer", "mid_decode")
 TRANSFER_MODES = ("delay", "error", "truncate", "corrupt")
 
@@ -55,6 +58,9 @@ class Fault:
     methods: tuple[str, ...] = ("GetBlocks", "LocateBlocks")  # transfer: pool RPCs hit
     delay_s: float = 1.0  # transfer delay
     probability: float = 1.0  # transfer: share of matching RPCs hit
+    # partition: which way packets are dropped between the routers and ``service``: both, to_server
+    # (the routers' requests), to_client (the worker's answers)
+    direction: str = "both"
 
     def __post_init__(self) -> None:
         if self.do not in FAULT_KINDS:
@@ -74,6 +80,13 @@ class Fault:
             raise ValueError(f"stage must be one of {DISCONNECT_STAGES}, got {self.stage!r}")
         if self.mode not in TRANSFER_MODES:
             raise ValueError(f"mode must be one of {TRANSFER_MODES}, got {self.mode!r}")
+        if self.direction not in LINK_DIRECTIONS:
+            raise ValueError(f"direction must be one of {LINK_DIRECTIONS}, got {self.direction!r}")
+        if self.do in LINK_FAULTS and self.duration_s <= 0:
+            raise ValueError(f"{self.do} needs duration_s > 0 (the link heals after it)")
+        if self.do in LINK_FAULTS and not self.service.startswith(("prefill", "decode", "kv_pool")):
+            raise ValueError(f"{self.do} needs a worker or pool node service (prefill, decode-1, kv_pool, ...), "
+                             f"got {self.service!r}")
         if self.multiplier < 1:
             raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
 
@@ -85,6 +98,10 @@ class Fault:
             what += f" {self.mode}"
         if self.do == "disconnect":
             what += f" {self.stage}"
+        if self.do == "partition" and self.direction != "both":
+            what += f" {self.direction}"
+        if self.do == "slow_link":
+            what += f" +{self.delay_s:g} s"
         return f"{what} @ {when}" + (f" for {self.duration_s:g} s" if self.duration_s else "")
 
 

@@ -19,9 +19,48 @@ log = logging.getLogger(__name__)
 
 # KV blocks are large (SmolLM2-135M, fp32, block_size 16: 720 KiB); allow them whole.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# HTTP/2 keepalive pings on every cluster channel, calls or not: a peer that stops answering
+# without closing the connection (a silent partition, a dropped NetworkPolicy, a hung host) is
+# detected within 2 x KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S = 9 s (a ping waits out the interval
+# since the previous one, then its timeout; measured 7.0 s as set, 1.5 s with 0.5 s + 0.5 s), and
+# its calls fail UNAVAILABLE (the router then resumes the stream elsewhere) instead of hanging
+# until TCP gives up (~15 min).
+# gRPC core answers pings on its own threads, so a worker busy in a long step still answers; the
+# 5 s timeout leaves room for a process starved of CPU on a loaded machine.
+KEEPALIVE_TIME_S = 2.0
+KEEPALIVE_TIMEOUT_S = 5.0
+
+
+def keepalive_channel_options(time_s: float = KEEPALIVE_TIME_S, timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple]:
+    """Client-side keepalive: a ping every ``time_s``, the connection closed when one is not
+    answered within ``timeout_s``; pings go on while no data flows (a server stream whose peer
+    fell silent sends nothing, and gRPC's default stops pinging after two such pings). gRPC 1.85
+    times a ping out by ``grpc.http2.ping_timeout_ms`` (default 60 s), not by the keepalive
+    timeout alone, so both are set."""
+    return [("grpc.keepalive_time_ms", int(time_s * 1000)), ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+def keepalive_server_options(time_s: float = KEEPALIVE_TIME_S, timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple]:
+    """Server-side keepalive: the server pings its clients as they ping it (a router that fell
+    silent frees its streams' KV in bounded time too), and accepts their pings at ``time_s``
+    (gRPC's default policy answers pings more often than every 5 minutes with GOAWAY)."""
+    return [*keepalive_channel_options(time_s, timeout_s),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(time_s * 1000) // 2),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(time_s * 1000) // 2),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *keepalive_channel_options(),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *keepalive_server_options(),
 ]
 
 
@@ -67,7 +106,7 @@ class GrpcService:
 
     def __init__(self, host: str, port: int, service_names: Iterable[str], grace_s: float = 5.0,
                  security: ClusterSecurity | None = None, internal: bool = True,
-                 gates: Sequence[grpc.aio.ServerInterceptor] = ()):
+                 gates: Sequence[grpc.aio.ServerInterceptor] = (), server_options: Sequence[tuple] | None = None):
         self.address = f"{host}:{port}"
         self.service_names = list(service_names)
         self.grace_s = grace_s
@@ -84,7 +123,7 @@ class GrpcService:
         # Fault injection only under a chaos option (core.fault_injection), never in production.
         interceptors += interceptors_from_env()
         self.interceptors = tuple(interceptors)
-        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+        self.server = grpc.aio.server(options=[*(server_options or SERVER_OPTIONS), ("grpc.so_reuseport", 0)],
                                       interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -123,12 +162,22 @@ class GrpcService:
 async def run_until_signalled(
     start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
 ) -> None:
-    """Awaits ``start()``, waits for SIGTERM or SIGINT, then awaits ``stop()``."""
+    """Awaits ``start()``, waits for SIGTERM or SIGINT, then awaits ``stop()``. When ``start()``
+    raises, ``stop()`` still runs (what started, such as a gRPC server or the engine thread, would
+    otherwise keep the process alive and unready) and the error propagates."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await start()
+    try:
+        await start()
+    except BaseException:
+        log.error("start-up failed: stopping what had started")
+        try:
+            await stop()
+        except Exception as err:  # the start-up error is the one to report
+            log.warning("stopping after the failed start-up: %s: %s", type(err).__name__, err)
+        raise
     await stopping.wait()
     log.info("signal received, stopping")
     await stop()

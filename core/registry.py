@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from core.worker_load import LOAD_VERSION, WorkerLoad
 
@@ -163,7 +165,18 @@ class Heartbeat:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self._beat()  # registered before start() returns
+        """Registers, then beats every ``interval_s`` in the background. Returns once registered:
+        while Redis cannot be reached (a pod that starts before the Redis Service answers), the
+        first registration is retried every ``interval_s``, each failure logged. A Redis that
+        answers with an error (a wrong password, say) raises at once."""
+        while True:
+            try:
+                await self._beat()
+                break
+            except (RedisConnectionError, RedisTimeoutError) as err:
+                log.warning("cannot register %s %s in Redis yet (%s: %s); retrying in %.1f s", self.info.role,
+                            self.info.worker_id, type(err).__name__, err, self.interval_s)
+                await asyncio.sleep(self.interval_s)
         self._task = asyncio.create_task(self._run())
 
     async def _beat(self) -> None:

@@ -45,11 +45,16 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     request's stored prefix, or nothing when colocated); the request joins the running batch at
     the next step and every new token is streamed. A refused request (malformed, a manifest of
     another KV spec) ends with ``INVALID_ARGUMENT``; a failed KV load under
-    ``--kv-load-failure-policy fail`` with ``UNAVAILABLE`` and the reason in trailing metadata."""
+    ``--kv-load-failure-policy fail`` with ``UNAVAILABLE`` and the reason in trailing metadata.
+
+    DropManifest: the router gave up delivering a manifest here (the client left, or the Decode
+    stream was cancelled before this worker answered it); the connector releases it unless a
+    Decode took it over first (:meth:`KVConnector.drop_undelivered`)."""
 
     def __init__(self, engine: AsyncEngine, connector: KVConnector):
         self.engine = engine
         self.connector = connector
+        self.num_cached_tokens = 0  # prompt tokens of requests prefilled here that it did not compute
 
     async def Decode(self, request, context):
         start = decode_start_from_proto(request)
@@ -67,6 +72,7 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         # A cancelled stream parked at `yield` gets no exception in this handler: abort from the
         # RPC's done callback instead (a no-op once the request finished).
         context.add_done_callback(lambda _: self.engine.abort(request.request_id))
+        prefills_here = start.manifest is None  # colocated or resumed: this worker computes the prompt
         try:
             async for output in self.engine.generate(engine_request, external):
                 if output.new_token_ids:
@@ -75,6 +81,9 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                               for s in output.prompt_logprobs or ()]
                     tokens = decode_worker_pb2.TokenChunk(token_ids=output.new_token_ids, logprobs=logprobs,
                                                           prompt_logprobs=prompt)
+                    if prefills_here:  # its first computed token: say how much of the prompt was cached
+                        tokens.num_cached_tokens, prefills_here = output.num_cached_tokens, False
+                        self.num_cached_tokens += output.num_cached_tokens
                     yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -87,5 +96,9 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         return Request(request.request_id, list(request.prompt_token_ids), params,
                        eos_token_id=self.engine.eos_token_id)
 
+    async def DropManifest(self, request, context):
+        released = await self.connector.drop_undelivered(request.request_id, manifest_from_proto(request.manifest))
+        return decode_worker_pb2.DropManifestResponse(released=released)
+
     async def GetStats(self, request, context):
-        return stats_response(self.engine, self.connector.kv_load, num_cached_tokens=0)
+        return stats_response(self.engine, self.connector.kv_load, num_cached_tokens=self.num_cached_tokens)

@@ -9,7 +9,11 @@ from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
 from core.settings import setting
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch")  # engine.model.linear.LINEAR_BACKEND_CHOICES
+# engine.model.linear.BACKENDS: float weights (onednn, mkl, torch), then int8 weights (int8_cpu, ...).
+LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "int8_cpu", "int8_dequant", "int8pack")
+# Weight quantisation (vLLM's --quantization): "int8" quantises the linear layers' weights at load
+# (engine.model.linear.quantize_int8); "fp8" is reserved for CUDA.
+QUANTIZATIONS = ("none", "int8", "fp8")
 SCHEDULING_POLICIES = ("continuous", "static")
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = tuple(DTYPE_BYTES)
@@ -67,6 +71,9 @@ class EngineConfig:
     linear_backend: str = setting("auto", "GEMM backend of the linear layers; auto measures them once per machine "
                                           "on the model's shapes and keeps the fastest per shape and batch size.",
                                   choices=LINEAR_BACKEND_CHOICES)
+    quantization: str = setting("none", "Weight quantisation: int8 quantises the linear layers' weights at load "
+                                        "(per output channel, symmetric; activations stay float32); fp8 is "
+                                        "reserved for CUDA.", choices=QUANTIZATIONS)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default).")
     seed: int = setting(0, "Seed of the generator used by requests without their own seed.")
     # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
@@ -99,6 +106,7 @@ class EngineConfig:
             raise ValueError(f"enable_overlap needs tensor_parallel_size 1, got {self.tensor_parallel_size}")
         if self.linear_backend not in LINEAR_BACKEND_CHOICES:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKEND_CHOICES}, got {self.linear_backend!r}")
+        self._check_quantization()
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -111,3 +119,14 @@ class EngineConfig:
                 f"num_kv_blocks * block_size ({self.num_kv_blocks * self.block_size}) cannot hold "
                 f"one max_model_len ({self.max_model_len}) request"
             )
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "fp8":
+            where = "it needs CUDA (float8 GEMMs), and " if not self.device.startswith("cuda") else ""
+            raise ValueError(f"quantization 'fp8' is reserved: {where}it is not implemented yet; use 'none' or 'int8' "
+                             f"(device {self.device!r})")
+        if self.quantization == "int8" and self.dtype != "float32":
+            raise ValueError(f"quantization 'int8' keeps float32 activations: it needs dtype 'float32', got "
+                             f"{self.dtype!r}")

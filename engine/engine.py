@@ -103,7 +103,7 @@ class LLMEngine:
             model, parallel = start_tensor_parallel(config, source)
         else:
             model = load_model(ensure_hf_dir(source), config.dtype, config.device, config.max_model_len,
-                               LinearSetup.from_config(config))
+                               LinearSetup.from_config(config), quantization=config.quantization)
         engine = cls(config, model, source, save_kv_on_finish, swap_space, parallel)
         if config.compiled:
             compile_layers(model)

@@ -34,6 +34,7 @@ import xgrammar as xgr
 
 from core.request import FinishReason, Request
 from core.structured_output import StructuredOutputError, StructuredOutputSpec
+from engine.kv_connector.blocks import let_go
 from engine.outputs import ExternalKV, RequestOutput, SampledToken, SamplingInput
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,26 @@ class StructuredOutputManager:
             if not grammar.done():
                 continue
             del self._waiting[request_id]
+            if (error := grammar.exception()) is not None:
+                # Not grammar.result(): re-raising the cached future's exception would chain this
+                # frame, and with it the request's external KV, to the grammar cache.
+                failed.append(self._refuse(request_id, external_kv, error))
+                continue
             try:
                 self._matchers[request_id] = self._matcher(grammar.result(), request)
                 admit(request, external_kv)
             except ValueError as err:
                 self._matchers.pop(request_id, None)
-                failed.append(RequestOutput(request_id, [], True, FinishReason.ABORT, error=str(err)))
+                failed.append(self._refuse(request_id, external_kv, err))
         return failed
+
+    @staticmethod
+    def _refuse(request_id: str, external_kv: ExternalKV | None, error: Exception) -> RequestOutput:
+        """The refused request's output; its external KV will never be loaded: its pool views are
+        let go now (their leases stop being renewed)."""
+        if external_kv is not None:
+            let_go(external_kv.payloads)
+        return RequestOutput(request_id, [], True, FinishReason.ABORT, error=str(error))
 
     def discard(self, request_id: str) -> bool:
         """Forgets the request (finished, aborted); True when it was still waiting for its grammar."""

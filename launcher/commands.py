@@ -13,28 +13,21 @@ from launcher.config import SECTIONS, ClusterConfig
 SERVICE_PACKAGES = {"kv_pool": "kv_pool", "prefill": "prefill_worker", "decode": "decode_worker", "router": "router"}
 _SECTIONS = {s.attribute: s for s in SECTIONS}
 
-# Up to this many cores, a 1P+1D cluster gives the decode worker every core and each prefill
-# worker one thread (see worker_threads).
-SMALL_MACHINE_CORES = 4
-
-
 def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int = 1,
-                   num_decode_workers: int = 1, share_cores: bool = True) -> dict[str, int]:
-    """CPU threads of each prefill and each decode worker when they share ``cores`` cores.
+                   num_decode_workers: int = 1) -> dict[str, int]:
+    """CPU threads of each prefill and each decode worker when they share a machine of ``cores``.
 
-    Colocated: every core to the decode workers. Disaggregated on a small machine (up to
-    ``SMALL_MACHINE_CORES``), when there is one decode worker: it gets every core, and each
-    prefill worker one thread. Decode is the latency-critical, always-running role; a
-    single-threaded prefill opens no OpenMP team, so it only takes time slices from decode and
-    never stalls at a barrier, where two multi-threaded workers sharing cores collapse (2 cores,
-    ShareGPT at concurrency 16: prefill 1 + decode 2 threads served 164 tok/s, 1 + 1 served 125,
-    2 + 2 served 62; docs/bench.md). Otherwise, or without ``share_cores`` (Ray reserves each
-    worker's threads as CPUs), half the cores to each role, never shared. At least 1 each.
+    Colocated: every core to the decode workers. Disaggregated: half the cores to each role,
+    split between its workers, never more threads than cores: a worker's OpenMP team waits at
+    every GEMM's barrier for its slowest thread, so a thread that shares its core with another
+    worker stalls the whole pass. Measured on 2-core AMD EPYCs with the ShareGPT workload at
+    concurrency 16 (docs/bench.md): prefill 1 + decode 2 threads on the 2 cores served 183 tok/s
+    with client TBT p99 465 ms (Zen 5); prefill 1 + decode 1 served 147-207 tok/s over six runs
+    (1P+1D varies that much there; about the same) with p99 123-191 ms; on Zen 4 (pinned) p99 fell from 651 to
+    173 ms at equal tok/s. At least 1 each.
     """
     if colocated:
         return {"decode": max(1, cores // num_decode_workers)}
-    if share_cores and cores <= SMALL_MACHINE_CORES and num_decode_workers == 1:
-        return {"prefill": 1, "decode": cores}
     return {"prefill": max(1, (cores // 2) // num_prefill_workers),
             "decode": max(1, (cores - cores // 2) // num_decode_workers)}
 

@@ -79,7 +79,12 @@ class LocalCluster:
         self.http_url = self.routers[0].http_url  # the first router's (every router serves the whole cluster)
         self.grpc_address = self.routers[0].grpc_address
         # gRPC address of each started pool node and worker, by name (kv_pool, prefill, decode, prefill-1, ...).
+        # Set one before start() to choose a worker's port.
         self.addresses: dict[str, str] = {}
+        # The address a worker or pool node registers for others to dial (and a pool node's that
+        # the workers are given), by name, when not its own (a chaos campaign puts a link proxy
+        # there: chaos.link_proxy); set before start().
+        self.advertised: dict[str, str] = {}
         # Where each service serves Prometheus metrics, by name; a router's has the cluster view.
         self.metrics_urls: dict[str, str] = {r.name: f"{r.http_url}/metrics" for r in self.routers}
         # A lone router is critical (nothing serves without it); one of several is restarted like a worker.
@@ -125,16 +130,18 @@ class LocalCluster:
         py = sys.executable
         if not self.redis_url:
             self.start_redis(on_progress, timeout_s)
-        self.addresses = {name: f"{c.host}:{free_port()}" for name in c.pool_names}
-        self.addresses.update({name: f"{c.host}:{free_port()}" for name, _ in c.worker_names})
+        chosen = self.addresses  # set before start(): kept
+        self.addresses = {name: chosen.get(name) or f"{c.host}:{free_port()}"
+                          for name in [*c.pool_names, *(name for name, _ in c.worker_names)]}
         metrics_ports = {name: free_port() for name in self.addresses}
         self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
         pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]), self.redis_url,
-                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c),
+                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c)
+                             + (["--advertise-address", self.advertised[name]] if name in self.advertised else []),
                              grpc_ready(self.addresses[name])) for name in c.pool_names]
         for pool in pools:
             self._wait(pool, on_progress, timeout_s)
-        pool_address = ",".join(self.addresses[name] for name in c.pool_names)
+        pool_address = ",".join(self.advertised.get(name, self.addresses[name]) for name in c.pool_names)
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
         self._pool_address = pool_address
         self._metrics_ports = metrics_ports
@@ -156,6 +163,8 @@ class LocalCluster:
         self.metrics_urls[name] = f"http://{c.host}:{metrics_port}/metrics"
         argv = service_argv(c, role, sys.executable, c.host, _port(self.addresses[name]), self.redis_url,
                             pool_address=self._pool_address, num_threads=threads, metrics_port=metrics_port)
+        if name in self.advertised:
+            argv += ["--advertise-address", self.advertised[name]]
         return self._spawn(name, argv, grpc_ready(self.addresses[name]),
                            env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads))})
 

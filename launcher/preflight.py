@@ -5,9 +5,7 @@ a model that exists and a context it supports. Each failure is one line naming t
 from __future__ import annotations
 
 import errno
-import json
 import socket
-from pathlib import Path
 
 
 class PreflightError(ValueError):
@@ -50,19 +48,3 @@ def check_engine_sizes(block_size: int, num_kv_blocks: int, max_num_seqs: int, m
         flags = (f"--num-kv-blocks {num_kv_blocks} --block-size {block_size} --max-model-len {max_model_len} "
                  f"--max-num-seqs {max_num_seqs} --max-num-batched-tokens {max_num_batched_tokens}")
         raise PreflightError(f"{err} ({flags})") from None
-
-
-def check_max_model_len(model_dir: Path, max_model_len: int) -> None:
-    """``max_model_len`` against the model's ``max_position_embeddings`` (config.json in
-    ``model_dir``); a model without one is not checked.
-
-    Raises:
-        PreflightError: the context is longer than the model was trained for.
-    """
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
-        return
-    limit = json.loads(config_path.read_text()).get("max_position_embeddings")
-    if limit is not None and max_model_len > limit:
-        raise PreflightError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-                             f"({limit}); pass --max-model-len {limit} or less")

@@ -172,7 +172,7 @@ class RayCluster:
         self.use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
         log_dir = str(Path(c.log_dir).resolve())
 
-        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated, share_cores=False)
+        threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated)
         # Explicit resources: a worker never shares its GPU, nor (on CPU) its thread budget.
         worker_resources = {role: {"num_gpus": c.tensor_parallel_size(role), "num_cpus": c.tensor_parallel_size(role)}
                             if self.use_gpus else {"num_cpus": threads[role]} for role in c.worker_roles}

@@ -3,7 +3,8 @@
 ``generate`` picks a prefill worker, streams the first token as soon as Prefill answers (TTFT),
 hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
 strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
-cancelled and the pool is told to release the request.
+cancelled; a manifest no decode worker answered for is dropped at the decode worker it was meant
+for (``DropManifest``: its KV connector releases it in the pool unless a Decode took it over).
 
 Failures: a worker that breaks an RPC or a stream is marked down in the view at once. A
 failed prefill is retried once on another prefill worker (or, when none is left, prefilled by the
@@ -68,7 +69,9 @@ def _delta(step: OutputStep, logprobs: tuple[TokenLogprob, ...],
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the pool (num_cached_tokens)
+    # Prompt tokens not computed for the first token: loaded from the pool (disaggregated) or
+    # found in the decode worker's own prefix cache (colocated).
+    cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,16 @@ class Finished:
 
 
 GenerationEvent = TextDelta | Finished
+
+
+@dataclass
+class _Handoff:
+    """A prefill's manifest whose pool state the prefill worker handed over, while no decode
+    worker has answered for it."""
+
+    request_id: str  # the prefill attempt's id: the manifest's request in the pool
+    prefill: PrefillResult  # its manifest
+    decode_address: str  # the decode worker it was sent to last (before any: the placement's)
 
 
 @dataclass(eq=False)
@@ -100,6 +113,7 @@ class _Run:
     attempt_ids: list[str] = field(default_factory=list)
     num_migrations: int = 0
     placement: Placement | None = None  # where the router placed it (router.placement.placer)
+    undelivered: _Handoff | None = None  # dropped at its decode worker when the request ends
 
 
 class Generation:
@@ -165,7 +179,12 @@ class Generation:
             if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
                 if prefill is not None:  # None: no prefill worker left after a failure
-                    yield self._first_token(run, prefill)
+                    first = self._first_token(run, prefill)
+                    # The prefill worker released the request itself when its own stop rule ended
+                    # it at the first token; else (a stop string too) it handed the manifest over.
+                    if run.output.finish_reason is None or run.output.stopped_by_string:
+                        run.undelivered = _Handoff(run.attempt_ids[-1], prefill, run.placement.decode.address)
+                    yield first
             if prefill is None or run.output.finish_reason is None:
                 async with contextlib.aclosing(self._decode(run, prefill)) as deltas:
                     async for delta in deltas:
@@ -180,7 +199,11 @@ class Generation:
             self.placer.finished(run.placement)
             self._record_end(run, error)
             # No pool release here: the workers' KV connectors own every request's pool state
-            # (engine/kv_connector/connector.py says who releases on each path).
+            # (engine/kv_connector/connector.py says who releases on each path). A manifest no
+            # decode worker answered for goes back to the one it was meant for, which releases it.
+            if run.undelivered is not None:
+                handoff = run.undelivered
+                self.clients.drop_manifest(handoff.decode_address, handoff.request_id, handoff.prefill)
 
     def _choose(self, role: str, run: _Run) -> WorkerInfo:
         """The placement's worker of ``role`` while it is live; else (a retry, a migration) the
@@ -289,14 +312,20 @@ class Generation:
         """One Decode stream on ``worker``; cancels it however it ends. Without ``prefill`` the
         worker resumes from the tokens accepted so far (none: colocated from the prompt)."""
         with self.placer.attempt(worker.address):
+            self.placer.decoding(worker.address, run.placement)
             resume = () if prefill is not None else tuple(run.output.token_ids)
+            if prefill is not None and run.undelivered is not None:
+                run.undelivered.decode_address = worker.address
             stream = self.clients.decode(worker.address, rid, run.request, prefill, self._remaining_s(run), resume)
             try:
                 async for event in stream_unless_lost(stream, self.view.loss.lost_event(worker.address), worker.address):
+                    if prefill is not None:  # the worker answered: its KV connector holds the manifest
+                        run.undelivered = None
                     if isinstance(event, DecodeTokens):
                         first = not run.sent_first_token
-                        if first:
-                            self._mark_first_token(run, 0)
+                        if first:  # colocated: this worker prefilled
+                            run.num_cached_tokens = event.num_cached_tokens
+                            self._mark_first_token(run, event.num_cached_tokens)
                         step = run.output.add_tokens(event.token_ids)
                         if not first:
                             self._count_tokens(run, len(step.token_ids))

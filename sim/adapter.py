@@ -328,6 +328,10 @@ class SimRouter:
         if manager is not None:
             manager.__exit__(None, None, None)
 
+    def decoding(self, placement: Placement, address: str) -> None:
+        """The decode worker at ``address`` starts the request (the router's ``placer.decoding``)."""
+        self.placer.decoding(address, placement)
+
     def first_token(self, placement: Placement, ttft_s: float) -> None:
         self.placer.first_token(placement, ttft_s)
 

@@ -163,6 +163,9 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     wall_s = time.perf_counter() - started
     cpu_s = sum(p.cpu_s for p in points)  # the simulations' own, across the --jobs processes
     console.print(_plan_table(points, len(requests), slo, target))
+    skipped = planner.not_evaluated(counts, tp_list, points, target)
+    if skipped is not None:
+        console.print(skipped, soft_wrap=True)
     best = planner.recommend(points, target)
     out = {"settings": {"gpus": counts, "tp": tp_list, "target": target, "slo": dataclasses.asdict(slo),
                         "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s, "cpu_s": cpu_s},

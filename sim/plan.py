@@ -206,6 +206,37 @@ def search(requests: list[SimRequest], base: ClusterChoice, gpu_counts: list[int
     return finder.sorted_points()
 
 
+def not_evaluated(gpu_counts: list[int], tps: list[int], points: list[PlanPoint], target: float) -> str | None:
+    """One line naming the GPU counts of ``gpu_counts`` without a point and why: more GPUs than
+    the fewest that meet ``target``, fewer than a count that misses it (the bisection of
+    :func:`search` skips both), or no TP of ``tps`` divides them. None when every count has points."""
+    evaluated = {p.num_gpus for p in points}
+    skipped = sorted(set(gpu_counts) - evaluated)
+    if not skipped:
+        return None
+    meeting = {p.num_gpus for p in points if p.slo_attainment >= target and not p.aborted}
+    missing = evaluated - meeting
+    fewest = min(meeting, default=None)
+    undivided = [n for n in skipped if all(n % tp for tp in tps)]
+    above = [n for n in skipped if n not in undivided and fewest is not None and n > fewest]
+    below = [n for n in skipped if n not in undivided and n not in above]
+    reasons = []
+    if below:  # the bisection skips a count only below one it saw miss (or one without configurations)
+        bound = min((n for n in missing if n > below[-1]), default=None)
+        reasons.append(f"{_gpus(below)} (fewer than {bound}, which misses the {target:.0%} target)" if bound
+                       else f"{_gpus(below)} (fewer than a count that cannot meet the {target:.0%} target)")
+    if above:
+        reasons.append(f"{_gpus(above)} (more than {fewest}, which meets the {target:.0%} target)")
+    if undivided:
+        reasons.append(f"{_gpus(undivided)} (no --tp degree divides them)")
+    why = "; SLO attainment grows with GPUs, so the bisection skips them, --all-sizes evaluates every size"
+    return f"not evaluated: {', '.join(reasons)}{why if below or above else ''}"
+
+
+def _gpus(counts: list[int]) -> str:
+    return f"{', '.join(map(str, counts))} GPU{'s' if counts != [1] else ''}"
+
+
 def best_per_size(points: list[PlanPoint], colocated: bool) -> dict[int, PlanPoint]:
     best: dict[int, PlanPoint] = {}
     for p in points:

@@ -225,6 +225,7 @@ class Simulation:
 
     def _start_decode(self, run: _Run, worker: _Worker, num_prompt_kv_tokens: int) -> None:
         self.router.track(str(run.index), worker.info.address)
+        self.router.decoding(run.placement, worker.info.address)
         outputs = (SAMPLED_TOKEN_ID,) if num_prompt_kv_tokens else ()
         done_s = worker.transfer(self.now_s, num_prompt_kv_tokens)
         self._at(done_s, self._add, worker, str(run.index), run.request.prompt, run.request.max_tokens, outputs,

@@ -273,15 +273,16 @@ def _given(name: str) -> bool:
 def _prepare_cpu_kernel() -> None:
     """Compiles the CPU attention kernel once per machine before the workers start (they would
     otherwise each compile it, silently, in their logs) and says so on the first start."""
-    from engine.kernels.cpu_decode_attention import library_path, load_kernel
+    from engine.kernels.cpu_decode_attention import SOURCE, library_path, load_kernel
 
-    if library_path().exists():
+    if SOURCE.is_file() and library_path().exists():
         return
     started = time.perf_counter()
     with console.status("compiling the CPU paged-attention kernel (first start on this machine only)"):
         kernel = load_kernel()
     if kernel is None:
-        console.print("[yellow]no C compiler worked: the workers use gather + SDPA attention (slower); "
+        console.print("[yellow]the CPU paged-attention kernel is unavailable (no working C compiler, or its "
+                      "source is not installed): the workers use gather + SDPA attention (slower); "
                       "see the worker logs[/]")
     else:
         console.print(f"compiled the CPU paged-attention kernel in {time.perf_counter() - started:.1f} s "

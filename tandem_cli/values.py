@@ -128,64 +128,61 @@ def _nvme_path(values: Mapping) -> str:
     return nvme["hostPath"] if nvme["type"] == "hostPath" else str(DEFAULT_NVME_DIR)
 
 
-# tandem up option -> how to read it from the merged values (None: leave the option alone).
-MAPPING: dict[str, Callable[[Mapping], Any]] = {
-    "model": _model,
-    "served_model_name": lambda v: v["model"]["name"],
-    "dtype": lambda v: v["model"]["dtype"],
-    "max_model_len": lambda v: v["model"]["maxModelLen"],
-    "block_size": lambda v: v["engine"]["blockSize"],
-    "max_num_batched_tokens": lambda v: v["engine"]["maxNumBatchedTokens"],
-    "max_num_seqs": lambda v: v["engine"]["maxNumSeqs"],
-    "num_scheduler_steps": lambda v: v["engine"]["numSchedulerSteps"],
-    "attention_backend": lambda v: v["engine"]["attentionBackend"],
-    "linear_backend": lambda v: v["engine"]["linearBackend"],
-    "kv_transfer": lambda v: v["transfer"]["backend"],
-    "kv_load_failure_policy": lambda v: v["transfer"]["kvLoadFailurePolicy"],
-    "routing_policy": lambda v: v["routing"]["policy"],
-    "disaggregation": lambda v: v["routing"]["disaggregation"],
-    "ttft_slo_s": lambda v: v["routing"]["slo"]["ttftMs"] / 1000,
-    "tbt_slo_s": lambda v: v["routing"]["slo"]["tbtMs"] / 1000,
-    "default_max_tokens": lambda v: v["routing"]["defaultMaxTokens"],
-    "request_timeout_s": lambda v: float(v["routing"]["requestTimeoutS"]),
-    "http_port": lambda v: v["router"]["httpPort"],
-    "grpc_port": lambda v: v["router"]["grpcPort"],
-    "num_routers": lambda v: v["router"]["replicas"],  # the Deployment's replicas (the HPA's start)
-    "colocated": lambda v: v["prefill"]["replicas"] == 0 or None,
-    "num_prefill_workers": lambda v: v["prefill"]["replicas"] or None,
-    "num_decode_workers": lambda v: v["decode"]["replicas"],
-    "prefill_num_kv_blocks": lambda v: v["prefill"]["numKvBlocks"],
-    "num_kv_blocks": lambda v: v["decode"]["numKvBlocks"],
-    "num_pool_nodes": lambda v: v["kvPool"]["replicas"],
-    "pool_capacity_bytes": _pool_capacity_bytes,
-    "pool_lease_ttl_s": lambda v: float(v["kvPool"]["leaseTtlS"]),
-    "pool_nvme_path": _nvme_path,
-    "pool_nvme_capacity_bytes": _nvme_capacity_bytes,
-    "open_paths": lambda v: ",".join(v["auth"]["apiKeys"]["openPaths"]),
-    "cluster_token": lambda v: secrets.token_urlsafe(32) if v["auth"]["clusterToken"]["enabled"] else "",
-}
+Reader = Callable[[Mapping], Any]
 
 
-# tandem up option -> the values (dotted paths) it is read from: a file setting none of them
-# leaves the option at tandem up's default.
-READS: dict[str, tuple[str, ...]] = {
-    "model": ("model.source",), "served_model_name": ("model.name",), "dtype": ("model.dtype",),
-    "max_model_len": ("model.maxModelLen",), "block_size": ("engine.blockSize",),
-    "max_num_batched_tokens": ("engine.maxNumBatchedTokens",), "max_num_seqs": ("engine.maxNumSeqs",),
-    "num_scheduler_steps": ("engine.numSchedulerSteps",), "attention_backend": ("engine.attentionBackend",),
-    "linear_backend": ("engine.linearBackend",),
-    "kv_transfer": ("transfer.backend",), "kv_load_failure_policy": ("transfer.kvLoadFailurePolicy",),
-    "routing_policy": ("routing.policy",), "disaggregation": ("routing.disaggregation",),
-    "ttft_slo_s": ("routing.slo.ttftMs",), "tbt_slo_s": ("routing.slo.tbtMs",),
-    "default_max_tokens": ("routing.defaultMaxTokens",), "request_timeout_s": ("routing.requestTimeoutS",),
-    "http_port": ("router.httpPort",), "grpc_port": ("router.grpcPort",), "num_routers": ("router.replicas",),
-    "colocated": ("prefill.replicas",), "num_prefill_workers": ("prefill.replicas",),
-    "num_decode_workers": ("decode.replicas",), "prefill_num_kv_blocks": ("prefill.numKvBlocks",),
-    "num_kv_blocks": ("decode.numKvBlocks",), "num_pool_nodes": ("kvPool.replicas",),
-    "pool_capacity_bytes": ("kvPool.dram", "kvPool.arenaPercent"), "pool_lease_ttl_s": ("kvPool.leaseTtlS",),
-    "pool_nvme_path": ("kvPool.nvme",), "pool_nvme_capacity_bytes": ("kvPool.nvme",),
-    "open_paths": ("auth.apiKeys.openPaths",), "cluster_token": ("auth.clusterToken.enabled",),
+def _at(dotted: str, convert: Callable[[Any], Any] = lambda value: value) -> tuple[tuple[str, ...], Reader]:
+    """An option read from the one value at ``dotted`` (e.g. ``"engine.blockSize"``), converted."""
+    def read(values: Mapping) -> Any:
+        node: Any = values
+        for part in dotted.split("."):
+            node = node[part]
+        return convert(node)
+    return (dotted,), read
+
+
+# tandem up option -> (the values, dotted, it is read from: a file setting none of them leaves the
+# option at tandem up's default; how to read it from the merged values, None leaving it alone).
+OPTIONS: dict[str, tuple[tuple[str, ...], Reader]] = {
+    "model": (("model.source",), _model),
+    "served_model_name": _at("model.name"),
+    "dtype": _at("model.dtype"),
+    "quantization": _at("model.quantization"),
+    "max_model_len": _at("model.maxModelLen"),
+    "block_size": _at("engine.blockSize"),
+    "max_num_batched_tokens": _at("engine.maxNumBatchedTokens"),
+    "max_num_seqs": _at("engine.maxNumSeqs"),
+    "num_scheduler_steps": _at("engine.numSchedulerSteps"),
+    "attention_backend": _at("engine.attentionBackend"),
+    "linear_backend": _at("engine.linearBackend"),
+    "kv_transfer": _at("transfer.backend"),
+    "kv_load_failure_policy": _at("transfer.kvLoadFailurePolicy"),
+    "kv_lease_ttl_s": _at("transfer.kvLeaseTtlS", float),
+    "routing_policy": _at("routing.policy"),
+    "disaggregation": _at("routing.disaggregation"),
+    "ttft_slo_s": _at("routing.slo.ttftMs", lambda ms: ms / 1000),
+    "tbt_slo_s": _at("routing.slo.tbtMs", lambda ms: ms / 1000),
+    "default_max_tokens": _at("routing.defaultMaxTokens"),
+    "request_timeout_s": _at("routing.requestTimeoutS", float),
+    "http_port": _at("router.httpPort"),
+    "grpc_port": _at("router.grpcPort"),
+    "num_routers": _at("router.replicas"),  # the Deployment's replicas (the HPA's start)
+    "colocated": _at("prefill.replicas", lambda replicas: replicas == 0 or None),
+    "num_prefill_workers": _at("prefill.replicas", lambda replicas: replicas or None),
+    "num_decode_workers": _at("decode.replicas"),
+    "prefill_num_kv_blocks": _at("prefill.numKvBlocks"),
+    "num_kv_blocks": _at("decode.numKvBlocks"),
+    "num_pool_nodes": _at("kvPool.replicas"),
+    "pool_capacity_bytes": (("kvPool.dram", "kvPool.arenaPercent"), _pool_capacity_bytes),
+    "pool_lease_ttl_s": _at("kvPool.leaseTtlS", float),
+    "pool_nvme_path": (("kvPool.nvme",), _nvme_path),
+    "pool_nvme_capacity_bytes": (("kvPool.nvme",), _nvme_capacity_bytes),
+    "open_paths": _at("auth.apiKeys.openPaths", ",".join),
+    "cluster_token": _at("auth.clusterToken.enabled", lambda on: secrets.token_urlsafe(32) if on else ""),
 }
+# tandem up option -> how to read it; -> the values it is read from.
+MAPPING: dict[str, Reader] = {name: read for name, (_, read) in OPTIONS.items()}
+READS: dict[str, tuple[str, ...]] = {name: paths for name, (paths, _) in OPTIONS.items()}
 
 
 def sets(user: Mapping, dotted: str) -> bool:

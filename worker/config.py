@@ -40,6 +40,12 @@ class WorkerConfig:
         "recompute", "A KV load from the pool that fails (unreachable, transfer error, checksum, lost lease): "
                      "recompute the KV here, or fail the request (gRPC UNAVAILABLE, HTTP 503). Counted in "
                      "tandem:kv_load_failures_total.", choices=KV_LOAD_FAILURE_POLICIES)
+    # Deadline of the pool leases this worker takes (docs/design.md §5): the pool frees what a
+    # worker that died or hung, or a manifest the router never delivered, still holds this long after.
+    kv_lease_ttl_s: float = setting(
+        60.0, "Deadline (s) of the pool leases this worker takes on the KV blocks it writes and reads: what a worker "
+              "that dies or hangs (or a manifest never delivered) holds is freed by the pool this long after; reads "
+              "running longer renew theirs.")
     # Synthetic passes timed at start-up so the cost model is fitted before traffic (0: none).
     calibration_steps: int = setting(16, "Synthetic passes timed at start-up to fit the cost model (0: off; at "
                                          "most ~5 s).")
@@ -57,6 +63,8 @@ class WorkerConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
                              f"got {self.kv_load_failure_policy!r}")
+        if not self.kv_lease_ttl_s > 0:
+            raise ValueError(f"kv_lease_ttl_s must be > 0, got {self.kv_lease_ttl_s!r}")
         if self.calibration_steps < 0:
             raise ValueError(f"calibration_steps must be >= 0, got {self.calibration_steps}")
         if self.log_level.upper() not in LOG_LEVELS:

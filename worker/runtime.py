@@ -21,7 +21,7 @@ from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolLocator
+from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolIO, PoolLocator
 from worker.config import WorkerConfig
 from worker.metrics import GrammarCollector, WorkerCollector
 from worker.stats import worker_load
@@ -66,7 +66,8 @@ def serve_worker(
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
         failures = KVLoadFailures(KVLoadFailurePolicy(worker.kv_load_failure_policy))
-        connector = KVConnector(engine.spec, PoolLocator(registry, worker.pool_address, worker.kv_transfer),
+        io = PoolIO(engine.spec, lease_ttl_s=worker.kv_lease_ttl_s, transfer=worker.kv_transfer)
+        connector = KVConnector(engine.spec, PoolLocator(registry, worker.pool_address, worker.kv_transfer), io,
                                 failures=failures)
         add_servicer(service, async_engine, connector)
         heartbeat: Heartbeat | None = None

@@ -7,64 +7,38 @@ this CPU's instruction-set flags, so every machine gets code for its own ISA (AV
 AVX2 on another) and later starts load it in milliseconds. The kernel shares torch's OpenMP
 runtime (the same ``libgomp.so.1``) and uses torch's thread count.
 
-Where no compiler works, :func:`load_kernel` returns None and callers keep the torch path
-(:class:`engine.cpu_attention.CpuAttentionBackend` falls back to gather + SDPA).
+Where no compiler works, or the C source is not installed (a wheel or image built without the
+package data), :func:`load_kernel` logs a warning and returns None, and callers keep the torch
+path (:class:`engine.cpu_attention.CpuAttentionBackend` falls back to gather + SDPA).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from core.model_source import cache_dir
+from engine.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def library_path() -> Path:
-    """Where the compiled kernel for this source, these flags and this CPU lives."""
-    key = hashlib.blake2b(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode(),
-                          digest_size=8).hexdigest()
-    return cache_dir() / "kernels" / f"paged_decode_attention-{key}.so"
+    """Where the compiled kernel for this source, these flags and this CPU lives.
 
-
-def _compile(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc or gcc; set CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, target)  # atomic: a concurrent start sees the old file or the new one
+    Raises:
+        FileNotFoundError: the C source is not installed next to this module.
+    """
+    return cpu_build.library_path(SOURCE)
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -78,12 +52,12 @@ def load_kernel() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    path = library_path()
     try:
+        path = library_path()
         if not path.exists():
             started = time.perf_counter()
             log.info("compiling the CPU paged-attention kernel (%s) ...", SOURCE.name)
-            _compile(path)
+            cpu_build.compile_library(SOURCE, path)
             log.info("compiled the CPU paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:

@@ -24,9 +24,15 @@ Exactly one connector holds a request at any time, and only the holder releases 
   decode worker's paged cache and frees its blocks there on finish.
 - *abort*: before the prefill answers, the prefill connector releases (the RPC is cancelled);
   once a Decode RPC with the manifest arrived, the decode connector does, whatever happens next.
+- *undelivered*: a manifest no Decode took over (the client left before the router sent it, or
+  the stream was cancelled before the worker ran it: a hung worker that wakes up finds the call
+  already cancelled and never sees the request) — the router sends ``DropManifest`` to the
+  decode worker it was meant for, whose connector releases it unless a Decode of that id came
+  first (:meth:`drop_undelivered`; the first of the two to arrive settles it, the other is a
+  no-op).
 - *failure*: a worker that fails an RPC releases what it holds before answering; a worker that
   dies holds nothing past the lease deadline, which the pool enforces by itself (docs/design.md §5)
-  — as it does for a manifest the router never delivers.
+  — as it does for a dropped manifest whose decode worker is gone.
 - *migration*: the resumed attempt has its own request id; its connector leases the stored
   prefix, loads it and releases it.
 
@@ -37,6 +43,7 @@ is how blocks were released twice.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -59,6 +66,9 @@ from engine.outputs import ExternalKV
 
 log = logging.getLogger(__name__)
 
+# Manifests a decode connector remembers settling (taken over by a Decode, or dropped): a
+# DropManifest or a Decode arrives at most a request timeout after the other.
+MAX_SETTLED_MANIFESTS = 4096
 
 
 class KVConnector:
@@ -79,6 +89,8 @@ class KVConnector:
         # request_id -> the pool nodes where this connector holds the request's leases / blocks.
         self._holding: dict[str, HashRing] = {}
         self.num_releases = 0  # requests this connector released (each exactly once)
+        # request_id -> True when a Decode took its manifest over, False when DropManifest dropped it.
+        self._settled: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     async def ring(self) -> HashRing:
         """The pool nodes. Raises LookupError when no pool is registered."""
@@ -176,13 +188,16 @@ class KVConnector:
         Mutates ``request`` (its output tokens).
 
         Raises:
-            ValueError: the pieces do not fit together, the manifest is of another KV spec, or
-                the outputs run past the request's end; nothing was taken over (:meth:`refuse`).
+            ValueError: the pieces do not fit together, the manifest is of another KV spec or
+                was dropped already (:meth:`drop_undelivered`), or the outputs run past the
+                request's end; nothing was taken over (:meth:`refuse`).
             KVLoadError: the load failed and the policy is ``fail``; the request is released.
         """
         start.validate(self.spec, request.num_prompt_tokens)
         rid = request.request_id
         if start.manifest is not None:
+            if not self._settle(rid, taken=True):
+                raise ValueError(f"the manifest of {rid} was dropped before this Decode arrived")
             if request.append_output_token(start.first_token_id) is not None:
                 await self.drop_manifest(rid, start.manifest)
                 return None
@@ -201,8 +216,32 @@ class KVConnector:
     async def refuse(self, request_id: str, start: DecodeStart) -> None:
         """Releases what a refused Decode RPC handed over (a manifest's pool state: this worker
         got it, no one else will release it early)."""
-        if start.manifest is not None:
+        if start.manifest is None:
+            return
+        # Not when DropManifest came first: it released the manifest already.
+        if self._settle(request_id, taken=True) or self._settled.get(request_id):
             await self.drop_manifest(request_id, start.manifest)
+
+    async def drop_undelivered(self, request_id: str, manifest: Manifest) -> bool:
+        """Releases a manifest the router gave up delivering, unless a Decode of ``request_id``
+        took it over here first (then that Decode releases it). Afterwards a Decode of that id is
+        refused. Returns True when this call released it. Mutates the settled record."""
+        if not self._settle(request_id, taken=False):
+            return False
+        log.info("manifest dropped by the router before any Decode took it over: released",
+                 extra={"request_id": request_id})
+        await self.drop_manifest(request_id, manifest)
+        return True
+
+    def _settle(self, request_id: str, taken: bool) -> bool:
+        """Records who settled ``request_id``'s manifest (a Decode took it over, or it was dropped);
+        False when it was settled before. Keeps the last MAX_SETTLED_MANIFESTS."""
+        if request_id in self._settled:
+            return False
+        self._settled[request_id] = taken
+        if len(self._settled) > MAX_SETTLED_MANIFESTS:
+            self._settled.popitem(last=False)
+        return True
 
     async def drop_manifest(self, request_id: str, manifest: Manifest) -> None:
         """Takes the request over and releases it without loading (it ended with its first token,

@@ -6,10 +6,22 @@ the layout it reads fastest:
 
 - ``onednn``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on a weight
   reordered once into oneDNN's blocked layout (``_reorder_linear_weight``). oneDNN keeps one
-  primitive per input shape in its own LRU cache, so a given M is planned once. Float32 and
-  bfloat16 (AVX512-BF16 / AMX kernels where the CPU has them).
+  primitive per input shape in its own LRU cache, so a given M is planned once. Float32, and
+  bfloat16 where the CPU has AVX-512 (AVX512-BF16 / AMX kernels where it has them) or
+  AVX-NE-CONVERT; an AVX2-only CPU runs bfloat16 through ``torch``.
 - ``mkl``: MKL's packed sgemm (``cblas_sgemm_pack``), float32 only.
 - ``torch``: plain ``F.linear`` (any dtype, any device).
+
+A layer quantised to int8 (:meth:`Linear.quantize_int8`, ``--quantization int8``) keeps an int8
+weight [out, in] and one float32 scale per output channel, and runs through one of:
+
+- ``int8_cpu``: Tandem's C kernel (engine.kernels.cpu_int8_linear), float32 activations, the int8
+  weight widened to float32 as it is read: a quarter of the bytes of a float32 weight.
+- ``int8_dequant``: ``F.linear`` on the weight dequantised to float32 at every call (the readable
+  reference; fastest only where M is large enough to amortise the dequantisation).
+- ``int8pack``: ``torch._weight_int8pack_mm`` (gpt-fast's weight-only int8 route), run with
+  bfloat16 activations and scales (its float32 path measured 5-9x slower on an AVX2 EPYC): the
+  activations lose float32's precision there, so it is last in the tie order.
 
 Which backend is fastest depends on the CPU, the weight's shape and M (the tokens in the step):
 on a 2-core AMD EPYC (Zen 4) oneDNN ran the 49152 x 576 LM head 2-4x faster than MKL at every M
@@ -28,8 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LINEAR_BACKEND_CHOICES
+from engine.kernels.cpu_int8_linear import int8_linear_cpu
+from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 
-BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # ("onednn", "mkl", "torch"): planned_linear's argument order
+BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
+FLOAT_BACKENDS = ("onednn", "mkl", "torch")  # float32 / bfloat16 / float16 weights
+INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack")  # int8 weights with float32 scales
+assert BACKENDS == FLOAT_BACKENDS + INT8_BACKENDS
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
 _MKL_BATCH_HINT = 16
 
@@ -46,16 +63,37 @@ def bucket_m(bucket: int) -> int:
 
 
 def backend_supports(backend: str, weight: torch.Tensor) -> bool:
-    """Whether ``backend`` can run GEMMs with ``weight`` [out, in] (its device and dtype)."""
-    if backend == "torch":
+    """Whether ``backend`` can run GEMMs with ``weight`` [out, in] (its device and dtype; an int8
+    weight is a quantised layer's)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
+    if (weight.dtype == torch.int8) != (backend in INT8_BACKENDS):
+        return False
+    if backend in ("torch", "int8_dequant"):
         return True
     if weight.device.type != "cpu":
         return False
     if backend == "mkl":
         return weight.dtype == torch.float32 and torch.backends.mkl.is_available()
     if backend == "onednn":
-        return weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-    raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
+        if not torch.backends.mkldnn.is_available():
+            return False
+        # oneDNN's bfloat16 reorder refuses CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2
+        # EPYC): F.linear runs bfloat16 there.
+        return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
+    if backend == "int8_cpu":
+        return load_int8_kernel() is not None
+    return hasattr(torch, "_weight_int8pack_mm")  # int8pack
+
+
+def fallback_backend(weight: torch.Tensor) -> str:
+    """The backend that runs ``weight`` anywhere: ``torch`` (float) or ``int8_dequant`` (int8)."""
+    return "int8_dequant" if weight.dtype == torch.int8 else "torch"
+
+
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 inner products on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
@@ -69,8 +107,11 @@ def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` [M, in] through ``backend`` with its prepared weight -> [M, out], x's dtype."""
+                bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, in] through ``backend`` with its prepared weight -> [M, out], x's dtype. An int8
+    backend's ``weight`` is int8 [out, in] and ``scale`` its float32 [out] per-channel scales."""
+    if backend in INT8_BACKENDS:
+        return _run_int8(backend, x, weight, scale, bias)
     if backend == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
     if backend == "mkl":
@@ -78,11 +119,46 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
     return F.linear(x, weight, bias)
 
 
+def _run_int8(backend: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    if backend == "int8_cpu":
+        return int8_linear_cpu(load_int8_kernel(), x, qweight, scale, bias)
+    if backend == "int8pack":
+        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scale.to(torch.bfloat16)).to(x.dtype)
+        return out if bias is None else out + bias
+    return F.linear(x, dequantize_int8(qweight, scale).to(x.dtype), bias)  # int8_dequant
+
+
+# Symmetric int8: [-127, 127], so that -w quantises to -q (no -128).
+INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 quantisation (round to nearest):
+    ``scale[n] = max_k |weight[n, k]| / 127``, ``qweight = round(weight / scale[:, None])``.
+
+    weight [out, in], any float dtype -> (qweight [out, in] int8, scale [out] float32). A row of
+    zeros gets scale 1 (and zeros). Each element's error is at most ``scale[n] / 2``.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    qweight = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return qweight.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """qweight [out, in] int8, scale [out] float32 -> the float32 weight [out, in] they stand for."""
+    return qweight.float() * scale[:, None]
+
+
 class Linear(nn.Module):
     """``nn.Linear``'s parameters (``weight`` [out, in], ``bias`` [out] or None) and result.
 
     ``forward(x [num_tokens, in]) -> [num_tokens, out]``, x's dtype. After :meth:`set_plan`, a
-    2-D input of the weight's dtype runs through the backend its M bucket names.
+    2-D input of the weight's dtype runs through the backend its M bucket names. After
+    :meth:`quantize_int8` the layer holds ``qweight`` (int8 [out, in]) and ``weight_scale``
+    (float32 [out]) instead of ``weight`` and runs the int8 backends (float32 input and output).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -94,6 +170,28 @@ class Linear(nn.Module):
         self.plan: tuple[int, ...] | None = None
         # prepared[i]: BACKENDS[i]'s copy of the weight (plain tensors, not parameters).
         self.prepared: list[torch.Tensor | None] = [None] * len(BACKENDS)
+        self.register_buffer("qweight", None)  # int8 [out, in] once quantised
+        self.register_buffer("weight_scale", None)  # float32 [out] once quantised
+
+    @property
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight the GEMM reads: ``qweight`` (int8) once quantised, else ``weight``."""
+        return self.weight if self.qweight is None else self.qweight
+
+    def quantize_int8(self) -> None:
+        """Replaces ``weight`` by its per-channel int8 quantisation (:func:`quantize_int8`) and
+        clears the plan (a quantised layer without one runs ``int8_dequant``). Mutates this layer;
+        a weight shared with another module (a tied LM head's embedding) stays float there.
+
+        Raises:
+            ValueError: the weight is not float32 (int8 layers take float32 activations).
+        """
+        if self.weight.dtype != torch.float32:
+            raise ValueError(f"int8 quantisation needs a float32 weight, got {self.weight.dtype}")
+        qweight, scale = quantize_int8(self.weight)
+        self.weight = None
+        self.qweight, self.weight_scale = qweight, scale
+        self.clear_plan()
 
     def set_plan(self, plan: tuple[str, ...], weight: torch.Tensor | None = None) -> None:
         """Runs M bucket ``b`` through backend ``plan[b]``, preparing ``weight`` (default: this
@@ -103,7 +201,7 @@ class Linear(nn.Module):
         Raises:
             ValueError: an unknown backend, or one that cannot run this weight's dtype/device.
         """
-        weight = (self.weight if weight is None else weight).detach()
+        weight = (self.gemm_weight if weight is None else weight).detach()
         prepared: list[torch.Tensor | None] = [None] * len(BACKENDS)
         for name in set(plan):
             if name not in BACKENDS or not backend_supports(name, weight):
@@ -124,30 +222,47 @@ class Linear(nn.Module):
         return BACKENDS[self.plan[min(m_bucket(num_tokens), len(self.plan) - 1)]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self._forward_int8(x)
         if self.plan is None or x.dim() != 2 or x.dtype != self._source.dtype:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return planned_linear(x, self._source, self.bias, self.prepared[0], self.prepared[1], list(self.plan))
+            return planned_linear(x, self._source, self.bias, None, self.prepared[0], self.prepared[1],
+                                  list(self.plan))
         code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
         return run_backend(BACKENDS[code], x, self.prepared[code], self._source, self.bias)
 
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.plan is None:
+            out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale)
+        elif torch.compiler.is_compiling():
+            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, list(self.plan))
+        else:
+            code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
+            out = run_backend(BACKENDS[code], x, None, self.qweight, self.bias, self.weight_scale)
+        return out.reshape(*shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         plan = "none" if self.plan is None else ",".join(BACKENDS[c] for c in self.plan)
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, plan={plan}"
+        quantized = ", int8" if self.qweight is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quantized}, plan={plan}"
 
 
 @torch.library.custom_op("tandem::planned_linear", mutates_args=())
-def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
                    onednn_weight: torch.Tensor | None, mkl_weight: torch.Tensor | None,
                    plan: list[int]) -> torch.Tensor:
-    """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]."""
+    """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
+    (``weight`` int8 with its ``scale`` for a quantised layer)."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
-    prepared = (onednn_weight, mkl_weight, None)[code]
-    return run_backend(BACKENDS[code], x, prepared, weight, bias)
+    prepared = {0: onednn_weight, 1: mkl_weight}.get(code)
+    return run_backend(BACKENDS[code], x, prepared, weight, bias, scale)
 
 
 @planned_linear.register_fake
-def _(x, weight, bias, onednn_weight, mkl_weight, plan):
+def _(x, weight, bias, scale, onednn_weight, mkl_weight, plan):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

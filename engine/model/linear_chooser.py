@@ -9,7 +9,11 @@ model's real weight shapes at the M buckets it will see:
 - prefill chunks: M up to ``max_num_batched_tokens`` (every layer but the LM head, which only
   sees the sampled rows, at most ``max_num_seqs``),
 
-and keeps the fastest per (shape, M bucket). The plan is cached as JSON in the Tandem cache
+and keeps the fastest per (shape, M bucket). Each candidate is timed on weights that come from
+DRAM, as in a forward pass (where the whole model streams through the caches between two uses of
+one layer): the calls rotate through enough copies of the weight to overflow the last-level cache
+(:func:`num_weight_copies`). Timing one weight over and over would time it hot in L2/L3 and can
+rank the backends the other way round for the small weights. The plan is cached as JSON in the Tandem cache
 folder, keyed by the CPU's model name and instruction-set flags, torch / MKL / oneDNN versions,
 the thread count, the dtype and the shapes, so later starts of the same machine read it in
 milliseconds (the C attention kernel is cached the same way: engine.kernels.cpu_decode_attention).
@@ -21,8 +25,10 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,8 +39,8 @@ from torch import nn
 
 from core.model_source import cache_dir
 from engine.config import EngineConfig
-from engine.model.linear import (BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m, m_bucket,
-                                 planned_layers, prepare_weight, run_backend)
+from engine.model.linear import (BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m,
+                                 fallback_backend, m_bucket, planned_layers, prepare_weight, run_backend)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,32 @@ TIE_MARGIN = 0.10
 # Buckets past this M are timed at it: large GEMMs are compute-bound and rank the backends as at
 # 512 rows, and timing a 2048-row GEMM three times per backend would triple the start-up cost.
 MAX_TIMED_M = 512
+# The copies of a weight the calls rotate through span at least this many times the last-level
+# cache (so each call reads its weight from DRAM), at most MAX_WEIGHT_COPIES copies.
+COLD_CACHE_FACTOR = 2
+MAX_WEIGHT_COPIES = 64
+_DEFAULT_LLC_BYTES = 32 << 20
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0, in bytes (sysfs); 32 MiB where sysfs does not say."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=_DEFAULT_LLC_BYTES)
+
+
+def num_weight_copies(weight: torch.Tensor, llc_bytes: int | None = None) -> int:
+    """How many copies of ``weight`` the timed calls rotate through: enough to span
+    COLD_CACHE_FACTOR x the last-level cache, 1 for a weight that alone does, at most
+    MAX_WEIGHT_COPIES."""
+    llc_bytes = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    nbytes = weight.numel() * weight.element_size()
+    return max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_CACHE_FACTOR * llc_bytes / max(1, nbytes))))
 
 
 @dataclass(frozen=True)
@@ -55,8 +87,8 @@ class LinearSetup:
     """How a loaded model's linear layers get their GEMM backends.
 
     ``backend``: "auto" measures (or reads the cached measurement); a backend name forces it on
-    every layer it can run (others keep ``torch``). ``max_num_seqs`` / ``max_num_batched_tokens``:
-    the engine's, they bound the M buckets measured.
+    every layer it can run (others keep ``torch``, an int8 layer ``int8_dequant``).
+    ``max_num_seqs`` / ``max_num_batched_tokens``: the engine's, they bound the M buckets measured.
 
     Raises:
         ValueError: an unknown backend, or a size below 1.
@@ -89,8 +121,9 @@ class LinearPlan:
     timings_ms: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     took_s: float = 0.0
     cached: bool = False
-    # 1-minute load average per core while it was measured (above BUSY_LOAD_PER_CORE: busy).
-    load_per_core: float = 0.0
+    # Cores the machine's other processes kept busy, on average, while it was measured (above
+    # BUSY_OTHER_CORES: measured busy).
+    other_cores: float = 0.0
 
     def summary(self) -> str:
         """One line for the start-up log: "onednn for 5 shapes (24 buckets), mkl for ..."."""
@@ -102,7 +135,9 @@ class LinearPlan:
 
 
 def shape_key(weight: torch.Tensor) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]}"
+    """``"{out}x{in}"``, ``"int8:{out}x{in}"`` for a quantised layer's int8 weight."""
+    prefix = "int8:" if weight.dtype == torch.int8 else ""
+    return f"{prefix}{weight.shape[0]}x{weight.shape[1]}"
 
 
 def _layer_buckets(model: nn.Module, setup: LinearSetup) -> dict[str, tuple[torch.Tensor, int]]:
@@ -112,7 +147,7 @@ def _layer_buckets(model: nn.Module, setup: LinearSetup) -> dict[str, tuple[torc
     prefill_buckets = max(decode_buckets, m_bucket(setup.max_num_batched_tokens) + 1)
     shapes: dict[str, tuple[torch.Tensor, int]] = {}
     for layer in planned_layers(model):
-        weight = layer.weight.detach()
+        weight = layer.gemm_weight.detach()
         buckets = decode_buckets if layer is lm_head else prefill_buckets
         key = shape_key(weight)
         if key not in shapes or shapes[key][1] < buckets:
@@ -120,21 +155,31 @@ def _layer_buckets(model: nn.Module, setup: LinearSetup) -> dict[str, tuple[torc
     return shapes
 
 
-def time_backends_ms(prepared: dict[str, torch.Tensor | None], weight: torch.Tensor, m: int) -> dict[str, float]:
-    """Best ms of one GEMM of ``m`` random rows against ``weight`` through each backend of
-    ``prepared`` (backend -> its prepared weight). The backends take turns call by call, so a
-    burst of load from another process slows them alike instead of one of them."""
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+def time_backends_ms(prepared: dict[str, list[torch.Tensor | None]], weights: list[torch.Tensor],
+                     m: int) -> dict[str, float]:
+    """Best ms of one GEMM of ``m`` random rows against a weight through each backend of
+    ``prepared`` (backend -> its prepared copy of each of ``weights``, equal copies of one weight).
+    Call ``i`` reads copy ``i % len(weights)``, so with enough copies every call finds its weight
+    out of the caches. The backends take turns call by call, so a burst of load from another
+    process slows them alike instead of one of them, and each call reads the copy after the
+    previous call's: a backend that ran right after another on the same copy would find that
+    weight in the caches (MKL's packed GEMM reads the plain weight too at some M, which made
+    ``F.linear`` after it look 2-4x faster than it runs in a pass)."""
+    int8 = weights[0].dtype == torch.int8  # a quantised layer's: float32 activations, unit scales
+    x = torch.randn(m, weights[0].shape[1], dtype=torch.float32 if int8 else weights[0].dtype, device=weights[0].device)
+    scale = torch.ones(weights[0].shape[0], device=weights[0].device) if int8 else None
     best_s = {}
-    for backend, w in prepared.items():
-        run_backend(backend, x, w, weight, None)  # warm-up: primitive creation, caches
+    for backend, copies in prepared.items():
+        run_backend(backend, x, copies[0], weights[0], None, scale)  # warm-up: primitive creation
         best_s[backend] = float("inf")
     calls, started = 0, time.perf_counter()
     budget_s = TIME_PER_CANDIDATE_S * len(prepared)
+    i = 0  # copy 0 was the warm-ups': it is in the caches
     while calls < MIN_CALLS or time.perf_counter() - started < budget_s:
-        for backend, w in prepared.items():
+        for backend, copies in prepared.items():
+            i = (i + 1) % len(weights)
             t0 = time.perf_counter()
-            run_backend(backend, x, w, weight, None)
+            run_backend(backend, x, copies[i], weights[i], None, scale)
             best_s[backend] = min(best_s[backend], time.perf_counter() - t0)
         calls += 1
     return {backend: s * 1e3 for backend, s in best_s.items()}
@@ -153,14 +198,26 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
     choices: dict[str, list[str]] = {}
     timings: dict[str, dict[str, list[float | None]]] = {}
     for key, (weight, num_buckets) in sorted(shapes.items()):
-        prepared = {b: prepare_weight(b, weight) for b in candidates if backend_supports(b, weight)}
-        if len(prepared) == 1:  # nothing to choose from (a CUDA weight: F.linear only)
-            choices[key] = list(prepared) * num_buckets
+        runnable = [b for b in candidates if backend_supports(b, weight)]
+        if len(runnable) == 1:  # nothing to choose from (a CUDA weight: F.linear only)
+            choices[key] = runnable * num_buckets
             continue
-        per_bucket = [time_backends_ms(prepared, weight, min(bucket_m(k), MAX_TIMED_M)) for k in range(num_buckets)]
-        timings[key] = {b: [round(t[b], 4) for t in per_bucket] for b in prepared}
+        weights = [weight] + [weight.clone() for _ in range(num_weight_copies(weight) - 1)]
+        prepared = {b: [prepare_weight(b, w) for w in weights] for b in runnable}
+        # Buckets past MAX_TIMED_M are all timed at it: once, shared by them.
+        timed_m = [min(bucket_m(k), MAX_TIMED_M) for k in range(num_buckets)]
+        by_m = {m: time_backends_ms(prepared, weights, m) for m in dict.fromkeys(timed_m)}
+        per_bucket = [by_m[m] for m in timed_m]
+        del weights, prepared
+        timings[key] = {b: [round(t[b], 4) for t in per_bucket] for b in runnable}
         choices[key] = [fastest(t) for t in per_bucket]
     return LinearPlan(choices, timings, took_s=time.perf_counter() - started)
+
+
+# Changed when the way a plan is measured changes, so plans cached the old way are measured again.
+PLAN_FORMAT = "3: each timed call reads the copy after the previous call's; other processes' CPU use measured"
+# Plans of int8 layers also depend on Tandem's int8 kernel (engine.kernels.cpu_int8_linear).
+_INT8_KERNEL = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "int8_linear.c"
 
 
 def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]]) -> str:
@@ -172,20 +229,64 @@ def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]])
                 cpu += line + "\n"
     except OSError:
         cpu = platform.processor()
-    parts = [cpu, torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
+    parts = [PLAN_FORMAT, cpu, torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
              repr(sorted((k, n) for k, (_, n) in shapes.items()))]
+    if any(key.startswith("int8:") for key in shapes) and _INT8_KERNEL.is_file():
+        parts.append(hashlib.blake2b(_INT8_KERNEL.read_bytes(), digest_size=8).hexdigest())
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 
-# Above this 1-minute load average per core a measurement counts as made on a busy machine.
-BUSY_LOAD_PER_CORE = 1.0
+# Above this many cores used by other processes (mean over the measurement) a plan counts as
+# measured on a busy machine. A quiet machine's daemons take ~0.02 core; one other busy thread
+# of a 2-core machine takes 1 core and makes every GEMM barrier wait for a time slice.
+BUSY_OTHER_CORES = 0.25
+# Seconds a start watches the machine before deciding whether a busy plan is measured again.
+QUIET_PROBE_S = 0.3
 
 
-def _load_per_core() -> float:
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except OSError:
-        return 0.0
+class OtherCpuUse:
+    """Cores used by processes other than this one between construction and :meth:`cores`:
+    the machine's busy CPU time (``/proc/stat``: user, nice, system, irq, softirq, steal) minus
+    this process's (``getrusage``), over the wall time. Steal counts: a hypervisor's other
+    guests slow the GEMMs as other processes do. 0.0 where ``/proc/stat`` cannot be read.
+
+    The 1-minute load average that this replaces lags: it still counted a benchmark that had
+    ended, and missed a test that ran during a 10 s measurement (its timings showed 16 ms
+    stalls, time slices, at a load of 0.6 per core)."""
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+        busy_s = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return time.monotonic(), busy_s, own.ru_utime + own.ru_stime
+
+    def seconds(self) -> tuple[float, float, float]:
+        """(wall, the machine's busy CPU, this process's CPU) seconds since construction; zeros
+        where ``/proc/stat`` cannot be read."""
+        end = self._sample()
+        if self._start is None or end is None:
+            return 0.0, 0.0, 0.0
+        return tuple(b - a for a, b in zip(self._start, end))
+
+    def cores(self) -> float:
+        """Mean cores other processes used since construction (>= 0)."""
+        wall_s, machine_s, own_s = self.seconds()
+        return max(0.0, (machine_s - own_s) / wall_s) if wall_s > 0 else 0.0
+
+
+def _other_cores_now() -> float:
+    """Cores other processes use over the next QUIET_PROBE_S seconds."""
+    use = OtherCpuUse()
+    time.sleep(QUIET_PROBE_S)  # the window measured, not a wait for an event
+    return use.cores()
 
 
 def plan_path(key: str) -> Path:
@@ -196,7 +297,7 @@ def _read_cached(path: Path) -> LinearPlan | None:
     try:
         data = json.loads(path.read_text())
         return LinearPlan(data["choices"], data.get("timings_ms", {}), data.get("took_s", 0.0), cached=True,
-                          load_per_core=data.get("load_per_core", 0.0))
+                          other_cores=data.get("other_cores", 0.0))
     except (OSError, ValueError, KeyError):
         return None
 
@@ -205,7 +306,7 @@ def _write_cached(path: Path, plan: LinearPlan) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # tensor-parallel ranks may write at once
     tmp.write_text(json.dumps({"choices": plan.choices, "timings_ms": plan.timings_ms, "took_s": plan.took_s,
-                               "load_per_core": plan.load_per_core}))
+                               "other_cores": plan.other_cores}))
     os.replace(tmp, path)
 
 
@@ -218,7 +319,7 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     if setup.backend != "auto":
         choices = {}
         for key, (weight, num_buckets) in shapes.items():
-            backend = setup.backend if backend_supports(setup.backend, weight) else "torch"
+            backend = setup.backend if backend_supports(setup.backend, weight) else fallback_backend(weight)
             choices[key] = [backend] * num_buckets
         return LinearPlan(choices)
     dtype = next(iter(shapes.values()))[0].dtype
@@ -234,25 +335,24 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
 
 
 def _cached_or_measured(path: Path, shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:
-    load_now = _load_per_core()
     cached = _read_cached(path)
     if cached is not None and set(cached.choices) == set(shapes):
         # A plan measured on a busy machine is kept until a start finds the machine quiet.
-        if cached.load_per_core <= BUSY_LOAD_PER_CORE or load_now > BUSY_LOAD_PER_CORE:
+        if cached.other_cores <= BUSY_OTHER_CORES or _other_cores_now() > BUSY_OTHER_CORES:
             return cached
-    plan = _measure_now(shapes, load_now)
+    plan = _measure_now(shapes)
     _write_cached(path, plan)
     return plan
 
 
-def _measure_now(shapes: dict[str, tuple[torch.Tensor, int]], load_before: float | None = None) -> LinearPlan:
-    load_before = _load_per_core() if load_before is None else load_before
+def _measure_now(shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:
+    others = OtherCpuUse()
     plan = measure(shapes, BACKENDS)
-    plan.load_per_core = max(load_before, _load_per_core())
-    if plan.load_per_core > BUSY_LOAD_PER_CORE:
+    plan.other_cores = others.cores()
+    if plan.other_cores > BUSY_OTHER_CORES:
         # Timings of a busy machine measure the other processes as much as the GEMMs.
-        log.warning("linear backends measured while the machine was busy (load %.1f per core): the first "
-                    "start on a quiet machine measures them again", plan.load_per_core)
+        log.warning("linear backends measured while other processes kept %.2f cores busy: the first start on "
+                    "a quiet machine measures them again", plan.other_cores)
     return plan
 
 
@@ -261,7 +361,7 @@ def plan_linears(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     ``model``, logging one summary line. Mutates the layers (prepared weight copies)."""
     plan = choose_plan(model, setup)
     for layer in planned_layers(model):
-        choice = plan.choices.get(shape_key(layer.weight))
+        choice = plan.choices.get(shape_key(layer.gemm_weight))
         if choice is None or set(choice) == {"torch"}:
             layer.clear_plan()
         else:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engine.model.linear import planned_layers
 from engine.model.linear_chooser import LinearSetup, plan_linears
 from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
 
@@ -17,7 +18,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
                linear: LinearSetup | None = LinearSetup(),
-               shard: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
+               shard: Callable[[LlamaForCausalLM], None] | None = None,
+               quantization: str = "none") -> LlamaForCausalLM:
     """Loads weights from every ``*.safetensors`` file in ``hf_dir`` (transformers' layout: the
     separate Q/K/V and gate/up projections are fused on load), then, with ``linear``, gives every
     linear layer its GEMM backend per M bucket, measured or cached per machine
@@ -26,11 +28,19 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
     ``shard``: called on the loaded model while it is still on the CPU, before it moves to
     ``device`` and its linear layers are planned (a tensor-parallel rank keeps its slice: engine.parallel.layers).
 
+    ``quantization="int8"``: every linear layer (the fused QKV and gate/up projections, O, down and
+    the LM head) is quantised from the float32 checkpoint after sharding, before planning
+    (:func:`quantize_linears`); the embedding, the norms and the biases stay float32.
+
     Raises:
         FileNotFoundError: no safetensors file in the folder.
-        ValueError: unsupported model_type, a weight missing from the checkpoint, or
-            ``max_positions`` beyond the model's ``max_position_embeddings``.
+        ValueError: unsupported model_type, a weight missing from the checkpoint,
+            ``max_positions`` beyond the model's ``max_position_embeddings``, or a quantization
+            other than "none" and "int8" (int8 with a dtype other than float32).
     """
+    if quantization not in ("none", "int8") or (quantization == "int8" and dtype != "float32"):
+        raise ValueError(f"quantization must be 'none', or 'int8' with dtype float32; got {quantization!r} "
+                         f"with {dtype!r}")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
@@ -65,6 +75,21 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
     if shard is not None:
         shard(model)
     model = model.to(device).eval()
+    if quantization == "int8":
+        quantize_linears(model)
     if linear is not None:
         plan_linears(model, linear)
     return model
+
+
+def quantize_linears(model: LlamaForCausalLM) -> None:
+    """Quantises every linear layer's weight to int8, per output channel, symmetric
+    (:meth:`engine.model.linear.Linear.quantize_int8`). Mutates ``model``.
+
+    The LM head is quantised too: it is the largest GEMM of a small model (49152 x 576 in
+    SmolLM2-135M, a fifth of its weights) and its int8 error measured no worse than the decoder
+    layers' (docs/quantization.md). A tied LM head gets its own int8 copy; the embedding stays
+    float32, since a lookup reads one row per token and float rows keep it exact.
+    """
+    for layer in planned_layers(model):
+        layer.quantize_int8()

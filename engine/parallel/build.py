@@ -52,7 +52,7 @@ def load_sharded(config: EngineConfig, source: ModelSource, group: RankGroup) ->
         shard_model(model, layouts[0], group)
 
     model = load_model(ensure_hf_dir(source), config.dtype, group.device, config.max_model_len,
-                       LinearSetup.from_config(config), shard=shard)
+                       LinearSetup.from_config(config), shard=shard, quantization=config.quantization)
     return model, layouts[0]
 
 

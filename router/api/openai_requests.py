@@ -68,6 +68,8 @@ CHAT_UNSUPPORTED = {
     "store": (_empty, "false"),
     "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
 }
+# OpenAI's rule: only an assistant's content may be null or absent (a message of tool calls).
+CONTENT_REQUIRED_ROLES = ("system", "developer", "user", "tool")
 MESSAGE_UNSUPPORTED = {
     "function_call": (_none, "null"),
     "audio": (_none, "null"),
@@ -163,9 +165,12 @@ class _SamplingFields(_SamplingParamsFields, StructuredOutputFields):
         and ``logprobs`` / ``top_logprobs``); the structured output's spec under ``structured_outputs``.
 
         Raises:
-            InvalidRequestError: an unsupported field, or a bad structured output.
+            InvalidRequestError: an unsupported field, ``stream_options`` without ``stream``, or
+                a bad structured output.
         """
         self._refuse_unsupported()
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         if self.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported: use echo with logprobs on /v1/completions",
                                       "prompt_logprobs")
@@ -280,9 +285,14 @@ class ChatMessage(_OpenAIModel):
         return message
 
     def text(self, index: int) -> str:
-        """Raises InvalidRequestError for non-text content parts (images, audio), unknown fields
-        of a text part, or an unsupported field of message ``index``."""
+        """Raises InvalidRequestError for null or absent content outside an assistant message,
+        non-text content parts (images, audio), unknown fields of a text part, or an unsupported
+        field of message ``index``."""
         self._refuse_unsupported(f"messages.{index}.")
+        if self.content is None and self.role in CONTENT_REQUIRED_ROLES:
+            got = ", got null" if "content" in self.model_fields_set else ""
+            raise InvalidRequestError(f"messages.{index}.content is required on a {as_json(self.role)} message "
+                                      f"(text or a list of content parts){got}", f"messages.{index}.content")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for j, part in enumerate(self.content):

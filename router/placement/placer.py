@@ -12,6 +12,7 @@ read-only view) and the admission's (router.placement.admission).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -73,8 +74,9 @@ class Placer:
 
     async def place(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                     prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo]) -> Placement:
-        """Chooses where the request runs and admits it. Mutates: the local prefix view and the
-        pending prefill tokens (until ``first_token`` or ``finished``).
+        """Chooses where the request runs and admits it. Mutates: the local prefix view (of the
+        worker that prefills) and the pending prefill tokens (until ``first_token`` or
+        ``finished``). The returned placement carries the prompt's block hashes.
 
         Raises:
             RouterError: NO_WORKER without a decode worker; SLO_UNATTAINABLE (429 with
@@ -83,13 +85,15 @@ class Placer:
         require_workers("decode", decode_workers)
         request = await self.routing_request(request_id, prompt_token_ids, max_tokens, [*prefill_workers, *decode_workers])
         placement = self.policy.place(prefill_workers, decode_workers, request)
+        placement = dataclasses.replace(placement, block_hashes=request.block_hashes)
         self.admission.check(placement, request_id)
         prefilling = placement.prefill or placement.decode
         cached = placement.prediction.num_cached_tokens if placement.prediction else request.num_pool_cached_tokens
         self.book.add_pending(placement, prefilling.address, max(0, request.num_prompt_tokens - cached))
-        for worker in (placement.prefill, placement.decode):
-            if worker is not None:
-                self.book.record_sent(worker.address, request.block_hashes)
+        # Only the worker that computes the prompt holds it for sure. A disaggregated decode
+        # worker gets the prompt's KV only with a Decode stream (``decoding``): none follows a
+        # request that ends at its first token.
+        self.book.record_sent(prefilling.address, request.block_hashes)
         self.metrics.placed(placement.policy, placement.mode)
         prediction = placement.prediction
         log.info("placed %s: prefill %s, decode %s, %d of %d prompt tokens cached, predicted TTFT %s",
@@ -113,6 +117,13 @@ class Placer:
             worker = self.policy.choose(workers, RoutingRequest(request_id, prompt_token_ids))
         self.metrics.routed(self.policy.name, role)
         return worker
+
+    def decoding(self, address: str, placement: Placement | None) -> None:
+        """A Decode stream that loads or computes the prompt's KV (a manifest, a resumed or a
+        colocated request) opens at ``address``: the prompt's blocks join that worker's local
+        prefix view. Mutates: the local prefix view. A no-op for None."""
+        if placement is not None:
+            self.book.record_sent(address, placement.block_hashes)
 
     def attempt(self, address: str) -> contextlib.AbstractContextManager[None]:
         """Counts one request in flight at ``address`` (a Prefill RPC or a Decode stream) for the

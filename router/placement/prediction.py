@@ -15,8 +15,10 @@ Predictions (seconds; DistServe §4 and Mooncake §5 split TTFT the same way):
     colocated on D:           ttft = queue(D) + prefill_D(uncached locally)
                                      + chunks x (running batch's share of each mixed step)
                               tbt = max(decode step, one mixed step: chunk + running batch)
-                              (fits only if the mixed step meets the TBT SLO; without one,
-                              if it is at most MAX_COLOCATED_STALL_STEPS decode steps)
+                              (the mixed step: this prompt's chunk and those queued at D
+                              ahead of it, up to D's token budget; fits only if it meets the
+                              TBT SLO; without one, if it is at most
+                              MAX_COLOCATED_STALL_STEPS decode steps)
 
 ``queue(W)`` drains the prompt tokens queued ahead at W: the larger of its heartbeat's
 ``num_waiting_tokens + num_batched_tokens`` and this router's pending tokens there.
@@ -35,9 +37,11 @@ from router.placement.state import PlacementView
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 DEFAULT_BLOCK_SIZE = 16  # a worker that does not say its block size (older heartbeat)
-# Without a TBT SLO, a colocated prefill chunk may take at most this many of the running batch's
+# Without a TBT SLO, a colocated mixed step may take at most this many of the running batch's
 # decode steps (the running requests wait for it): a long uncached prompt goes to a prefill worker.
-MAX_COLOCATED_STALL_STEPS = 4.0
+# 2 keeps a stream's token gaps within 2x its usual (4 let 1P+1D's TBT p99 reach 3.5x p50 on a
+# 2-core EPYC; docs/bench.md).
+MAX_COLOCATED_STALL_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Placement:
     prefill: WorkerInfo | None
     policy: str
     prediction: Prediction | None = None  # None: a worker has no fitted cost model yet
+    block_hashes: tuple[int, ...] = ()  # the prompt's full blocks (set by the Placer)
 
     @property
     def mode(self) -> str:
@@ -184,13 +189,17 @@ class Predictor:
         n = request.num_prompt_tokens
         cached = max(0, min(num_local_cached_tokens, n - 1))
         uncached = n - cached
-        queue_s = drain_s(cost, self.queued_tokens(decode))
+        queued = self.queued_tokens(decode)
+        queue_s = drain_s(cost, queued)
         tbt_s, batch, fits = self._decode_side(decode, cost, request)
         running_kv_tokens = decode.load.num_kv_tokens
         # Each mixed step also carries the running batch: its share is a decode step less the base.
         share_s = max(0.0, cost.decode_step_s(batch, running_kv_tokens) - cost.base_s) if batch else 0.0
-        chunk = min(uncached, max(1, cost.max_num_batched_tokens))
-        chunks = math.ceil(uncached / max(1, cost.max_num_batched_tokens))
+        budget = max(1, cost.max_num_batched_tokens)
+        # The engine fills a mixed step with the chunks of every prompt queued there, up to its
+        # token budget: the running decodes wait for all of them, not for this prompt alone.
+        chunk = min(queued + uncached, budget)
+        chunks = math.ceil(uncached / budget)
         ttft_s = queue_s + cost.prefill_s(uncached, cached) + chunks * share_s
         mixed_step_s = cost.prefill_s(chunk, cached) + share_s  # what running decodes wait for
         if self.slo.tbt_s:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 # one's connection, reconnect backoff included (WorkerClients._channel).
 _CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 HEALTH_TIMEOUT_S = 1.0
+# A hung decode worker answers DropManifest when it wakes; past the workers' pool lease deadline
+# (60 s by default) the pool has released the manifest by itself anyway.
+DROP_MANIFEST_TIMEOUT_S = 60.0
+DROP_RETRY_S = 1.0  # between DropManifest tries while the worker cannot be reached
 # Statuses that say the worker (or the way to it) broke, not the request: the worker is marked
 # down and the request goes to another one. INVALID_ARGUMENT, RESOURCE_EXHAUSTED and
 # DEADLINE_EXCEEDED (the request's own time is up) are the request's and are not retried.
@@ -61,6 +66,9 @@ class DecodeTokens:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids, or empty
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., with a colocated first token
+    # With the first token a worker computed for a request it prefilled (colocated, resumed): the
+    # prompt tokens it did not compute (its prefix cache, a pool load); else 0.
+    num_cached_tokens: int = 0
 
 
 def logprobs_from_proto(messages) -> tuple[TokenLogprob, ...]:
@@ -73,7 +81,8 @@ class DecodeFinished:
     num_output_tokens: int  # the first token included
 
 
-def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float) -> RouterError:
+def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s: float,
+                  request_id: str | None = None) -> RouterError:
     trailing = dict(err.trailing_metadata() or ())
     if KV_SAVE_FAILURE_KEY in trailing:
         return KVSaveFailedError(f"{role} worker could not write the KV cache to the pool: {err.details()}", address)
@@ -83,6 +92,12 @@ def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s:
                            ErrorKind.KV_LOAD_FAILED)
     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"the {role} worker did not answer within the request timeout of {timeout_s:g} s"
+    elif err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        # The request's own fault (a grammar the library cannot compile): the client gets the
+        # worker's message alone; which worker said it is for the router's log.
+        log.info("%s worker %s refused the request (INVALID_ARGUMENT): %s", role, address, err.details(),
+                 extra={"request_id": request_id} if request_id else None)
+        message = err.details()
     else:
         message = f"{role} worker failed ({err.code().name}): {err.details()}"
     if err.code() in WORKER_FAILURE_CODES:
@@ -93,10 +108,12 @@ def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s:
 class DecodeStream:
     """One Decode server stream: iterate for DecodeTokens, then one DecodeFinished."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, address: str = ""):
+    def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, address: str = "",
+                 request_id: str | None = None):
         self._call = call
         self._timeout_s = timeout_s
         self._address = address
+        self._request_id = request_id
 
     async def __aiter__(self) -> AsyncIterator[DecodeTokens | DecodeFinished]:
         """Raises RouterError on a request error; WorkerFailedError when the worker broke or the
@@ -106,13 +123,13 @@ class DecodeStream:
                 if response.WhichOneof("event") == "tokens":
                     tokens = response.tokens
                     yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs),
-                                       logprobs_from_proto(tokens.prompt_logprobs))
+                                       logprobs_from_proto(tokens.prompt_logprobs), tokens.num_cached_tokens)
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
                     yield DecodeFinished(finish_reason_from_proto(done.finish_reason), done.num_output_tokens)
                     return
         except grpc.aio.AioRpcError as err:
-            raise _router_error("decode", self._address, err, self._timeout_s) from err
+            raise _router_error("decode", self._address, err, self._timeout_s, self._request_id) from err
         raise WorkerFailedError("decode worker ended the stream without finishing", self._address)
 
     def cancel(self) -> None:
@@ -126,6 +143,7 @@ class WorkerClients:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()  # replaced channels being closed
+        self._dropping: set[asyncio.Task] = set()  # DropManifest calls in flight
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         """The channel to ``address``; a new one when the cached one is in TRANSIENT_FAILURE.
@@ -159,7 +177,7 @@ class WorkerClients:
         try:
             response = await call
         except grpc.aio.AioRpcError as err:
-            raise _router_error("prefill", address, err, timeout_s) from err
+            raise _router_error("prefill", address, err, timeout_s, request_id) from err
         finally:
             call.cancel()  # no-op when done; cancels the RPC when this task was cancelled
         first_logprob = None
@@ -191,7 +209,37 @@ class WorkerClients:
             message.manifest.CopyFrom(prefill.manifest)
         elif output_token_ids:
             message.output_token_ids.extend(output_token_ids)
-        return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s, address)
+        return DecodeStream(stub.Decode(message, timeout=timeout_s), timeout_s, address, request_id)
+
+    def drop_manifest(self, address: str, request_id: str, prefill: PrefillResult) -> None:
+        """Tells the decode worker at ``address`` to release ``prefill``'s manifest (the
+        request ``request_id`` in the pool) unless a Decode took it over there
+        (decode_worker.servicer). In the background, tried again every DROP_RETRY_S while the
+        worker cannot be reached, for DROP_MANIFEST_TIMEOUT_S: a hung worker answers when it
+        wakes, a partitioned one once the link heals; the pool's lease deadline covers one that
+        never does."""
+        message = decode_worker_pb2.DropManifestRequest(request_id=request_id, manifest=prefill.manifest)
+        task = asyncio.ensure_future(self._drop(address, message))
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
+
+    async def _drop(self, address: str, message: decode_worker_pb2.DropManifestRequest) -> None:
+        deadline_s = time.monotonic() + DROP_MANIFEST_TIMEOUT_S
+        while (remaining_s := deadline_s - time.monotonic()) > 0:
+            stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
+            try:
+                reply = await stub.DropManifest(message, timeout=remaining_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    log.info("DropManifest failed (%s): the pool's lease deadline releases it", err.code(),
+                             extra={"request_id": message.request_id})
+                    return
+                await asyncio.sleep(DROP_RETRY_S)  # a retry delay, not synchronisation
+                continue
+            log.debug("manifest dropped: released=%s", reply.released, extra={"request_id": message.request_id})
+            return
+        log.info("DropManifest unanswered for %g s: the pool's lease deadline releases it", DROP_MANIFEST_TIMEOUT_S,
+                 extra={"request_id": message.request_id})
 
     async def health(self, address: str) -> Health:
         """The worker's grpc.health.v1 answer: SERVING, NOT_SERVING (said so, or nothing listens
@@ -204,6 +252,8 @@ class WorkerClients:
         return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
 
     async def close(self) -> None:
+        for task in self._dropping:  # the pool's lease deadline releases what they were dropping
+            task.cancel()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -1,6 +1,10 @@
-"""One local cluster (real processes, real model) shared by the end-to-end tests."""
+"""The clusters (real processes, real model) the end-to-end tests share: ``cluster``
+(disaggregated) and ``colocated_cluster``, each stopped after the last test that uses it, and
+:class:`ClusterProbe`, which reads a cluster's state through its stats RPCs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import grpc
 import pytest
@@ -48,30 +52,82 @@ class ClusterProbe:
         names = [n for n in self.cluster.addresses if n != "kv_pool"]
         return [n for n in names if self.cluster.service(n).process.poll() is None]
 
-    def is_idle(self) -> bool:
+    def is_idle(self, exclude: frozenset[str] = frozenset()) -> bool:
+        """Pool and running workers hold nothing; ``exclude``: workers not asked (one restarting)."""
         pool = self.pool_stats()
         if pool.num_leases or pool.num_leased_blocks or pool.num_scoped_blocks or pool.num_writing_blocks:
             return False
-        for name in self.live_workers():
+        for name in set(self.live_workers()) - exclude:
             stats = self.worker_stats(name)
             if stats.num_used_blocks or stats.num_requests_running or stats.num_requests_waiting:
                 return False
         return True
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
+def pytest_collection_modifyitems(config, items):
+    """Runs the end-to-end tests of the shared clusters first (those of ``cluster``, then those of
+    ``colocated_cluster`` only; modules otherwise in their order): each shared cluster then stops
+    before the modules that start clusters of their own, instead of idling beside them."""
+    here = Path(__file__).parent
+    positions = [i for i, item in enumerate(items) if here in item.path.parents]
+
+    groups: dict[Path, int] = {}  # module -> its group: the first any of its tests belongs to
+    for i in positions:
+        names = items[i].fixturenames
+        group = 0 if "cluster" in names else 1 if "colocated_cluster" in names else 2
+        groups[items[i].path] = min(group, groups.get(items[i].path, 2))
+    ordered = sorted((items[i] for i in positions), key=lambda item: groups[item.path])  # stable
+    for i, item in zip(positions, ordered):
+        items[i] = item
+
+
+# Shared clusters by fixture name, while started: each is stopped after the last collected test
+# that uses it (stop_shared_clusters), not at the session's end, so it does not run beside the
+# clusters of the modules that follow.
+_SHARED: dict[str, LocalCluster] = {}
+
+
+def _shared_cluster(name: str, log_dir, **options):
     config = ClusterConfig.from_options(
         model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
-        num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512,
-        log_dir=tmp_path_factory.mktemp("cluster-logs"),
-        # These tests check the disaggregated path (pool hits, manifests): no conditional
-        # colocation of repeated prompts the decode worker already holds (docs/routing.md).
-        disaggregation="always",
-    )
+        num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512, log_dir=log_dir, **options)
     with LocalCluster(config) as c:
-        c.start()
-        yield c
+        _SHARED[name] = c
+        try:
+            c.start()
+            yield c
+        finally:
+            _SHARED.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def stop_shared_clusters(request):
+    """After a test: stops each shared cluster no later collected test uses (back_to_idle
+    depends on it, so this teardown runs after that fixture's idle check; pytest sets up autouse
+    fixtures of one scope in name order otherwise)."""
+    yield
+    if not _SHARED:
+        return
+    items = request.session.items
+    later = items[items.index(request.node) + 1:] if request.node in items else []
+    for name in list(_SHARED):
+        if not any(name in item.fixturenames for item in later):
+            _SHARED.pop(name).stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """One prefill and one decode worker; 16-token blocks, 256 KV blocks, 1024 tokens of context,
+    a 512-token step budget. These tests check the disaggregated path (pool hits, manifests): no
+    conditional colocation of repeated prompts the decode worker already holds (docs/routing.md)."""
+    yield from _shared_cluster("cluster", tmp_path_factory.mktemp("cluster-logs"), disaggregation="always")
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster(tmp_path_factory):
+    """One decode worker that prefills itself (no prefill worker), sized as ``cluster``."""
+    yield from _shared_cluster("colocated_cluster", tmp_path_factory.mktemp("colocated-cluster-logs"),
+                               colocated=True)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +136,7 @@ def probe(cluster) -> ClusterProbe:
 
 
 @pytest.fixture(autouse=True)
-def back_to_idle(request):
+def back_to_idle(request, stop_shared_clusters):
     """After every e2e scenario: decode blocks, pool leases and scoped blocks back at idle."""
     yield
     if "probe" in request.fixturenames:

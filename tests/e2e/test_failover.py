@@ -3,6 +3,10 @@ model; one worker is SIGKILLed in the middle of a 40-request concurrent run. Eve
 ends with the Hugging Face greedy answer (streams resumed on the other decode worker included),
 and the survivors' KV gauges return to idle.
 
+Both tests share one cluster: the supervisor restarts each victim (same port) while the pool's
+deadlines free what it held, and the next test starts once every worker serves again; router
+counters are compared with their values just before each kill.
+
 Half the requests go through the OpenAI client (streaming chat, compared as text), half through
 gRPC (streaming, compared token for token). The kill waits for the state it needs by polling
 GetStats and the streams' progress, never by sleeping.
@@ -21,7 +25,6 @@ import httpx
 import openai
 import pytest
 
-from kv_pool.config import PoolConfig
 from launcher.config import ClusterConfig
 from launcher.local_cluster import LocalCluster
 from launcher.ports import free_port
@@ -35,10 +38,12 @@ MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
 NUM_REQUESTS = 40
 REQUEST_TIMEOUT_S = 150.0
-PUT_RESERVATION_TTL_S = PoolConfig().put_reservation_ttl_s
-# Leases and scoped blocks of a worker that died lapse by themselves after this (docs/design.md §5):
-# the pool's default for scoped blocks, and what the workers' KV connectors ask for their leases.
-LEASE_TTL_S = PoolConfig().lease_ttl_s
+# What a worker that died held in the pool lapses by itself (docs/design.md §5): blocks it reserved
+# but never committed after the pool's reservation TTL, its leases and scoped tails after the
+# lease deadline its KV connector asked for. Short here, so the idle check waits seconds, not a
+# minute (the defaults are 30 s and 60 s).
+PUT_RESERVATION_TTL_S = 10.0
+LEASE_TTL_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +53,37 @@ def references() -> None:
         expected_tokens(prompt)
 
 
-@pytest.fixture
-def two_by_two(references, tmp_path):
-    """A fresh cluster of 2 prefill + 2 decode workers (each test kills one of them)."""
+@pytest.fixture(scope="module")
+def two_by_two(references, tmp_path_factory):
+    """2 prefill + 2 decode workers, shared by the tests of this module (each kills one worker,
+    which the supervisor restarts)."""
     config = ClusterConfig.from_options(
         model=MODEL, http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE, num_kv_blocks=256,
         max_model_len=1024, max_num_batched_tokens=512, num_prefill_workers=2, num_decode_workers=2,
-        log_dir=tmp_path / "logs",
+        kv_lease_ttl_s=LEASE_TTL_S, pool_put_reservation_ttl_s=PUT_RESERVATION_TTL_S,
+        log_dir=tmp_path_factory.mktemp("failover-logs"),
     )
     with LocalCluster(config) as cluster:
         cluster.start()
         yield cluster
+
+
+@pytest.fixture
+def whole(two_by_two):
+    """The shared cluster with all four workers serving and seen by the router (a victim of an
+    earlier test restarted), back to idle."""
+    names = ("prefill", "prefill-1", "decode", "decode-1")
+
+    def serving() -> bool:
+        two_by_two.supervise()
+        if not all(two_by_two.service(n).exit_code() is None and two_by_two.service(n).ready() for n in names):
+            return False
+        workers = httpx.get(f"{two_by_two.http_url}/health", timeout=10).json()["workers"]
+        return (workers["prefill"], workers["decode"]) == (2, 2)
+
+    poll_until(serving, timeout_s=600, interval_s=0.5, message="all four workers serving")
+    poll_until(ClusterProbe(two_by_two).is_idle, timeout_s=15, message="the cluster idle before the run")
+    return two_by_two
 
 
 @dataclass
@@ -120,7 +145,8 @@ async def wait_for(condition, progress: Progress, message: str, timeout_s: float
 
 async def run_with_kill(cluster: LocalCluster, kill_when, victim: str):
     """Starts NUM_REQUESTS at once (even ones gRPC, odd ones OpenAI), SIGKILLs ``victim`` once
-    ``kill_when(progress)`` holds, and returns every result in request order."""
+    ``kill_when(progress)`` holds; returns the prompts, every result in request order, the
+    progress at the kill and the router's counters read just before it."""
     prompts = [reference.PROMPTS[i % len(reference.PROMPTS)] for i in range(NUM_REQUESTS)]
     progress = Progress()
     async with grpc.aio.insecure_channel(cluster.grpc_address) as channel, openai.AsyncOpenAI(
@@ -132,10 +158,11 @@ async def run_with_kill(cluster: LocalCluster, kill_when, victim: str):
             for i, p in enumerate(prompts)
         ]
         await wait_for(lambda: kill_when(progress), progress, f"the moment to kill {victim}")
+        before = await asyncio.to_thread(router_counters, cluster)
         os.kill(cluster.service(victim).process.pid, signal.SIGKILL)
         killed_at = (progress.first_tokens, progress.tokens)
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=REQUEST_TIMEOUT_S)
-    return prompts, results, killed_at
+    return prompts, results, killed_at, before
 
 
 def assert_all_equal_reference(prompts, results) -> None:
@@ -148,11 +175,30 @@ def assert_all_equal_reference(prompts, results) -> None:
             assert result == (text, len(expected)), (i, prompt)
 
 
-def router_counter(cluster: LocalCluster, name: str) -> float:
-    """Sum of a counter's samples on the router's /metrics."""
+COUNTERS = ("tandem:worker_failures_total", "tandem:prefill_retries_total", "tandem:migrations_total")
+
+
+def router_counters(cluster: LocalCluster) -> dict[str, float]:
+    """Each of COUNTERS on the router's /metrics, its samples summed."""
     body = httpx.get(f"{cluster.http_url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                      if line.startswith(name) and not line.startswith("#")) for name in COUNTERS}
+
+
+def settle(cluster: LocalCluster, victim: str) -> None:
+    """The survivors and the pool back to idle, within the pool's deadlines for what the victim
+    held (no live component owns it any more: engine/kv_connector/connector.py): blocks it
+    reserved but never committed (it died mid-write) once their reservation TTL lapses, its leases
+    and scoped tails once their lease deadline does. The supervisor restarts the victim meanwhile
+    (the next test waits for it to serve)."""
+    probe = ClusterProbe(cluster)
+
+    def idle() -> bool:
+        cluster.supervise()
+        return probe.is_idle(exclude=frozenset({victim}))
+
+    poll_until(idle, timeout_s=max(PUT_RESERVATION_TTL_S, LEASE_TTL_S) + 15, interval_s=0.2,
+               message="survivors and pool back to idle")
 
 
 def busy(probe: ClusterProbe, name: str) -> bool:
@@ -160,41 +206,37 @@ def busy(probe: ClusterProbe, name: str) -> bool:
     return stats.num_requests_running + stats.num_requests_waiting > 0
 
 
-def test_kill_one_of_two_prefill_workers_mid_run(two_by_two):
-    probe = ClusterProbe(two_by_two)
+def test_kill_one_of_two_prefill_workers_mid_run(whole):
+    probe = ClusterProbe(whole)
 
     def kill_when(progress: Progress) -> bool:  # some prefills done, the victim still holding some
         return progress.first_tokens >= 1 and busy(probe, "prefill-1")
 
-    prompts, results, (first_tokens, _) = asyncio.run(run_with_kill(two_by_two, kill_when, "prefill-1"))
+    prompts, results, (first_tokens, _), before = asyncio.run(run_with_kill(whole, kill_when, "prefill-1"))
     assert_all_equal_reference(prompts, results)
     assert 1 <= first_tokens < NUM_REQUESTS  # killed in the middle
-    assert router_counter(two_by_two, "tandem:worker_failures_total") >= 1
-    assert router_counter(two_by_two, "tandem:prefill_retries_total") >= 1
+    after = router_counters(whole)
+    assert after["tandem:worker_failures_total"] >= before["tandem:worker_failures_total"] + 1
+    assert after["tandem:prefill_retries_total"] >= before["tandem:prefill_retries_total"] + 1
     assert probe.live_workers() == ["prefill", "decode", "decode-1"]
-    # What the victim held in the pool goes by the pool's own deadlines (no live component owns
-    # it any more: engine/kv_connector/connector.py): blocks it reserved but never committed (it
-    # died mid-write) once their reservation TTL (30 s) lapses, its leases and scoped tails once
-    # their lease deadline (60 s) does.
-    poll_until(probe.is_idle, timeout_s=max(PUT_RESERVATION_TTL_S, LEASE_TTL_S) + 15,
-               message="survivors and pool back to idle")
+    settle(whole, "prefill-1")
 
 
-def test_kill_one_of_two_decode_workers_mid_answer(two_by_two):
-    probe = ClusterProbe(two_by_two)
+def test_kill_one_of_two_decode_workers_mid_answer(whole):
+    probe = ClusterProbe(whole)
 
     def kill_when(progress: Progress) -> bool:  # both decode workers streaming, answers well under way
         return (progress.tokens >= NUM_REQUESTS * MAX_TOKENS // 4
                 and busy(probe, "decode") and probe.worker_stats("decode-1").num_requests_running > 0)
 
-    prompts, results, (_, tokens) = asyncio.run(run_with_kill(two_by_two, kill_when, "decode-1"))
+    prompts, results, (_, tokens), before = asyncio.run(run_with_kill(whole, kill_when, "decode-1"))
     assert_all_equal_reference(prompts, results)
     assert tokens < NUM_REQUESTS * MAX_TOKENS  # killed before the end
-    assert router_counter(two_by_two, "tandem:migrations_total") >= 1
+    assert router_counters(whole)["tandem:migrations_total"] >= before["tandem:migrations_total"] + 1
     assert probe.live_workers() == ["prefill", "prefill-1", "decode"]
     # A manifest the victim was sent but had not loaded yet (the request then resumes on the
     # survivor under a new id) is held by nobody alive: its leases lapse at their deadline.
-    poll_until(probe.is_idle, timeout_s=LEASE_TTL_S + 15, message="survivors and pool back to idle")
+    settle(whole, "decode-1")
 
     # Request identity: two concurrent requests with one client id both answer correctly.
     prompt = reference.PROMPTS[0]
@@ -203,11 +245,12 @@ def test_kill_one_of_two_decode_workers_mid_answer(two_by_two):
 
     async def twice():
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
-            return await asyncio.gather(*(http.post(f"{two_by_two.http_url}/v1/chat/completions", json=body,
+            return await asyncio.gather(*(http.post(f"{whole.http_url}/v1/chat/completions", json=body,
                                                     headers={"x-request-id": "same-id"}) for _ in range(2)))
 
     expected = reference.tokenizer().decode(expected_tokens(prompt), skip_special_tokens=True)
     for reply in asyncio.run(twice()):
         assert reply.status_code == 200 and reply.headers["x-request-id"] == "same-id"
         assert reply.json()["choices"][0]["message"]["content"] == expected
-    poll_until(probe.is_idle, timeout_s=15, message="back to idle after the duplicate ids")
+    poll_until(lambda: probe.is_idle(exclude=frozenset({"decode-1"})), timeout_s=15,
+               message="back to idle after the duplicate ids")

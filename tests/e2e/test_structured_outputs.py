@@ -69,13 +69,6 @@ def disaggregated(tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    with make_cluster(tmp_path_factory, colocated=True) as cluster:
-        cluster.start()
-        yield cluster
-
-
 def client(cluster: LocalCluster) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
 
@@ -113,9 +106,10 @@ def test_json_schema_answers_validate_disaggregated(disaggregated) -> None:
     assert_idle(disaggregated)
 
 
-def test_json_schema_answers_validate_colocated(colocated) -> None:
-    assert_all_validate(asyncio.run(ask_all_json(colocated)))
-    assert_idle(colocated)
+def test_json_schema_answers_validate_colocated(colocated_cluster) -> None:
+    """On the colocated cluster the tool-call tests share (tests/e2e/conftest.py)."""
+    assert_all_validate(asyncio.run(ask_all_json(colocated_cluster)))
+    assert_idle(colocated_cluster)
 
 
 def test_parse_returns_the_pydantic_object_and_choices_hold_from_the_first_token(disaggregated) -> None:

@@ -1,7 +1,9 @@
 """Tensor-parallel workers in a real cluster: prefill and decode at different TP degrees
 through the pool, greedy-equal to Hugging Face; and a TP=2 decode worker losing a rank mid-stream.
 
-Each test starts its own cluster (TP=2 on this machine: two gloo ranks of one thread each).
+Two clusters (TP=2 on this machine: two gloo ranks of one thread each): prefill TP=2 with a TP=1
+decode worker; and prefill TP=1 with two TP=2 decode workers, where the equality proof runs
+first and the rank kill after it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from tests.e2e.conftest import BLOCK_SIZE, ClusterProbe
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 16
+# What the killed worker held in the pool (a manifest it was loading, a release its step loop had
+# not sent yet) lapses by the lease deadline its KV connector asked for (docs/design.md §5):
+# short here, so the idle check waits seconds, not a minute (the default is 60 s; as test_failover).
+LEASE_TTL_S = 10.0
 
 
 def four_prompts() -> list[list[int]]:
@@ -70,25 +76,50 @@ async def generate_all(cluster: LocalCluster, prompts: list[list[int]]) -> list[
         return await asyncio.gather(*(generate(stub, ids) for ids in prompts))
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
-def test_mixed_degrees_through_the_pool_equal_hf(tmp_path, prefill_tp, decode_tp):
+def follow_ups() -> list[list[int]]:
+    """Each shares its original's first two full blocks, then goes elsewhere."""
+    prompts = four_prompts()
+    return [ids[:2 * BLOCK_SIZE] + prompts[(i + 1) % 4][-10:] for i, ids in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def references() -> None:
+    """HF's answers, computed before any cluster takes the cores."""
+    for ids in four_prompts() + follow_ups():
+        reference.hf_greedy(ids, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def two_tp2_decoders(references, tmp_path_factory):
+    """Prefill TP=1 and two TP=2 decode workers: the P-tp1-D-tp2 equality proof, then the rank kill."""
+    with start_cluster(tmp_path_factory.mktemp("tp-logs"), 1, 2, num_decode_workers=2,
+                       kv_lease_ttl_s=LEASE_TTL_S) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def mixed(request, references, tmp_path):
+    """The cluster of (prefill_tp, decode_tp) = ``request.param``."""
+    if request.param == (1, 2):
+        yield request.getfixturevalue("two_tp2_decoders")
+        return
+    with start_cluster(tmp_path, *request.param) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("mixed", [(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"], indirect=True)
+def test_mixed_degrees_through_the_pool_equal_hf(mixed):
     """Four prompts at once, then prompts sharing their first two blocks: the decode worker (the
     other degree) reads every prompt's KV from the pool, the second round's prefixes too."""
-    prompts = four_prompts()
-    # Each follow-up shares its original's first two full blocks, then goes elsewhere.
-    follow_ups = [ids[:2 * BLOCK_SIZE] + prompts[(i + 1) % 4][-10:] for i, ids in enumerate(prompts)]
-    for ids in prompts + follow_ups:
-        reference.hf_greedy(ids, MAX_TOKENS)  # computed before the cluster takes the cores
-    cluster = start_cluster(tmp_path, prefill_tp, decode_tp)
-    with cluster:
-        probe = ClusterProbe(cluster)
-        results = asyncio.run(generate_all(cluster, prompts))
-        for ids, (tokens, _) in zip(prompts, results):
-            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
-        for ids, (tokens, cached) in zip(follow_ups, asyncio.run(generate_all(cluster, follow_ups))):
-            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
-            assert cached == 2 * BLOCK_SIZE  # exactly the shared blocks came from the pool
-        poll_until(probe.is_idle, timeout_s=15, message="workers and pool back to idle")
+    prompts, second = four_prompts(), follow_ups()
+    probe = ClusterProbe(mixed)
+    results = asyncio.run(generate_all(mixed, prompts))
+    for ids, (tokens, _) in zip(prompts, results):
+        assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+    for ids, (tokens, cached) in zip(second, asyncio.run(generate_all(mixed, second))):
+        assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+        assert cached == 2 * BLOCK_SIZE  # exactly the shared blocks came from the pool
+    poll_until(probe.is_idle, timeout_s=15, message="workers and pool back to idle")
 
 
 def rank_pids(worker_pid: int) -> list[int]:
@@ -108,48 +139,45 @@ def rank_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-def test_killing_one_rank_of_a_tp2_decode_worker_migrates_its_streams(tmp_path):
+def test_killing_one_rank_of_a_tp2_decode_worker_migrates_its_streams(two_tp2_decoders):
     """Two TP=2 decode workers; rank 1 of one that is streaming is SIGKILLed. That worker
     deregisters and exits, its streams finish on the other one with HF's tokens, nothing leaks,
     and the supervisor restarts the killed worker as a whole (both ranks)."""
     prompts = four_prompts() * 3
-    for ids in prompts:
-        reference.hf_greedy(ids, MAX_TOKENS)
-    cluster = start_cluster(tmp_path, 1, 2, num_decode_workers=2)
-    with cluster:
-        probe = ClusterProbe(cluster)
-        ranks = {name: rank_pids(cluster.service(name).process.pid) for name in ("decode", "decode-1")}
-        assert [len(pids) for pids in ranks.values()] == [1, 1]
+    cluster = two_tp2_decoders
+    probe = ClusterProbe(cluster)
+    ranks = {name: rank_pids(cluster.service(name).process.pid) for name in ("decode", "decode-1")}
+    assert [len(pids) for pids in ranks.values()] == [1, 1]
 
-        async def run() -> tuple[str, list[tuple[list[int], int]]]:
-            async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
-                stub = router_pb2_grpc.RouterStub(channel)
-                tasks = [asyncio.create_task(generate(stub, ids)) for ids in prompts]
-                victim = await streaming_worker(probe)
-                os.kill(ranks[victim][0], signal.SIGKILL)
-                return victim, await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+    async def run() -> tuple[str, list[tuple[list[int], int]]]:
+        async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            tasks = [asyncio.create_task(generate(stub, ids)) for ids in prompts]
+            victim = await streaming_worker(probe)
+            os.kill(ranks[victim][0], signal.SIGKILL)
+            return victim, await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
-        victim_name, results = asyncio.run(run())
-        survivor = "decode-1" if victim_name == "decode" else "decode"
-        for ids, (tokens, _) in zip(prompts, results):
-            assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
-        victim = cluster.service(victim_name)
-        assert victim.process.wait(timeout=30) == 1
-        log = victim.log_path.read_text()
-        assert "deregistering and exiting" in log
-        assert registered(cluster.redis_url, "decode") == 1  # the survivor; the victim took its key away
-        assert probe.live_workers() == ["prefill", survivor]
-        # The pool's lease deadline (60 s) frees leases the killed worker held; + 15 s (chaos's bound)
-        poll_until(probe.is_idle, timeout_s=75, message="survivor and pool back to idle")
+    victim_name, results = asyncio.run(run())
+    survivor = "decode-1" if victim_name == "decode" else "decode"
+    for ids, (tokens, _) in zip(prompts, results):
+        assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+    victim = cluster.service(victim_name)
+    assert victim.process.wait(timeout=30) == 1
+    log = victim.log_path.read_text()
+    assert "deregistering and exiting" in log
+    assert registered(cluster.redis_url, "decode") == 1  # the survivor; the victim took its key away
+    assert probe.live_workers() == ["prefill", survivor]
+    # The pool's lease deadline frees leases the killed worker held; + 15 s (chaos's bound)
+    poll_until(probe.is_idle, timeout_s=LEASE_TTL_S + 15, message="survivor and pool back to idle")
 
-        def restarted() -> bool:
-            cluster.supervise()
-            return victim.process.poll() is None and victim.ready()
+    def restarted() -> bool:
+        cluster.supervise()
+        return victim.process.poll() is None and victim.ready()
 
-        poll_until(restarted, timeout_s=900, interval_s=0.5, message=f"{victim_name} restarted by the supervisor")
-        assert len(rank_pids(victim.process.pid)) == 1  # a fresh rank 1 with the fresh worker
-        poll_until(lambda: registered(cluster.redis_url, "decode") == 2, timeout_s=30,
-                   message=f"{victim_name} registered again")
+    poll_until(restarted, timeout_s=900, interval_s=0.5, message=f"{victim_name} restarted by the supervisor")
+    assert len(rank_pids(victim.process.pid)) == 1  # a fresh rank 1 with the fresh worker
+    poll_until(lambda: registered(cluster.redis_url, "decode") == 2, timeout_s=30,
+               message=f"{victim_name} registered again")
 
 
 async def streaming_worker(probe: ClusterProbe, timeout_s: float = 240.0) -> str:

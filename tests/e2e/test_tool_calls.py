@@ -11,9 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from launcher.config import ClusterConfig
-from launcher.local_cluster import LocalCluster
-from launcher.ports import free_port
 from router.api.tools import template_message
 from router.chat_templates import bundled_template
 from tests import reference
@@ -40,21 +37,12 @@ WITH_RESULT = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
 MAX_TOKENS = 96
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    config = ClusterConfig.from_options(
-        model=MODEL, http_port=free_port(), grpc_port=free_port(), num_kv_blocks=128, max_model_len=1024,
-        colocated=True, log_dir=tmp_path_factory.mktemp("tools-colocated-logs"),
-    )
-    with LocalCluster(config) as cluster:
-        cluster.start()
-        yield cluster
-
-
 @pytest.fixture(params=["disaggregated", "colocated"])
-def client(request):
-    cluster = request.getfixturevalue("cluster" if request.param == "disaggregated" else "colocated")
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0) as client:
+def client(request, cluster, colocated_cluster):
+    """A client of the shared disaggregated or colocated cluster (tests/e2e/conftest.py; both
+    named here, so each is stopped only after the last test of this module)."""
+    target = cluster if request.param == "disaggregated" else colocated_cluster
+    with openai.OpenAI(base_url=f"{target.http_url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
 

@@ -3,8 +3,9 @@ prefill and decode servicers and their KV connectors against a real pool process
 stand-in engine (it copies the KV it is given into a small paged cache, as the real one does, and
 answers with fixed tokens). After every path the pool is back at idle (no lease, no leased,
 scoped or writing block; exactly the prompt's full blocks stored) and the request was released
-exactly once, by the one connector that held it — or, for a manifest never delivered, by the
-pool's own lease deadline.
+exactly once, by the one connector that held it — for a manifest never delivered, by the decode
+connector the router drops it at (DropManifest), or by the pool's own lease deadline when no
+worker is left to drop it at.
 """
 
 from __future__ import annotations
@@ -265,6 +266,38 @@ def test_migration_the_resumed_attempt_leases_loads_and_releases_once(cluster):
     cluster.assert_idle(stored(cluster, 2))
 
 
+def drop_manifest(cluster: Cluster, rid: str, prefill) -> bool:
+    request = decode_worker_pb2.DropManifestRequest(request_id=rid, manifest=prefill.manifest)
+    return asyncio.run(cluster.decode.servicer.DropManifest(request, FakeContext())).released
+
+
+def test_undelivered_manifest_dropped_by_the_router_the_decode_connector_releases_once(cluster):
+    """The client left before the router sent the manifest on, or its Decode was cancelled before
+    the (hung) decode worker ran it: DropManifest releases it at once, not the lease deadline."""
+    prefill = asyncio.run(cluster.run_prefill("req-dropped"))
+    assert cluster.pool_state() == (1, 3, 1, 0, stored(cluster, 2))  # handed off, held by nobody yet
+    assert drop_manifest(cluster, "req-dropped", prefill) is True
+    assert cluster.releases == {"req-dropped": 1} and cluster.decode.connector.num_releases == 1
+    cluster.assert_idle(stored(cluster, 2))
+    assert drop_manifest(cluster, "req-dropped", prefill) is False  # settled once
+    context = FakeContext()  # the cancelled Decode reaches the worker after all: refused, not loaded
+    with pytest.raises(Aborted):
+        asyncio.run(cluster.run_decode(cluster.decode_request("req-dropped", prefill), context))
+    assert context.code is grpc.StatusCode.INVALID_ARGUMENT and cluster.decode.engine.external == []
+    assert cluster.releases == {"req-dropped": 1}
+    cluster.assert_idle(stored(cluster, 2))
+
+
+def test_drop_after_the_decode_took_the_manifest_over_is_a_no_op(cluster):
+    """The router could not tell the Decode reached the worker (cancelled before its first
+    answer): the Decode's own release stands, DropManifest releases nothing."""
+    prefill = asyncio.run(cluster.run_prefill("req-taken"))
+    asyncio.run(cluster.run_decode(cluster.decode_request("req-taken", prefill)))
+    assert drop_manifest(cluster, "req-taken", prefill) is False
+    assert cluster.releases == {"req-taken": 1} and cluster.decode.connector.num_releases == 1
+    cluster.assert_idle(stored(cluster, 2))
+
+
 @pytest.fixture(scope="module")
 def short_lease_pool(start_pool):
     """A pool whose scoped blocks live 1 s without a release (the default is 60 s)."""
@@ -275,7 +308,7 @@ def test_handoff_never_delivered_ends_by_the_pools_lease_deadline(short_lease_po
     cluster = Cluster(short_lease_pool.address, lease_ttl_s=1.0)
     try:
         baseline = cluster.pool_state()[4]
-        asyncio.run(cluster.run_prefill("req-orphan"))  # answered; the router never sends the manifest on
+        asyncio.run(cluster.run_prefill("req-orphan"))  # answered; the router (or its decode worker) died
         assert cluster.pool_state() == (1, 3, 1, 0, baseline + 2)
         poll_until(lambda: cluster.pool_state() == (0, 0, 0, 0, baseline + 2), timeout_s=15,
                    message="the orphaned request's leases and scoped tail expired")

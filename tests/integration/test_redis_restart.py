@@ -125,6 +125,28 @@ async def test_a_heartbeat_re_registers_in_a_restarted_redis(redis_server):
         await registry.close()
 
 
+async def test_a_worker_started_before_redis_registers_once_redis_answers(redis_server):
+    """A pod may start before the Redis Service answers: the first registration is retried
+    (start() returns once it is in), instead of failing the worker's start-up."""
+    redis_server.kill()
+    registry = WorkerRegistry(redis_server.url)
+    info = WorkerInfo("d-early", "decode", "127.0.0.1:1")
+    heartbeat = Heartbeat(registry, info, None, interval_s=0.2, ttl_s=1.0)
+    starting = asyncio.create_task(heartbeat.start())
+    try:
+        done, _ = await asyncio.wait({starting}, timeout=0.6)  # three refused attempts
+        assert not done
+        redis_server.start()
+        await asyncio.wait_for(starting, timeout=10)
+        assert redis_server.client().exists(worker_key("decode", "d-early"))
+    finally:
+        if not starting.done():
+            starting.cancel()
+        elif starting.exception() is None:
+            await heartbeat.stop()
+        await registry.close()
+
+
 async def test_a_restarted_redis_has_another_server_id(redis_server):
     """What the router's view reads to tell a Redis restart between two reads (router.workers.view)."""
     registry = WorkerRegistry(redis_server.url)

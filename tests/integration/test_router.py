@@ -153,6 +153,7 @@ class FakeDecode(decode_worker_pb2_grpc.DecodeWorkerServicer):
             tokens = decode_worker_pb2.TokenChunk(token_ids=chunk, logprobs=logprobs if params.HasField("logprobs") else [])
             if position == 1 + len(chunk) and not request.HasField("first_token_id"):  # colocated: prefilled here
                 tokens.prompt_logprobs.extend(fake_prompt_logprobs(request.prompt_token_ids, params))
+                tokens.num_cached_tokens = script.num_cached_tokens
             yield decode_worker_pb2.DecodeResponse(tokens=tokens)
         if script.decode_error is not None:
             await context.abort(script.decode_error, "fake decode broke")
@@ -213,21 +214,28 @@ class Cluster:
         return next(w.address for w in self.workers if w.role == role)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster(redis_url: str):
-    url = redis_url.rsplit("/", 1)[0] + "/3"  # a db of our own in the shared server
-    fakes = Fakes()
+async def start_fake_workers(fakes: Fakes, decode: decode_worker_pb2_grpc.DecodeWorkerServicer | None = None,
+                             ) -> tuple[grpc.aio.Server, list[WorkerInfo]]:
+    """The fake prefill, decode (``decode``, default a FakeDecode) and pool servicers on one
+    started gRPC server, health SERVING, one port per role (so a role's worker can be marked down
+    without the others); returns the server (stop it) and each role's WorkerInfo."""
     server = grpc.aio.server()
     prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
-    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(FakeDecode(fakes), server)
+    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode or FakeDecode(fakes), server)
     kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # SERVING
-    # One port per role, so a role's worker can be marked down without the others.
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     roles = ("prefill", "decode", "pool")
     addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
     await server.start()
     fakes.pool_address = addresses["pool"]
-    workers = [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
+    return server, [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster(redis_url: str):
+    url = redis_url.rsplit("/", 1)[0] + "/3"  # a db of our own in the shared server
+    fakes = Fakes()
+    server, workers = await start_fake_workers(fakes)
     tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
     config = RouterConfig(http_port=0, grpc_port=0, redis_url=url, max_model_len=MAX_MODEL_LEN, shutdown_grace_s=1.0)
     router = RouterServer(config, tokenizer=tokenizer)
@@ -567,19 +575,21 @@ async def test_malformed_json_is_400(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(
-    ("code", "status", "error_type"),
+    ("code", "status", "error_type", "message"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        # The request's own fault: the worker's message alone (the router logs which worker).
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "fake prefill refuses (INVALID_ARGUMENT)"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
+         "prefill worker failed (RESOURCE_EXHAUSTED): fake prefill refuses (RESOURCE_EXHAUSTED)"),
     ],
 )
-async def test_prefill_worker_errors_map_to_status(cluster: Cluster, code, status, error_type) -> None:
+async def test_prefill_worker_errors_map_to_status(cluster: Cluster, code, status, error_type, message) -> None:
     cluster.script_text(prefill_error=code)
     response = await cluster.http.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert response.status_code == status
     error = response.json()["error"]
     assert error["type"] == error_type
-    assert error["message"] == f"prefill worker failed ({code.name}): fake prefill refuses ({code.name})"
+    assert error["message"] == message
     cluster.assert_not_released(cluster.fakes.prefill_requests[-1].request_id)  # broadcast to the pools
     await assert_serves(cluster)
 
@@ -724,7 +734,7 @@ async def test_grpc_no_workers_is_unavailable(cluster: Cluster, grpc_stub) -> No
 
 
 async def test_without_prefill_workers_the_decode_worker_runs_colocated(cluster: Cluster) -> None:
-    cluster.script_text("Hello world")
+    cluster.script_text("Hello world", num_cached_tokens=48)
     num_prefills = len(cluster.fakes.prefill_requests)
     await cluster.deregister(("prefill",))
     try:
@@ -734,6 +744,8 @@ async def test_without_prefill_workers_the_decode_worker_runs_colocated(cluster:
         before = health.json()["colocated_fallbacks"].get("no_prefill_worker", 0)
         response = await cluster.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
         assert response.status_code == 200
+        # The decode worker's count, from its first chunk (the prefill worker's 16 never came).
+        assert response.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
         decode = cluster.fakes.decode_requests[-1]
         assert not decode.HasField("first_token_id") and not decode.HasField("manifest")
         assert len(cluster.fakes.prefill_requests) == num_prefills

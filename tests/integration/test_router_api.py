@@ -77,6 +77,33 @@ async def test_tokenize_and_detokenize_errors(cluster: Cluster, path, body, stat
     assert (error["message"], error["param"]) == (message, param)
 
 
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options is only allowed when stream is true", "stream_options"),
+        ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}},
+         "stream_options is only allowed when stream is true", "stream_options"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]},
+         'messages.0.content is required on a "user" message (text or a list of content parts), got null',
+         "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, *CHAT]},
+         'messages.0.content is required on a "system" message (text or a list of content parts), got null',
+         "messages.0.content"),
+    ],
+)
+async def test_what_openai_refuses_is_a_400_before_any_worker(cluster: Cluster, path, body, message, param) -> None:
+    num_prefills = len(cluster.fakes.prefill_requests)
+    response = await cluster.http.post(path, json=body)
+    assert response.status_code == 400
+    assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                         "code": None}}
+    assert len(cluster.fakes.prefill_requests) == num_prefills
+
+
 async def test_detokenize_keeps_special_tokens(cluster: Cluster) -> None:
     ids = cluster.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     got = (await cluster.http.post("/detokenize", json={"model": DEFAULT_MODEL, "tokens": ids})).json()

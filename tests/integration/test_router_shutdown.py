@@ -15,11 +15,11 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.grpc_service import aio_channel
 from core.model_source import DEFAULT_MODEL, resolve_model
-from core.registry import WorkerInfo, WorkerRegistry
+from core.registry import WorkerRegistry
 from router.config import RouterConfig
 from router.server import RouterServer
 from router.tokenizer import load_tokenizer
@@ -27,12 +27,10 @@ from tandem.v1 import (
     common_pb2,
     decode_worker_pb2,
     decode_worker_pb2_grpc,
-    kv_pool_pb2_grpc,
-    prefill_worker_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
 )
-from tests.integration.test_router import EOS, FakePool, FakePrefill, Fakes, Script, sse_events
+from tests.integration.test_router import EOS, Fakes, Script, sse_events, start_fake_workers
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -92,16 +90,7 @@ async def workers(redis_url: str):
     url = redis_url.rsplit("/", 1)[0] + "/4"  # a db of our own in the shared server
     fakes = Fakes()
     decode = GatedDecode(fakes)
-    server = grpc.aio.server()
-    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
-    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
-    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    roles = ("prefill", "decode", "pool")
-    addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
-    await server.start()
-    fakes.pool_address = addresses["pool"]
-    infos = [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
+    server, infos = await start_fake_workers(fakes, decode)
     registry = WorkerRegistry(url)
     for info in infos:
         await registry.heartbeat(info, ttl_s=600)

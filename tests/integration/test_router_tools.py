@@ -12,15 +12,13 @@ import re
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health, health_pb2_grpc
 
 from core.model_source import DEFAULT_MODEL, resolve_model
-from core.registry import WorkerInfo, WorkerRegistry
+from core.registry import WorkerRegistry
 from router.config import RouterConfig
 from router.server import RouterServer
 from router.tokenizer import load_tokenizer
-from tandem.v1 import decode_worker_pb2_grpc, kv_pool_pb2_grpc, prefill_worker_pb2_grpc
-from tests.integration.test_router import Cluster, FakeDecode, FakePool, FakePrefill, Fakes
+from tests.integration.test_router import Cluster, Fakes, start_fake_workers
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -40,16 +38,7 @@ async def cluster(redis_url: str):
     """A router (context 1024: the tool template's system turn is long) over the fake workers."""
     url = redis_url.rsplit("/", 1)[0] + "/4"
     fakes = Fakes()
-    server = grpc.aio.server()
-    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
-    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(FakeDecode(fakes), server)
-    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    roles = ("prefill", "decode", "pool")
-    addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
-    await server.start()
-    fakes.pool_address = addresses["pool"]
-    workers = [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
+    server, workers = await start_fake_workers(fakes)
     tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(DEFAULT_MODEL))
     router = RouterServer(RouterConfig(http_port=0, grpc_port=0, redis_url=url, max_model_len=1024,
                                        shutdown_grace_s=1.0), tokenizer=tokenizer)
@@ -196,7 +185,7 @@ async def test_a_grammar_the_worker_refuses_names_the_tools(cluster, tool_choice
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=DEFAULT_MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice)
     assert (info.value.body["message"], info.value.body["param"]) == (
-        "prefill worker failed (INVALID_ARGUMENT): fake prefill refuses (INVALID_ARGUMENT)", param)
+        "fake prefill refuses (INVALID_ARGUMENT)", param)
 
 
 async def test_each_of_n_choices_has_its_own_calls(cluster) -> None:

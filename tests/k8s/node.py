@@ -65,7 +65,7 @@ class Node:
         self.namespace = os.environ.get("TANDEM_K8S_NAMESPACE", "tandem")
         self.release = os.environ.get("TANDEM_K8S_RELEASE", "tandem")
         self.url = os.environ.get("TANDEM_K8S_URL", "http://127.0.0.1:30080")
-        self.prefix = f"{self.release}-tandem"
+        self._deployments: dict[str, str] = {}
 
     # --- kubectl and helm -------------------------------------------------------------------
 
@@ -97,12 +97,19 @@ class Node:
 
     # --- objects ----------------------------------------------------------------------------
 
+    def selector(self, component: str) -> str:
+        return f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component={component}"
+
     def deployment(self, component: str) -> str:
-        return f"{self.prefix}-{component}"
+        """The name of the release's Deployment of ``component``, found by its labels (the chart's
+        fullname is the release name alone when that already contains "tandem")."""
+        if component not in self._deployments:
+            (obj,) = self.kubectl_json("get", "deployments", "-l", self.selector(component))["items"]
+            self._deployments[component] = obj["metadata"]["name"]
+        return self._deployments[component]
 
     def pods(self, component: str) -> list[Pod]:
-        selector = f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component={component}"
-        return [Pod.of(o) for o in self.kubectl_json("get", "pods", "-l", selector)["items"]]
+        return [Pod.of(o) for o in self.kubectl_json("get", "pods", "-l", self.selector(component))["items"]]
 
     def replicas(self, component: str) -> int:
         return self.kubectl_json("get", "deployment", self.deployment(component))["spec"].get("replicas", 0)

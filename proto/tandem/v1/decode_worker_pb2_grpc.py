@@ -45,6 +45,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.DropManifest = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/DropManifest',
+                request_serializer=tandem_dot_v1_dot_decode__worker__pb2.DropManifestRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__worker__pb2.DropManifestResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -63,6 +68,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropManifest(self, request, context):
+        """Releases the pool state of a manifest the router sent here (or meant to) that no Decode took
+        over: the client left or the stream broke before this worker answered it. A no-op when a
+        Decode with that request id reached this worker's KV connector first (it releases it there);
+        a Decode arriving after it is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsResponse.SerializeToString,
+            ),
+            'DropManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropManifest,
+                    request_deserializer=tandem_dot_v1_dot_decode__worker__pb2.DropManifestRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__worker__pb2.DropManifestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +151,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/GetStats',
             tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsRequest.SerializeToString,
             tandem_dot_v1_dot_prefill__worker__pb2.GetWorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/DropManifest',
+            tandem_dot_v1_dot_decode__worker__pb2.DropManifestRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__worker__pb2.DropManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,

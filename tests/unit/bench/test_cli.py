@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -50,13 +50,15 @@ def test_no_failure_message_when_one_request_succeeded() -> None:
 
 
 @pytest.fixture
-def models_server() -> Iterator:
-    """``start(status, body)`` -> the URL of a server answering every GET with them."""
+def http_server() -> Iterator:
+    """``start(answer)`` -> the URL of a server answering every GET with ``answer(headers)``
+    -> (status, body); every server is stopped at the end of the test."""
     servers = []
 
-    def start(status: int, body: bytes) -> str:
+    def start(answer) -> str:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                status, body = answer(self.headers)
                 self.send_response(status)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
@@ -74,6 +76,12 @@ def models_server() -> Iterator:
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def models_server(http_server) -> Callable[[int, bytes], str]:
+    """``start(status, body)`` -> the URL of a server answering every GET with them."""
+    return lambda status, body: http_server(lambda headers: (status, body))
 
 
 def run_bench(url: str) -> tuple[int, str]:
@@ -119,33 +127,16 @@ def test_the_first_listed_model_is_used(models_server) -> None:
 
 
 @pytest.fixture
-def keyed_server() -> Iterator:
+def keyed_server(http_server) -> Callable[[str], str]:
     """``start(key)`` -> the URL of a server that lists model m1 to ``Authorization: Bearer <key>``
     and answers 401 otherwise (POST: 501, nothing is served)."""
-    servers = []
 
-    def start(key: str) -> str:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                ok = self.headers.get("authorization") == f"Bearer {key}"
-                body = b'{"data": [{"id": "m1"}]}' if ok else b'{"error": {"message": "invalid API key"}}'
-                self.send_response(200 if ok else 401)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def answer(key: str, headers) -> tuple[int, bytes]:
+        if headers.get("authorization") == f"Bearer {key}":
+            return 200, b'{"data": [{"id": "m1"}]}'
+        return 401, b'{"error": {"message": "invalid API key"}}'
 
-            def log_message(self, *args) -> None:
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return lambda key: http_server(lambda headers: answer(key, headers))
 
 
 def test_a_server_wanting_an_api_key_is_told_so_not_asked_for_a_model(keyed_server) -> None:

@@ -111,4 +111,4 @@ def test_tandem_rows_record_linear_backends_and_thread_split(tmp_path):
     (tmp_path / "router.log").write_text("nothing\n")
     assert peers.linear_backends(tmp_path) == {"decode-0": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}
     assert peers.thread_split("colocated", ("--num-threads", "2")) == {"decode": 2}
-    assert peers.thread_split("disaggregated", ("--num-threads", "2")) == {"prefill": 1, "decode": 2}
+    assert peers.thread_split("disaggregated", ("--num-threads", "2")) == {"prefill": 1, "decode": 1}

@@ -80,7 +80,7 @@ def test_the_router_overhead_is_the_probes_ttft_beyond_their_own_passes():
 def test_the_cores_are_shared_as_the_launcher_splits_them():
     assert sim_validation.sharing_of("colocated-1", 2).decode_threads == 2
     one_one = sim_validation.sharing_of("1P+1D", 2)
-    assert (one_one.num_cores, one_one.prefill_threads, one_one.decode_threads) == (2, 1, 2)
+    assert (one_one.num_cores, one_one.prefill_threads, one_one.decode_threads) == (2, 1, 1)
     two_two = sim_validation.sharing_of("2P+2D", 2)
     assert (two_two.prefill_threads, two_two.decode_threads) == (1, 1)
     assert sim_validation.sharing_of("colocated-2", 2).decode_threads == 1

@@ -3,6 +3,8 @@ references, throughput recovery from token times, the markdown row."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,9 @@ def test_a_campaign_parses_into_checked_values():
     ({"at_s": 1, "do": "disconnect", "stage": "later"}, "stage must be one of"),
     ({"at_s": 1, "do": "abort_storm", "fraction": 2}, "fraction and probability must be in \\[0, 1\\]"),
     ({"at_s": 1, "do": "burst", "when": 3}, "unknown fault field\\(s\\) \\['when'\\]"),
+    ({"at_s": 1, "do": "partition", "service": "decode", "duration_s": 5, "direction": "up"}, "direction must be one of"),
+    ({"at_s": 1, "do": "partition", "service": "decode"}, "partition needs duration_s > 0"),
+    ({"at_s": 1, "do": "slow_link", "service": "redis", "duration_s": 5}, "slow_link needs a worker or pool node service"),
 ])
 def test_bad_faults_are_refused_naming_the_field(fault, message):
     with pytest.raises(ValueError, match=message):
@@ -91,8 +96,22 @@ def test_the_markdown_row_and_missed_targets():
     table = markdown([result])
     assert table.splitlines()[0].startswith("| scenario | faults | sent | completed | retried | explicit errors |")
     assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 2 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
-                                     "| n/a | 3.0 | 1.2 |")
+                                     "| n/a | 3.0 | 1.2 | n/a |")
     assert failed([result]) == ["hang: {'leaked': 2}"]
+
+
+def test_detection_is_the_first_marked_down_line_of_the_worker_after_the_fault(tmp_path):
+    from chaos.campaign import detect_s
+
+    lines = [{"ts": 99.0, "msg": "worker 127.0.0.1:7 marked down: before the fault"},
+             {"ts": 104.5, "msg": "worker 127.0.0.1:8 marked down: another worker"},
+             {"ts": 106.0, "msg": "decode worker 127.0.0.1:7 failed"},
+             {"ts": 107.25, "msg": "worker 127.0.0.1:7 marked down: decode: ping timeout"}]
+    (tmp_path / "router-0.log").write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    (tmp_path / "router-1.log").write_text(json.dumps({"ts": 108.0, "msg": "worker 127.0.0.1:7 marked down"}) + "\n")
+    logs = [tmp_path / "router-0.log", tmp_path / "router-1.log", tmp_path / "missing.log"]
+    assert detect_s(logs, "127.0.0.1:7", 100.0) == 7.25
+    assert detect_s(logs, "127.0.0.1:9", 100.0) is None
 
 
 def test_a_campaigns_relative_trace_path_is_read_from_the_data_folder(tmp_path, monkeypatch):

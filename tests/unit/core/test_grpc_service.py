@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.grpc_service import GrpcService
+from core.grpc_service import GrpcService, run_until_signalled
 
 
 async def test_a_second_service_on_a_taken_port_fails_naming_the_port() -> None:
@@ -19,3 +19,22 @@ async def test_a_second_service_on_a_taken_port_fails_naming_the_port() -> None:
             "or the host is not an interface of this machine")
     finally:
         await first.stop()
+
+
+async def test_a_failed_start_up_stops_what_started_and_raises() -> None:
+    """A start-up that fails after its server started (Redis refusing the registration, say)
+    stops the server, so the process exits instead of serving unready forever."""
+    service = GrpcService("127.0.0.1", 0, ["tandem.v1.Test"], grace_s=0)
+    stopped = []
+
+    async def start() -> None:
+        await service.start()
+        raise RuntimeError("registration refused")
+
+    async def stop() -> None:
+        await service.stop()
+        stopped.append(True)
+
+    with pytest.raises(RuntimeError, match="registration refused"):
+        await run_until_signalled(start, stop)
+    assert stopped == [True]

@@ -12,7 +12,8 @@ import torch
 from core.request import Request
 from core.sampling_params import SamplingParams
 from core.structured_output import StructuredOutputSpec
-from engine.outputs import SamplingInput
+from engine.kv_connector.blocks import ArenaBlock, LoadGuard
+from engine.outputs import ExternalKV, SamplingInput
 from engine.sampler import Sampler
 from engine.structured_output import StructuredOutputManager, choice_grammar
 from tests import reference
@@ -102,3 +103,22 @@ def test_a_spec_is_compiled_once_and_refusals_carry_the_library_reason(manager) 
     assert failed[0].error.startswith("the json schema cannot be compiled: ")
     for rid in ("a", "b"):
         manager.discard(rid)
+
+
+def test_a_refused_request_lets_go_of_its_external_kv(manager) -> None:
+    # The prefix a prefill worker loaded from the pool: views whose guard keeps the pool leases
+    # renewed until it is done. A refusal must drop them while the failed grammar stays cached.
+    released = []
+    guard = LoadGuard(lambda: released.append(True))
+    external = ExternalKV(16, [ArenaBlock.wrap(memoryview(bytearray(64)), guard)])
+    del guard
+    spec = StructuredOutputSpec("regex", "(?<=a)b")
+    request = Request("lookbehind", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec))
+    ready = threading.Event()
+    manager.on_ready = ready.set
+    manager.add(request, external)
+    del external
+    assert ready.wait(60)
+    failed = manager.admit_ready(lambda r, kv: None)
+    assert failed[0].error.startswith("the regex cannot be compiled: ")
+    assert spec in manager._grammars and released == [True]  # no gc.collect: nothing holds it

@@ -26,11 +26,14 @@ def test_threads_are_split_per_worker():
     assert worker_threads(8, colocated=True, num_decode_workers=3) == {"decode": 2}
 
 
-def test_small_machine_gives_decode_every_core_and_prefill_one_thread():
-    assert worker_threads(2) == {"prefill": 1, "decode": 2}
-    assert worker_threads(4, num_prefill_workers=2) == {"prefill": 1, "decode": 4}
-    assert worker_threads(8) == {"prefill": 4, "decode": 4}  # past SMALL_MACHINE_CORES: split
-    assert worker_threads(2, share_cores=False) == {"prefill": 1, "decode": 1}  # Ray reserves CPUs
+def test_disaggregated_roles_never_share_a_core():
+    """Threads of all workers together never exceed the cores (a shared core stalls OpenMP
+    barriers); colocated takes every core."""
+    assert worker_threads(2) == {"prefill": 1, "decode": 1}
+    assert worker_threads(3) == {"prefill": 1, "decode": 2}
+    assert worker_threads(4, num_prefill_workers=2) == {"prefill": 1, "decode": 2}
+    assert worker_threads(8) == {"prefill": 4, "decode": 4}
+    assert worker_threads(2, colocated=True) == {"decode": 2}
 
 
 def test_routers_are_named_and_given_consecutive_ports():

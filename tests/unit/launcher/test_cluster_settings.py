@@ -71,7 +71,7 @@ def test_each_service_reads_back_the_config_the_cluster_meant() -> None:
     config = ClusterConfig.from_options(
         num_kv_blocks=300, prefill_num_kv_blocks=200, block_size=32, enforce_eager=False, routing_policy="cache_aware",
         served_model_name="m", open_paths=("/health",), pool_capacity_bytes=2**28, pool_nvme_path="/tmp/nvme",
-        kv_transfer="grpc", decode_tp=2, http_port=9000, grpc_port=9100, host="0.0.0.0")
+        kv_transfer="grpc", kv_lease_ttl_s=5.0, decode_tp=2, http_port=9000, grpc_port=9100, host="0.0.0.0")
     pool = _parse(pool_main, service_argv(config, "kv_pool", "python", "0.0.0.0", 7000, "redis://r:1/0"))
     pool.pop("log_level")
     assert PoolConfig(**pool) == dataclasses.replace(config.pool, host="0.0.0.0", port=7000, redis_url="redis://r:1/0")
@@ -107,6 +107,7 @@ def test_the_helm_mapping_names_tandem_up_options_and_the_chart_values_fit_them(
             assert value in param.type.choices, (name, value, param.type.choices)
     config, _, _ = _prepare(_up_params([], default_map=options), None, 8, False, check_ports=False)
     assert (config.engine.num_kv_blocks, config.num_routers, config.router.open_paths) == (16384, 2, ("/health", "/metrics"))
+    assert config.worker.kv_lease_ttl_s == WorkerConfig().kv_lease_ttl_s == 60.0  # transfer.kvLeaseTtlS
 
 
 def load_values_defaults() -> dict:

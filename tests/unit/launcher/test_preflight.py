@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import socket
 
 import pytest
 from click.testing import CliRunner
 
 from core.model_source import DEFAULT_MODEL, resolve_model
-from tandem_cli.main import main
-from launcher.ports import free_port, free_port_run
 from core.settings import parse_bytes
-from launcher.preflight import PreflightError, check_max_model_len, check_ports_free
+from launcher.model_shape import ModelShape, check_max_model_len, read_shape
+from launcher.ports import free_port, free_port_run
+from launcher.preflight import PreflightError, check_ports_free
+from tandem_cli.main import main
 
 
 @pytest.fixture
@@ -89,21 +90,20 @@ def test_demo_prompt_file_is_read_before_starting(tmp_path) -> None:
     assert not (tmp_path / "l").exists()
 
 
-def test_max_model_len_is_checked_against_max_position_embeddings(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
-    check_max_model_len(tmp_path, 8192)
+def test_max_model_len_is_checked_against_max_position_embeddings() -> None:
+    shape = ModelShape(num_params=1, num_layers=1, num_kv_heads=1, head_dim=1, max_position_embeddings=8192)
+    check_max_model_len(shape, 8192)
     with pytest.raises(PreflightError) as info:
-        check_max_model_len(tmp_path, 10000)
+        check_max_model_len(shape, 10000)
     assert str(info.value) == ("--max-model-len 10000 exceeds the model's max_position_embeddings (8192); "
                                "pass --max-model-len 8192 or less")
+    check_max_model_len(dataclasses.replace(shape, max_position_embeddings=None), 10**6)  # says none: unchecked
 
 
 def test_the_bundled_model_supports_8192_positions() -> None:
-    folder = resolve_model(DEFAULT_MODEL).converted_dir
-    if not (folder / "config.json").is_file():
-        pytest.skip(f"{folder} not converted yet (tandem up converts it)")
+    shape = read_shape(resolve_model(DEFAULT_MODEL))
     with pytest.raises(PreflightError, match=r"max_position_embeddings \(8192\)"):
-        check_max_model_len(folder, 8193)
+        check_max_model_len(shape, 8193)
 
 
 @pytest.mark.parametrize(

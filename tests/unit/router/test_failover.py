@@ -4,7 +4,8 @@ Each fake decode worker streams a fixed answer from where the request says it is
 prefill's first token, or after a resumed request's ``output_token_ids``) and may break after some
 tokens; the tests check what the client sees, what the router sent on and who was marked down.
 The fake clients have no pool release: the router never releases (the workers' KV connectors do,
-engine/kv_connector/connector.py).
+engine/kv_connector/connector.py); they record the manifests the router drops at a decode worker
+because no Decode answered for them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class FakeClients:
         self.prefill_calls: list[tuple[str, str]] = []  # (address, request id)
         self.decode_calls: list[tuple[str, str, bool, tuple[int, ...]]] = []  # (address, id, has prefill, resume)
         self.health_of: dict[str, Health] = {}  # default SERVING
+        self.drop_calls: list[tuple[str, str]] = []  # DropManifest (address, request id)
 
     async def prefill(self, address, request_id, request, timeout_s):
         self.prefill_calls.append((address, request_id))
@@ -102,6 +104,10 @@ class FakeClients:
         # What a real worker needs: the resumed tokens are exactly the answer's beginning.
         assert list(output_token_ids) == self.answer[: len(output_token_ids)]
         return FakeStream(address, self.answer, start, self.decode_breaks.get(address))
+
+    def drop_manifest(self, address, request_id, prefill):
+        assert isinstance(prefill, PrefillResult)
+        self.drop_calls.append((address, request_id))
 
     async def health(self, address):
         return self.health_of.get(address, Health.SERVING)
@@ -164,6 +170,28 @@ async def test_broken_decode_stream_resumes_on_another_worker_without_repeats(to
     assert addresses(view, "decode") == ["decode:1"]
     assert counter(generation, "tandem:migrations_total") == 1
     assert counter(generation, "tandem:worker_failures_total", role="decode") == 1
+
+
+async def test_a_manifest_no_decode_worker_answered_for_is_dropped_where_it_was_sent(tokenizer):
+    generation, clients, view, _ = await make_generation(tokenizer)
+    tokens, _ = await run(generation)  # answered: the decode worker's connector released it
+    assert tokens == clients.answer and clients.drop_calls == []
+    clients.decode_calls.clear()
+    clients.decode_breaks["decode:0"] = 0  # broke (hung, cancelled) before answering anything
+    tokens, _ = await run(generation)
+    assert tokens == clients.answer  # resumed on decode:1 from the first token
+    (_, prefill_id, _, _), (_, resumed_id, _, _) = clients.decode_calls
+    assert clients.drop_calls == [("decode:0", prefill_id)] and resumed_id != prefill_id
+
+
+async def test_a_client_gone_at_the_first_token_drops_the_manifest_at_the_planned_decode_worker(tokenizer):
+    generation, clients, _, _ = await make_generation(tokenizer)
+    events = generation.generate(CLIENT_ID, request(), time.monotonic())
+    first = await anext(events)
+    assert first.token_ids == (clients.answer[0],)
+    await events.aclose()  # the client left before any Decode was sent
+    assert clients.decode_calls == []
+    assert clients.drop_calls == [("decode:0", clients.prefill_calls[0][1])]
 
 
 async def test_failed_prefill_is_retried_once_on_another_worker(tokenizer):
@@ -291,6 +319,21 @@ def test_which_grpc_statuses_mean_the_worker_failed(code, worker_failed):
     assert isinstance(error, WorkerFailedError) is worker_failed
     if worker_failed:
         assert error.address == "prefill:0" and error.kind is ErrorKind.UNAVAILABLE
+
+
+def test_a_workers_refusal_reaches_the_client_as_its_message_and_the_log_names_the_worker(caplog):
+    """INVALID_ARGUMENT is the request's fault (a grammar the library cannot compile): the 400
+    says only what the worker said; the router's log says which worker."""
+    details = "the json schema cannot be compiled: Unsupported keyword"
+    err = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               details=details)
+    with caplog.at_level("INFO", logger="router.workers.clients"):
+        error = _router_error("decode", "decode:0", err, 5.0, "chatcmpl-1")
+    assert (type(error), error.kind, error.message, error.http_status) == (
+        RouterError, ErrorKind.INVALID_REQUEST, details, 400)
+    (record,) = caplog.records
+    assert (record.getMessage(), record.request_id) == (
+        f"decode worker decode:0 refused the request (INVALID_ARGUMENT): {details}", "chatcmpl-1")
 
 
 def test_client_request_ids_are_checked():

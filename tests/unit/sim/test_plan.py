@@ -39,6 +39,12 @@ def test_bisection_visits_few_sizes_and_finds_the_smallest_that_meets_the_target
                             planner.SLO(), 0.9, jobs=1)
     assert sorted(set(visited)) == [4, 8, 16]  # 16, then 4, then 8: log2 of 7 sizes
     assert planner.recommend(points, 0.9).num_gpus == 8
+    assert planner.not_evaluated([2, 4, 8, 16, 32, 64, 128], [1], points, 0.9) == (
+        "not evaluated: 2 GPUs (fewer than 4, which misses the 90% target), 32, 64, 128 GPUs (more than 8, which "
+        "meets the 90% target); SLO attainment grows with GPUs, so the bisection skips them, --all-sizes evaluates "
+        "every size")
+    assert planner.not_evaluated([4, 8, 16], [1], points, 0.9) is None
+    assert planner.not_evaluated([4, 6, 8, 16], [4], points, 0.9) == "not evaluated: 6 GPUs (no --tp degree divides them)"
 
 
 def test_recommend_takes_the_fewest_gpus_that_meet_the_target():
@@ -52,10 +58,12 @@ def test_recommend_takes_the_fewest_gpus_that_meet_the_target():
 
 def test_plan_command_prints_a_recommendation_and_valid_helm_values(tmp_path):
     values = tmp_path / "values.yaml"
-    result = CliRunner().invoke(plan, ["--path", str(SLICE), "--gpus", "2", "--time-scale", "0.01", "--out",
+    result = CliRunner().invoke(plan, ["--path", str(SLICE), "--gpus", "2,4", "--time-scale", "0.01", "--out",
                                        str(tmp_path), "--helm-values", str(values), "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert "recommendation:" in result.output
+    assert ("\nnot evaluated: 4 GPUs (more than 2, which meets the 90% target); SLO attainment grows with GPUs, so the "
+            "bisection skips them, --all-sizes evaluates every size\n") in result.output
     data = json.loads((tmp_path / "plan.json").read_text())
     assert [p["num_prefill"] for p in data["points"]] == [0, 1]
     assert (tmp_path / "goodput_vs_gpus.png").exists()

@@ -226,3 +226,17 @@ def test_without_a_compiler_returns_none_and_the_backend_falls_back(kernel, tmp_
     torch.testing.assert_close(got, expected, **FP32_TOL)
     with_kernel = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     torch.testing.assert_close(got, with_kernel, **FP32_TOL)
+
+
+def test_a_missing_kernel_source_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    """An install without the C source (package data left out) keeps gather + SDPA: no crash."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_decode_attention, "SOURCE", tmp_path / "cpu" / "paged_decode_attention.c")
+    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
+    with pytest.raises(FileNotFoundError, match="not installed"):
+        cpu_decode_attention.library_path()
+    with caplog.at_level(logging.WARNING, logger=cpu_decode_attention.__name__):
+        assert load_kernel() is None
+    assert "unavailable" in caplog.text and "not installed" in caplog.text
+    assert CpuAttentionBackend()._kernel is None
+    assert not any(tmp_path.rglob("*.so"))

@@ -5,6 +5,7 @@ measurement, the per-machine cache."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -64,7 +65,8 @@ def test_each_backend_on_the_real_model_shapes(backend, shape):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=5e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif("onednn" not in available, reason="torch built without oneDNN")
+@pytest.mark.skipif(not backend_supports("onednn", torch.empty(1, 1, dtype=torch.bfloat16)),
+                    reason="oneDNN runs no bfloat16 here (no AVX-512 / AVX-NE-CONVERT, or no oneDNN)")
 @pytest.mark.parametrize("num_tokens", [1, 5, 32])
 def test_onednn_bfloat16_equals_f_linear_bfloat16(num_tokens):
     layer = make_linear(bias=True, dtype=torch.bfloat16, out=3072, inp=576)
@@ -158,7 +160,7 @@ def test_cheap_measured_plan_is_applied_and_cached(tmp_path, monkeypatch):
     backends, each layer follows its shape's plan, and the second start reads the cache."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
-    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 0.0)
+    monkeypatch.setattr(linear_chooser.OtherCpuUse, "cores", lambda self: 0.0)
     model = torch.nn.Sequential(make_linear(True), make_linear(False, seed=1, out=48))
     setup = LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=2)
     plan = plan_linears(model, setup)
@@ -183,16 +185,36 @@ def test_busy_machine_measurement_is_remeasured_once_the_machine_is_quiet(tmp_pa
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
     model, setup = torch.nn.Sequential(make_linear(False)), LinearSetup("auto", 1, 1)
-    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 3.0)
+    others = {"cores": 1.5}
+    monkeypatch.setattr(linear_chooser.OtherCpuUse, "cores", lambda self: others["cores"])
     busy = choose_plan(model, setup)
-    assert not busy.cached and busy.load_per_core == 3.0 and len(busy.choices[f"{OUT}x{IN}"]) == 1
+    assert not busy.cached and busy.other_cores == 1.5 and len(busy.choices[f"{OUT}x{IN}"]) == 1
     assert choose_plan(model, setup).cached  # still busy: the busy plan is reused
-    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 0.2)
+    others["cores"] = 0.05
     quiet = choose_plan(model, setup)
-    assert not quiet.cached and quiet.load_per_core == 0.2
-    monkeypatch.setattr(linear_chooser, "_load_per_core", lambda: 3.0)
+    assert not quiet.cached and quiet.other_cores == 0.05
+    others["cores"] = 1.5
     again = choose_plan(model, setup)
-    assert again.cached and again.load_per_core == 0.2
+    assert again.cached and again.other_cores == 0.05
+
+
+def test_other_cpu_use_counts_a_child_process_and_subtracts_this_ones():
+    """A child process spinning 0.6 s of CPU shows as other processes' CPU time; this process
+    spinning shows in the machine's busy time and in its own, which ``cores`` subtracts."""
+    import subprocess
+    import sys
+
+    use = linear_chooser.OtherCpuUse()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"],
+                   check=True)
+    _, machine_s, own_s = use.seconds()
+    assert machine_s - own_s >= 0.55
+    own = linear_chooser.OtherCpuUse()
+    t = time.process_time()
+    while time.process_time() - t < 0.6:
+        pass
+    _, machine_s, own_s = own.seconds()
+    assert own_s >= 0.6 and machine_s >= own_s - 0.05  # /proc/stat counts in 10 ms ticks
 
 
 def test_summary_counts_shapes_and_buckets():
@@ -206,3 +228,46 @@ def test_a_single_candidate_is_chosen_without_timing(monkeypatch):
     model = torch.nn.Sequential(make_linear(False, dtype=torch.float16))
     plan = linear_chooser.measure(linear_chooser._layer_buckets(model, LinearSetup("auto", 2, 4)), BACKENDS)
     assert plan.choices == {f"{OUT}x{IN}": ["torch"] * 3}
+
+
+def test_weight_copies_span_twice_the_last_level_cache():
+    """The chooser rotates through enough copies that a call reads its weight from DRAM."""
+    llc = 32 << 20
+    assert linear_chooser.num_weight_copies(torch.empty(1024, 1024), llc) == 16  # 4 MiB each
+    assert linear_chooser.num_weight_copies(torch.empty(49152, 576), llc) == 1  # the LM head: 108 MiB
+    assert linear_chooser.num_weight_copies(torch.empty(4, 4), llc) == linear_chooser.MAX_WEIGHT_COPIES
+    assert linear_chooser.last_level_cache_bytes() >= 1 << 20
+
+
+def test_timed_calls_rotate_through_the_copies_backends_in_turn(monkeypatch):
+    """After the warm-up on copy 0, the backends alternate call by call and each call reads the
+    copy after the previous call's, so no backend runs on a weight another just pulled into
+    the caches."""
+    seen = []
+    monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    monkeypatch.setattr(linear_chooser, "run_backend", lambda backend, x, prepared, weight, bias, scale:
+                        seen.append((backend, prepared, weight.data_ptr())))
+    weights = [torch.zeros(8, 4) for _ in range(3)]
+    prepared = {"mkl": ["m0", "m1", "m2"], "torch": [None, None, None]}
+    times = linear_chooser.time_backends_ms(prepared, weights, 2)
+    assert set(times) == {"mkl", "torch"}
+    ptr = [w.data_ptr() for w in weights]
+    assert seen[:2] == [("mkl", "m0", ptr[0]), ("torch", None, ptr[0])]
+    backends = ("mkl", "torch") * linear_chooser.MIN_CALLS
+    expected = [(b, prepared[b][(k + 1) % 3], ptr[(k + 1) % 3]) for k, b in enumerate(backends)]
+    assert seen[2:] == expected
+    assert all(a[2] != b[2] for a, b in zip(seen[2:], seen[3:]))
+
+
+def test_a_bfloat16_model_plans_and_runs_on_every_cpu(tmp_path, monkeypatch):
+    """oneDNN's bfloat16 needs AVX-512 or AVX-NE-CONVERT: where the CPU lacks them (an AVX2
+    EPYC) the plan leaves bfloat16 layers on F.linear instead of failing the start-up."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and torch.backends.mkldnn.is_available()
+    assert backend_supports("onednn", torch.empty(1, 1, dtype=torch.bfloat16)) == onednn_bf16
+    layer = make_linear(bias=True, dtype=torch.bfloat16)
+    plan = plan_linears(torch.nn.Sequential(layer), LinearSetup("auto", 2, 2))
+    assert set(plan.choices[f"{OUT}x{IN}"]) <= ({"onednn", "torch"} if onednn_bf16 else {"torch"})
+    x = torch.randn(2, IN).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), **BF16_TOL)

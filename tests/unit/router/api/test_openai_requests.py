@@ -68,6 +68,46 @@ def test_unsupported_completion_bodies(body: dict, message: str, param: str) -> 
     assert (info.value.message, info.value.param) == (message, param)
 
 
+@pytest.mark.parametrize(("model", "base"), [(CompletionRequest, {"prompt": "x"}),
+                                             (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})])
+def test_stream_options_need_stream(model, base: dict) -> None:
+    """As OpenAI and vLLM: stream_options without stream is a 400, not silently ignored."""
+    for stream in ({}, {"stream": False}):
+        with pytest.raises(InvalidRequestError) as info:
+            model.model_validate({**base, **stream, "stream_options": {"include_usage": True}}).to_inputs()
+        assert (info.value.message, info.value.param) == (
+            "stream_options is only allowed when stream is true", "stream_options")
+    assert model.model_validate({**base, "stream_options": None}).to_inputs()[0].n == 1
+    assert model.model_validate({**base, "stream": True, "stream_options": {}}).include_usage is False
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "user", "content": None},
+         'messages.1.content is required on a "user" message (text or a list of content parts), got null'),
+        ({"role": "system", "content": None},
+         'messages.1.content is required on a "system" message (text or a list of content parts), got null'),
+        ({"role": "developer", "content": None},
+         'messages.1.content is required on a "developer" message (text or a list of content parts), got null'),
+        ({"role": "user"}, 'messages.1.content is required on a "user" message (text or a list of content parts)'),
+    ],
+)
+def test_null_content_is_refused_outside_assistant_messages(message: dict, error: str) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}, message]}
+    with pytest.raises(InvalidRequestError) as info:
+        ChatCompletionRequest.model_validate(body).to_inputs()
+    assert (info.value.message, info.value.param) == (error, "messages.1.content")
+
+
+def test_an_assistant_message_of_tool_calls_may_have_null_content() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}
+    request = ChatCompletionRequest.model_validate(body).to_inputs()[0]
+    assert request.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
 def test_chat_content_parts_and_max_completion_tokens() -> None:
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
@@ -205,7 +245,7 @@ def test_unsupported_fields_at_their_defaults_and_metadata_are_accepted() -> Non
     chat = {"messages": [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "x"}],
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True,
             "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "modalities": ["text"],
-            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+            "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
     request = ChatCompletionRequest.model_validate(chat).to_inputs()[0]
     assert request.messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "x"})
 

@@ -161,12 +161,31 @@ def test_a_long_prompt_is_not_colocated_beside_running_decodes() -> None:
     idle = worker("d1", "decode")
     assert policy("predicted_latency").place(prefills, [idle], prompt).mode == COLOCATED  # nobody to stall
     busy = worker("d1", "decode", running=8, kv_tokens=4000)
-    # A 512-token chunk (0.52 s) would stall 8 decodes for > 4 of their 22 ms steps: not colocated,
+    # A 512-token chunk (0.52 s) would stall 8 decodes for > 2 of their 22 ms steps: not colocated,
     # with or without a TBT SLO.
     assert policy("predicted_latency").place(prefills, [busy], prompt).mode == DISAGGREGATED
     assert policy("predicted_latency", slo=SLO(tbt_s=0.1)).place(prefills, [busy], prompt).mode == DISAGGREGATED
-    short = request(40)  # one 40-token chunk: 51 ms + the batch's 12 ms share, under 4 x 22 ms
+    short = request(16)  # one 16-token chunk: 26.5 ms + the batch's 12 ms share, under 2 x 22 ms
     assert policy("predicted_latency").place(prefills, [busy], short).mode == COLOCATED
+    # 40 tokens: 50.5 + 12 ms, over 2 x 22 ms.
+    assert policy("predicted_latency").place(prefills, [busy], request(40)).mode == DISAGGREGATED
+
+
+def test_prompts_queued_at_the_decode_worker_share_the_mixed_step() -> None:
+    """The engine fills one mixed step with every queued prompt's chunk: a short prompt that
+    would fit alone stalls the running decodes for the whole queue behind it (its heartbeat's
+    waiting tokens, or this router's pending placements there)."""
+    prefills = [worker("p1", waiting_tokens=2000)]
+    short = request(16)
+    queued = worker("d1", "decode", running=8, kv_tokens=4000, waiting_tokens=100)
+    # 116 tokens in the step: 10.5 + 116 + 12 ms, over 2 x 22 ms.
+    assert policy("predicted_latency").place(prefills, [queued], short).mode == DISAGGREGATED
+    book, pl = booked_policy("predicted_latency")
+    busy = worker("d1", "decode", running=8, kv_tokens=4000)
+    assert pl.place(prefills, [busy], short).mode == COLOCATED
+    book.add_pending("earlier", busy.address, 100)  # a colocated placement not yet prefilled
+    placement = pl.place(prefills, [busy], short)
+    assert placement.mode == DISAGGREGATED
 
 
 def test_an_idle_cluster_disaggregates_a_fresh_prompt() -> None:

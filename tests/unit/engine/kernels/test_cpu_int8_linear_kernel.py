@@ -1,0 +1,66 @@
+"""engine.kernels.cpu_int8_linear: the C kernel against its reference, F.linear on the dequantised
+weight, on every path of the kernel (M of one, two and three or more rows; channels in whole and
+partial tiles of 4; K a multiple of 8 or not), and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu_int8_linear import int8_linear_cpu, load_kernel
+from engine.model.linear import dequantize_int8, quantize_int8
+
+# Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
+# F.linear's: measured max abs difference ~5e-5 (relative ~1e-6, float32's own rounding).
+FP32_TOL = dict(atol=2e-4, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = load_kernel()
+    if lib is None:
+        pytest.skip("no working C compiler here")
+    return lib
+
+
+def make(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_int8(torch.randn(out_features, in_features, generator=gen))
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (10, 24), (7, 13), (5, 8)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_kernel_equals_f_linear_on_the_dequantised_weight(kernel, shape, num_tokens, bias):
+    qweight, scale = make(*shape, seed=shape[0] + num_tokens)
+    x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+    b = torch.randn(shape[0]) if bias else None
+    out = int8_linear_cpu(kernel, x, qweight, scale, b)
+    assert out.shape == (num_tokens, shape[0]) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, dequantize_int8(qweight, scale), b), **FP32_TOL)
+
+
+def test_a_non_contiguous_input_is_read_as_its_values(kernel):
+    qweight, scale = make(16, 32, seed=3)
+    x = torch.randn(32, 4).t()  # [4, 32], column-major
+    torch.testing.assert_close(int8_linear_cpu(kernel, x, qweight, scale, None),
+                               F.linear(x, dequantize_int8(qweight, scale)), **FP32_TOL)
+
+
+def test_bad_arguments_are_refused_before_the_c_code_reads_them(kernel):
+    qweight, scale = make(16, 32, seed=4)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="float32 x, scale and bias with an int8 weight"):
+        int8_linear_cpu(kernel, x.double(), qweight, scale, None)
+    with pytest.raises(ValueError, match="float32 x, scale and bias with an int8 weight"):
+        int8_linear_cpu(kernel, x, qweight.float(), scale, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_linear_cpu(kernel, torch.randn(2, 31), qweight, scale, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_linear_cpu(kernel, x, qweight, scale[:15], None)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_linear_cpu(kernel, x, qweight, scale, torch.zeros(15))
+    with pytest.raises(ValueError, match="contiguous"):
+        int8_linear_cpu(kernel, x, torch.zeros(32, 16, dtype=torch.int8).t(), scale, None)

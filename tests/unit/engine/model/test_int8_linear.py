@@ -1,0 +1,192 @@
+"""--quantization int8: per-channel quantisation, every int8 backend against the float32 layer
+within the error bound the quantisation allows, the chooser on int8 layers, the loader, and the
+configuration's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.cpu_attention import CpuAttentionBackend
+from engine.model import linear_chooser
+from engine.model.linear import INT8_BACKENDS, Linear, backend_supports, dequantize_int8, quantize_int8
+from engine.model.linear_chooser import LinearSetup, choose_plan, plan_linears, shape_key
+from engine.model.loader import load_model
+from tests.factories import engine_logits
+from tests.unit.engine.model.test_loader import MAX_POSITIONS, PROMPT, save_tiny_llama
+
+# SmolLM2-135M's fused projections and LM head, [out, in]: qkv, o, gate_up, down, LM head.
+REAL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+available = [b for b in INT8_BACKENDS if backend_supports(b, torch.empty(1, 1, dtype=torch.int8))]
+
+
+def quantized_linear(out_features: int, in_features: int, bias: bool, seed: int) -> tuple[Linear, torch.Tensor]:
+    """A quantised layer and the float32 weight it was quantised from."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias)
+    layer.weight.data = torch.randn(out_features, in_features, generator=gen)
+    if bias:
+        layer.bias.data = torch.randn(out_features, generator=gen)
+    weight = layer.weight.detach().clone()
+    layer.quantize_int8()
+    return layer, weight
+
+
+def error_bound(layer: Linear, x: torch.Tensor, backend: str) -> torch.Tensor:
+    """[M, out]: how far the int8 layer's output may be from the float32 layer's.
+
+    Rounding each weight to the nearest multiple of its channel's scale moves it by at most
+    scale[n] / 2, so |y_int8 - y_fp32| <= scale[n] / 2 * sum_k |x[m, k]| (the worst case: every
+    error of one sign), plus float32's own rounding of the sums (FP32 below). ``int8pack`` also
+    rounds x, the scales and the output to bfloat16 (8 significant bits: relative 2^-8 each) and
+    sums bfloat16 products: 2^-7 x sum_k |x_k| |w_k| + 2^-8 |y| more.
+    """
+    half_step = layer.weight_scale / 2
+    bound = x.abs().sum(1, keepdim=True) * half_step[None, :] + 2e-4 + 1e-5 * x.abs().sum(1, keepdim=True)
+    if backend == "int8pack":
+        w = dequantize_int8(layer.qweight, layer.weight_scale)
+        bound = bound + 2 ** -7 * (x.abs() @ w.abs().T) + 2 ** -8 * F.linear(x, w, layer.bias).abs()
+    return bound
+
+
+def test_quantize_int8_per_channel_symmetric():
+    weight = torch.tensor([[0.5, -1.0, 0.25, 0.0], [2.0, 1.0, -2.0, 0.7], [0.0, 0.0, 0.0, 0.0]])
+    qweight, scale = quantize_int8(weight)
+    assert qweight.dtype == torch.int8 and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, torch.tensor([1.0 / 127, 2.0 / 127, 1.0]))  # a zero row: scale 1
+    assert qweight.tolist() == [[64, -127, 32, 0], [127, 64, -127, 44], [0, 0, 0, 0]]  # 63.5 -> 64, 44.45 -> 44
+    error = (dequantize_int8(qweight, scale) - weight).abs()
+    assert (error <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("backend", available)
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=[f"{o}x{i}" for o, i in REAL_SHAPES])
+def test_each_int8_backend_is_within_the_quantisation_bound_of_float32(backend, shape):
+    layer, weight = quantized_linear(*shape, bias=True, seed=shape[0])
+    layer.set_plan((backend,))
+    assert layer.backend_for(5) == backend and layer.weight is None
+    for num_tokens in (1, 3, 16):
+        x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+        out = layer(x)
+        assert out.shape == (num_tokens, shape[0]) and out.dtype == torch.float32
+        error = (out - F.linear(x, weight, layer.bias)).abs()
+        assert (error <= error_bound(layer, x, backend)).all()
+        # The bound is a worst case: the errors, of both signs, mostly cancel. Measured here: the
+        # largest error is 0.16 of its bound (int8pack 0.11); a wrong scale or a wrong row is
+        # far outside it.
+        assert error.max() > 0
+
+
+@pytest.mark.parametrize("backend", [b for b in available if b != "int8pack"])
+def test_exact_int8_backends_equal_the_dequantised_reference(backend):
+    """int8_cpu and int8_dequant compute in float32 what F.linear on the dequantised weight does."""
+    layer, _ = quantized_linear(960, 576, bias=True, seed=7)
+    layer.set_plan((backend,))
+    x = torch.randn(6, 576)
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize_int8(layer.qweight, layer.weight_scale), layer.bias),
+                               atol=2e-4, rtol=1e-5)
+
+
+def test_an_unplanned_int8_layer_runs_int8_dequant_and_float_backends_are_refused():
+    layer, _ = quantized_linear(32, 48, bias=False, seed=1)
+    assert layer.plan is None and layer.backend_for(3) == "torch"  # no plan: the reference below
+    x = torch.randn(2, 3, 48)  # any leading shape
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize_int8(layer.qweight, layer.weight_scale)))
+    with pytest.raises(ValueError, match="'onednn' cannot run a torch.int8 weight"):
+        layer.set_plan(("onednn",))
+    assert not backend_supports("torch", layer.qweight) and not backend_supports("int8_dequant", torch.empty(1, 1))
+
+
+def test_quantising_a_non_float32_weight_is_refused():
+    layer = Linear(8, 4)
+    layer.weight.data = torch.randn(4, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="int8 quantisation needs a float32 weight, got torch.bfloat16"):
+        layer.quantize_int8()
+
+
+@pytest.mark.parametrize("backend", available)
+def test_int8_layer_under_torch_compile(backend):
+    layer, _ = quantized_linear(40, 64, bias=True, seed=2)
+    layer.set_plan((backend,))
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    for num_tokens in (3, 16, 1):
+        x = torch.randn(num_tokens, 64)
+        torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+# --- the chooser -------------------------------------------------------------------------------
+
+
+def test_chooser_measures_only_int8_backends_on_int8_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    monkeypatch.setattr(linear_chooser.OtherCpuUse, "cores", lambda self: 0.0)
+    layer, _ = quantized_linear(48, 64, bias=False, seed=3)
+    model = torch.nn.Sequential(layer)
+    assert shape_key(layer.gemm_weight) == "int8:48x64"
+    plan = plan_linears(model, LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=2))
+    assert set(plan.timings_ms["int8:48x64"]) == set(available)
+    assert set(plan.choices["int8:48x64"]) <= set(available) and len(plan.choices["int8:48x64"]) == 2
+    assert [layer.backend_for(m) for m in (1, 2)] == plan.choices["int8:48x64"]
+
+
+def test_a_forced_float_backend_leaves_int8_layers_on_int8_dequant():
+    layer, _ = quantized_linear(48, 64, bias=False, seed=4)
+    plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("onednn", max_num_seqs=1, max_num_batched_tokens=1))
+    assert plan.choices == {"int8:48x64": ["int8_dequant"]}
+
+
+# --- the loader and the configuration ----------------------------------------------------------
+
+
+def test_loader_quantises_every_linear_layer_and_keeps_the_embedding_float(tmp_path):
+    """A tiny tied-head model: every Linear (the LM head too) becomes int8, the embedding stays
+    float32, and the logits equal those of the float32 model given the dequantised weights."""
+    save_tiny_llama(tmp_path, tie_word_embeddings=True, attention_bias=True)
+    dequantised = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, linear=None)
+    for layer in [m for m in dequantised.modules() if isinstance(m, Linear)]:
+        layer.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(layer.weight)), requires_grad=False)
+    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_cpu"), quantization="int8")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(m.qweight is not None and m.weight is None for m in linears)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    expected = "int8_cpu" if "int8_cpu" in available else "int8_dequant"
+    assert {m.backend_for(n) for m in linears for n in (1, 16)} == {expected}
+    backend = CpuAttentionBackend()
+    # Logits of magnitude ~20 (initializer_range 0.5), float32 sums in other orders: as in test_loader.
+    torch.testing.assert_close(engine_logits(model, PROMPT, backend), engine_logits(dequantised, PROMPT, backend),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_loader_refuses_int8_with_half_precision(tmp_path):
+    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' with dtype float32"):
+        load_model(tmp_path, "bfloat16", "cpu", MAX_POSITIONS, quantization="int8")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'fp8'\), got 'int4'"),
+    (dict(quantization="fp8"), r"quantization 'fp8' is reserved: it needs CUDA \(float8 GEMMs\), and it is not "
+                               r"implemented yet; use 'none' or 'int8' \(device 'cpu'\)"),
+    (dict(quantization="fp8", device="cuda"), r"quantization 'fp8' is reserved: it is not implemented yet"),
+    (dict(quantization="int8", dtype="bfloat16"), r"quantization 'int8' keeps float32 activations: it needs "
+                                                  r"dtype 'float32', got 'bfloat16'"),
+])
+def test_config_refuses_bad_quantization_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_workers_and_tandem_up_take_the_flag_and_refuse_unknown_values():
+    from click.testing import CliRunner
+
+    from decode_worker.__main__ import main as decode_main
+    from tandem_cli.up import up
+
+    for command in (decode_main, up):
+        params = {p.name: p for p in command.params}
+        assert params["quantization"].default == "none"
+        result = CliRunner().invoke(command, ["--quantization", "int4"])
+        assert result.exit_code == 2 and "Invalid value for '--quantization'" in result.output
+        assert "'none', 'int8', 'fp8'" in result.output or "none, int8, fp8" in result.output
