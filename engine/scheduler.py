@@ -20,6 +20,7 @@ from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixHit
+from engine.kv_connector.blocks import let_go
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, PromptLogprobsInput, RequestOutput, SampledToken,
     SamplingInput, ScheduledRequest, SchedulerOutput, SwapOut,
@@ -220,6 +221,8 @@ class Scheduler:
             first = len(hit.block_ids) - (1 if cow_last else 0)
             if first < len(ext.payloads):
                 out.kv_loads.append(KVLoad(table.block_ids[first : len(ext.payloads)], ext.payloads[first:]))
+            else:  # the prefix cache holds all of it: nothing to copy, the pool views go now
+                let_go(ext.payloads)
         request.num_computed_tokens = num_computed
         request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
         request.status = RequestStatus.RUNNING
@@ -330,7 +333,9 @@ class Scheduler:
                 if request.request_id == request_id:
                     queue.remove(request)
                     self.free(request_id)
-                    self.external_kv.pop(request_id, None)
+                    ext = self.external_kv.pop(request_id, None)
+                    if ext is not None:  # never loaded: its pool views go now, not at a collection
+                        let_go(ext.payloads)
                     request.finish(FinishReason.ABORT)
                     return request
         return None

@@ -169,7 +169,10 @@ class StructuredOutputManager:
     def discard(self, request_id: str) -> bool:
         """Forgets the request (finished, aborted); True when it was still waiting for its grammar."""
         self._matchers.pop(request_id, None)
-        return self._waiting.pop(request_id, None) is not None
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None and waiting[1] is not None:  # its pool views go now, not at a collection
+            let_go(waiting[1].payloads)
+        return waiting is not None
 
     def _matcher(self, compiled: xgr.CompiledGrammar, request: Request) -> xgr.GrammarMatcher:
         matcher = xgr.GrammarMatcher(compiled)

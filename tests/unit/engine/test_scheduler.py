@@ -7,6 +7,7 @@ import pytest
 
 from core.block_hash import hash_block_chain
 from core.request import FinishReason, RequestStatus
+from engine.kv_connector.blocks import ArenaBlock, LoadGuard
 from engine.outputs import ExternalKV
 from tests.factories import fake_runner_output, make_request, make_scheduler
 
@@ -272,3 +273,45 @@ def test_prompt_logprobs_of_a_recomputed_prompt_are_not_added_twice():
         outputs = s.update_from_output(out, prompt_logprobs_output(out, fake_runner_output(out)))
     assert [t.token_id for t in outputs[0].prompt_logprobs] == r.prompt_token_ids[1:]
     assert [t.logprob for t in outputs[0].prompt_logprobs] == [-float(p) for p in range(11)]
+
+
+def pool_views(n: int, released: list) -> list:
+    """``n`` blocks as pool arena views under one guard, as one pool fetch gives them; the guard
+    (which keeps the request's pool leases) appends to ``released`` when it is done."""
+    guard = LoadGuard(lambda: released.append(True))
+    return [ArenaBlock.wrap(memoryview(bytearray(16)), guard) for _ in range(n)]
+
+
+def test_external_kv_the_prefix_cache_covers_lets_go_of_its_pool_views_at_admission():
+    # A partial manifest (1 of 3 blocks) whose block this worker's prefix cache already holds:
+    # nothing is copied, and the views must not keep the pool leases until they are garbage
+    # (the Decode RPC holding them would keep them for the request's life).
+    s = make_scheduler(block_size=4)
+    first = make_request(8, max_tokens=1)
+    s.add_request(first)
+    run_step(s)
+    released: list = []
+    views = pool_views(1, released)
+    second = make_request(8, max_tokens=2)
+    s.add_request(second, ExternalKV(4, views))
+    out, _ = run_step(s)
+    assert out.kv_loads == [] and released == [True]
+    assert views  # still referenced here: the release did not wait for the collection
+
+
+def test_external_kv_copied_in_part_is_let_go_by_the_copy_not_at_admission():
+    s = make_scheduler(block_size=4)
+    released: list = []
+    views = pool_views(2, released)
+    s.add_request(make_request(8, max_tokens=2), ExternalKV(8, views))
+    out, _ = run_step(s)
+    assert [len(load.payloads) for load in out.kv_loads] == [2] and released == []
+
+
+def test_abort_of_a_waiting_request_lets_go_of_its_external_kv():
+    s = make_scheduler(block_size=4)
+    released: list = []
+    views = pool_views(2, released)
+    r = make_request(8, max_tokens=2)
+    s.add_request(r, ExternalKV(8, views))
+    assert s.abort(r.request_id) is r and released == [True] and views
