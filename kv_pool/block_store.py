@@ -107,7 +107,7 @@ class BlockStore:
 
     # -- two-phase put ---------------------------------------------------------------------------
 
-    def reserve(self, key: BlockKey, block_bytes: int, checksum: int = 0) -> Reservation | Duplicate:
+    def reserve(self, key: BlockKey, block_bytes: int, checksum: int = 0, ttl_s: float = 0.0) -> Reservation | Duplicate:
         """Reserves an arena slot of ``block_bytes`` for ``key`` in state WRITING, evicting (or
         demoting) LRU blocks for room. ``checksum`` is the writer's, kept for readers to verify.
 
@@ -116,7 +116,8 @@ class BlockStore:
         being written: the second writer's put succeeds without a second copy.
 
         Mutates: block table, used bytes, LRU (evictions); a scoped key extends its request's
-        deadline to at least now + ``default_ttl_s``.
+        deadline to at least now + ``ttl_s`` (seconds: the writer's lease TTL, so that a writer
+        that dies holds its request's tail no longer than its leases; 0: ``default_ttl_s``).
 
         Raises:
             ValueError: ``block_bytes`` <= 0 or an empty spec fingerprint.
@@ -124,6 +125,8 @@ class BlockStore:
         """
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes!r}")
+        if ttl_s < 0:
+            raise ValueError(f"ttl_s must be >= 0, got {ttl_s!r}")
         if not key.spec_fingerprint:
             raise ValueError(f"spec_fingerprint must not be empty: {key}")
         if self._tiers.holds_anywhere(key):
@@ -131,7 +134,7 @@ class BlockStore:
         reservation = Reservation(key, block_bytes)
         self._tiers.place(key, block_bytes, reservation, checksum)
         if key.is_scoped:
-            self._leases.add_scoped(key, self.default_ttl_s)
+            self._leases.add_scoped(key, ttl_s or self.default_ttl_s)
         return reservation
 
     def write(self, reservation: Reservation, offset_bytes: int, data: bytes | memoryview) -> None:

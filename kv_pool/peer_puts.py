@@ -68,7 +68,8 @@ class PeerPuts:
         answers: list[Reserved] = []
         try:
             for i, key in enumerate(keys):
-                reservation = self._store.reserve(key, block_bytes, checksums[i] if checksums else 0)
+                reservation = self._store.reserve(key, block_bytes, checksums[i] if checksums else 0,
+                                                  lease_ttl_s if lease_request_id else 0.0)
                 if reservation is DUPLICATE:
                     answers.append(Reserved(True, 0, 0))
                     continue

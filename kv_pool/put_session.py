@@ -98,7 +98,7 @@ class PutSession:
             raise ValueError(f"the first chunk of a block has no key (offset {chunk.offset_bytes})")
         if chunk.offset_bytes != 0:
             raise ValueError(f"{chunk.key}: first chunk at offset {chunk.offset_bytes}, expected 0")
-        reservation = self._store.reserve(chunk.key, chunk.block_bytes, chunk.checksum)
+        reservation = self._store.reserve(chunk.key, chunk.block_bytes, chunk.checksum, chunk.lease_ttl_s)
         ttl_s = chunk.lease_ttl_s or self._default_ttl_s
         self._upload = _Upload(chunk.key, chunk.block_bytes, reservation, chunk.lease_request_id, ttl_s)
         return self._upload

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -52,16 +53,32 @@ class ClusterProbe:
         names = [n for n in self.cluster.addresses if n != "kv_pool"]
         return [n for n in names if self.cluster.service(n).process.poll() is None]
 
-    def is_idle(self, exclude: frozenset[str] = frozenset()) -> bool:
-        """Pool and running workers hold nothing; ``exclude``: workers not asked (one restarting)."""
+    def is_idle(self, exclude: frozenset[str] = frozenset()) -> Holdings:
+        """Pool and running workers hold nothing (truthy); else what is held, by whom (its repr:
+        a timed-out ``poll_until`` names it). ``exclude``: workers not asked (one restarting)."""
         pool = self.pool_stats()
-        if pool.num_leases or pool.num_leased_blocks or pool.num_scoped_blocks or pool.num_writing_blocks:
-            return False
-        for name in set(self.live_workers()) - exclude:
+        held = [f"kv_pool {f}={getattr(pool, f)}" for f in POOL_HOLDINGS if getattr(pool, f)]
+        for name in sorted(set(self.live_workers()) - exclude):
             stats = self.worker_stats(name)
-            if stats.num_used_blocks or stats.num_requests_running or stats.num_requests_waiting:
-                return False
-        return True
+            held += [f"{name} {f}={getattr(stats, f)}" for f in WORKER_HOLDINGS if getattr(stats, f)]
+        return Holdings(tuple(held))
+
+
+POOL_HOLDINGS = ("num_leases", "num_leased_blocks", "num_scoped_blocks", "num_writing_blocks")
+WORKER_HOLDINGS = ("num_used_blocks", "num_requests_running", "num_requests_waiting")
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What the cluster holds (``"decode num_used_blocks=3"``, ...); truthy when nothing."""
+
+    held: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return not self.held
+
+    def __repr__(self) -> str:
+        return "idle" if not self.held else "held: " + ", ".join(self.held)
 
 
 def pytest_collection_modifyitems(config, items):

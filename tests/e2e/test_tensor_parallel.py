@@ -167,7 +167,8 @@ def test_killing_one_rank_of_a_tp2_decode_worker_migrates_its_streams(two_tp2_de
     assert "deregistering and exiting" in log
     assert registered(cluster.redis_url, "decode") == 1  # the survivor; the victim took its key away
     assert probe.live_workers() == ["prefill", survivor]
-    # The pool's lease deadline frees leases the killed worker held; + 15 s (chaos's bound)
+    # The pool's lease deadline frees what the killed worker held (leases, and the tails of the
+    # manifests it had taken over: they live by the writer's lease TTL); + 15 s (chaos's bound)
     poll_until(probe.is_idle, timeout_s=LEASE_TTL_S + 15, message="survivor and pool back to idle")
 
     def restarted() -> bool:

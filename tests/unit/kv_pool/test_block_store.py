@@ -218,6 +218,22 @@ def test_scoped_block_is_freed_when_its_lease_lapses():
     assert_idle(store, num_stored_blocks=1)
 
 
+def test_a_scoped_block_written_under_a_lease_ttl_lives_by_it_not_by_the_default():
+    # A worker configured with short leases (kv_lease_ttl_s) that dies after writing a request's
+    # tail: the pool frees the tail at the worker's TTL, not its own 60 s default.
+    store, clock, _ = make_store(ttl_s=60)
+    reservation = store.reserve(scoped("req-a", 0), BLOCK_BYTES, ttl_s=10)
+    store.write(reservation, 0, payload(0))
+    store.commit(reservation)
+    clock.now_s = 9.9
+    assert store.expire() == []
+    clock.now_s = 10.0
+    assert store.expire() == ["req-a"]
+    assert_idle(store, num_stored_blocks=0)
+    with pytest.raises(ValueError, match="ttl_s must be >= 0"):
+        store.reserve(scoped("req-b", 0), BLOCK_BYTES, ttl_s=-1)
+
+
 def test_scoped_blocks_are_never_evicted():
     store, _, _ = make_store(capacity_blocks=2)
     put(store, scoped("req-a", 0))
