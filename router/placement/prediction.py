@@ -110,8 +110,10 @@ class Placement:
 
 
 def num_requests(worker: WorkerInfo, view: PlacementView) -> int:
-    """Running + waiting at its last heartbeat, or this router's in flight there if more."""
-    return max(worker.load.num_requests, view.in_flight(worker.address))
+    """Running + waiting at its last heartbeat less those this router saw end there since, or
+    this router's in flight there if more."""
+    ended, _ = view.ended_since(worker.address, worker.heartbeat_time_s)
+    return max(worker.load.num_requests - ended, view.in_flight(worker.address))
 
 
 def drain_s(cost: CostModel, num_tokens: float) -> float:
@@ -131,12 +133,13 @@ class Predictor:
 
     def queued_tokens(self, worker: WorkerInfo) -> float:
         """Prompt tokens ahead of a new request at ``worker``: its heartbeat's waiting tokens (plus
-        the pass in progress on a prefill worker) or this router's pending placements there,
-        whichever is larger."""
+        the pass in progress on a prefill worker) less those this router saw prefilled there
+        since, or this router's pending placements there, whichever is larger."""
         heartbeat = worker.load.num_waiting_tokens
         if worker.role == "prefill":  # the pass in progress finishes first
             heartbeat += worker.load.num_batched_tokens
-        return max(heartbeat, self.view.pending_tokens(worker.address))
+        _, ended = self.view.ended_since(worker.address, worker.heartbeat_time_s)  # prefilled since
+        return max(heartbeat - ended, self.view.pending_tokens(worker.address))
 
     def _decode_side(self, decode: WorkerInfo, cost: CostModel, request: RoutingRequest) -> tuple[float, int, bool]:
         """(step time with the request added, running batch, fits: blocks, slot and TBT)."""

@@ -64,22 +64,33 @@ def test_colocated_hit_reports_the_decode_workers_cached_tokens(colocated_cluste
 def test_a_request_ended_at_its_first_token_leaves_nothing_on_the_decode_worker(auto_cluster):
     probe = ClusterProbe(auto_cluster)
     prompt = "First token only. " + "A journey of a thousand miles begins with one step. " * 12
-    colocated = placements(auto_cluster, "colocated")
-    usages = [complete(auto_cluster, prompt)]
-    # Disaggregated as a rule (ties go that way); colocated when the decode worker calibrated
-    # clearly faster, and then the prompt is rightly its own.
-    first_colocated = placements(auto_cluster, "colocated") - colocated
-    usages += [complete(auto_cluster, prompt), complete(auto_cluster, prompt)]
-    n = usages[0]["prompt_tokens"]
-    # Both repeats find every full block: in the pool, or in the decode worker that prefilled it.
-    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, expected_cached(n), expected_cached(n)]
-    if not first_colocated:  # only the prefill worker computed it: never on a decode worker without it
-        assert placements(auto_cluster, "colocated") == colocated
+    # Who holds the prompt's KV: "prefill" (the prefill worker and the pool it wrote to) once it
+    # prefilled the prompt, "decode" once the decode worker computed it (colocated) or loaded
+    # it (a Decode stream: max_tokens > 1). The router places by the cost model: disaggregated
+    # as a rule (ties go that way), colocated when the decode worker calibrated clearly faster
+    # or holds the prompt; either way the count must be exactly what that worker held.
+    held: set[str] = set()
+    n = 0
+
+    def run(max_tokens: int) -> str:
+        nonlocal n
+        before = placements(auto_cluster, "colocated")
+        usage = complete(auto_cluster, prompt, max_tokens)
+        n = usage["prompt_tokens"]
+        where = "decode" if placements(auto_cluster, "colocated") > before else "prefill"
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (expected_cached(n) if where in held else 0), where
+        held.add(where)
+        if max_tokens > 1:
+            held.add("decode")
+        return where
+
+    first = run(1)
+    assert [run(1), run(1)] == [first, first]  # the worker holding it; never one without it
+    if first == "prefill":  # ended at its first token: it never reached the decode worker
         assert probe.decode_stats().num_cached_tokens == 0
         assert probe.prefill_stats().num_cached_tokens == 2 * expected_cached(n)
-    # Decoded once, the prompt is on the decode worker too: wherever it runs next, it is a hit.
-    assert complete(auto_cluster, prompt, max_tokens=2)["prompt_tokens_details"]["cached_tokens"] == expected_cached(n)
-    assert complete(auto_cluster, prompt)["prompt_tokens_details"]["cached_tokens"] == expected_cached(n)
+    run(2)  # decoded once: the prompt is on the decode worker too
+    run(1)  # a hit wherever it goes now
     poll_until(probe.is_idle, timeout_s=5, message="cluster back to idle")
 
 

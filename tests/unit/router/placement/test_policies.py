@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from core.registry import WorkerInfo
@@ -128,6 +130,34 @@ def test_pending_prefills_make_a_burst_alternate() -> None:
         book.add_pending(placement, placement.prefill.address, 600)  # what the Placer does
         chosen.append(placement.prefill.worker_id)
     assert chosen == ["p1", "p2", "p1", "p2"]
+
+
+def test_a_heartbeat_taken_before_the_routers_work_ended_does_not_count_it() -> None:
+    # p1's heartbeat still shows the 3000 prompt tokens this router placed there and then saw
+    # prefilled (first token): p1 is idle. Counting them sent the next request to p2 (lacking
+    # the prompt's prefix) for up to a heartbeat.
+    book, pl = booked_policy("predicted_latency", disaggregation="always")
+    p1, p2 = worker("p1", waiting=1, waiting_tokens=3000), worker("p2", waiting=1, waiting_tokens=300)
+    decodes = [worker("d1", "decode")]
+    p1.heartbeat_time_s = p2.heartbeat_time_s = time.time() - 0.5
+    assert pl.place([p1, p2], decodes, REQUEST).prefill.worker_id == "p2"
+    book.add_pending("earlier", p1.address, 3000)
+    book.remove_pending("earlier")  # its first token: prefilled after p1's heartbeat
+    assert pl.place([p1, p2], decodes, REQUEST).prefill.worker_id == "p1"
+    p1.heartbeat_time_s = time.time() + 0.5  # a heartbeat after the end counts what it shows
+    assert pl.place([p1, p2], decodes, REQUEST).prefill.worker_id == "p2"
+
+
+def test_requests_that_ended_after_the_heartbeat_leave_the_decode_workers_count() -> None:
+    book, ll = booked_policy("least_loaded")
+    d1, d2 = worker("d1", "decode", running=1), worker("d2", "decode")
+    d1.heartbeat_time_s = d2.heartbeat_time_s = time.time() - 0.5
+    assert ll.choose([d1, d2], REQUEST).worker_id == "d2"
+    with book.track(d1.address):  # a Decode stream of this router, ended since
+        pass
+    assert ll.choose([d1, d2], REQUEST).worker_id == "d1"  # 0 each: ties go to the worker id
+    d1.heartbeat_time_s = 0.0  # a heartbeat of unknown time: taken as it is
+    assert ll.choose([d1, d2], REQUEST).worker_id == "d2"
 
 
 def test_decode_worker_over_the_tbt_slo_or_out_of_blocks_is_avoided() -> None:
