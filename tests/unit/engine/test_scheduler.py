@@ -3,7 +3,6 @@ test_preemption.py)."""
 
 from __future__ import annotations
 
-import pytest
 
 from core.block_hash import hash_block_chain
 from core.request import FinishReason, RequestStatus
