@@ -22,7 +22,6 @@ from core.kv_cache_spec import KVCacheSpec
 from core.request import FinishReason, Request
 from core.worker_load import WorkerLoad
 from engine.engine import LLMEngine
-from engine.kv_connector.blocks import let_go
 from engine.kv_connector.swap import SwapSpace
 from engine.outputs import ExternalKV, RequestOutput
 
@@ -170,7 +169,7 @@ class AsyncEngine:
                 self.num_prompt_tokens += item.num_prompt_tokens
             except ValueError as err:
                 if external_kv is not None:  # refused: its pool views go now, not at a collection
-                    let_go(external_kv.payloads)
+                    external_kv.let_go()
                 self._deliver(RequestOutput(item.request_id, [], True, FinishReason.ABORT, error=str(err)))
 
     def _fail_all(self) -> list[RequestOutput]:

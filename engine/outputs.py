@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.cost_model import StepSample
@@ -20,6 +21,28 @@ class ExternalKV:
 
     num_tokens: int
     payloads: list[bytes | memoryview]
+
+    def let_go(self) -> None:
+        """The payloads will not be copied (a prefix-cache hit covers them, the request was
+        aborted or refused): their pool views go now. See :func:`let_go`."""
+        let_go(self.payloads)
+
+
+def let_go(payloads: Sequence[object]) -> None:
+    """Runs the load guard of every pool view among ``payloads`` now (each
+    ``engine.kv_connector.ArenaBlock`` carries one ``LoadGuard``, shared by one fetch; plain bytes
+    carry none): copied, or never to be. Waiting for the views to be garbage instead can take until
+    the next cyclic collection (an exception's traceback, or a cancelled stream's frame, holding
+    them), which an idle worker may never run, its pool leases renewed all along. Duck-typed on
+    ``.guard`` so that this module (and the scheduler, which the simulator runs) imports no torch.
+    """
+    guards = {}
+    for payload in payloads:
+        guard = getattr(payload, "guard", None)
+        if guard is not None:
+            guards[id(guard)] = guard
+    for guard in guards.values():
+        guard.done()
 
 
 @dataclass(frozen=True)

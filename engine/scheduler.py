@@ -20,7 +20,6 @@ from core.request import FinishReason, Request, RequestStatus
 from engine.config import EngineConfig
 from engine.batching_policy import make_batching_policy
 from engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixHit
-from engine.kv_connector.blocks import let_go
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID, ExternalKV, KVLoad, ModelRunnerOutput, PromptLogprobsInput, RequestOutput, SampledToken,
     SamplingInput, ScheduledRequest, SchedulerOutput, SwapOut,
@@ -222,7 +221,7 @@ class Scheduler:
             if first < len(ext.payloads):
                 out.kv_loads.append(KVLoad(table.block_ids[first : len(ext.payloads)], ext.payloads[first:]))
             else:  # the prefix cache holds all of it: nothing to copy, the pool views go now
-                let_go(ext.payloads)
+                ext.let_go()
         request.num_computed_tokens = num_computed
         request.num_cached_tokens = max(request.num_cached_tokens, num_computed)
         request.status = RequestStatus.RUNNING
@@ -335,7 +334,7 @@ class Scheduler:
                     self.free(request_id)
                     ext = self.external_kv.pop(request_id, None)
                     if ext is not None:  # never loaded: its pool views go now, not at a collection
-                        let_go(ext.payloads)
+                        ext.let_go()
                     request.finish(FinishReason.ABORT)
                     return request
         return None

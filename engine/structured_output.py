@@ -34,7 +34,6 @@ import xgrammar as xgr
 
 from core.request import FinishReason, Request
 from core.structured_output import StructuredOutputError, StructuredOutputSpec
-from engine.kv_connector.blocks import let_go
 from engine.outputs import ExternalKV, RequestOutput, SampledToken, SamplingInput
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ class StructuredOutputManager:
         """The refused request's output; its external KV will never be loaded: its pool views are
         let go now (their leases stop being renewed)."""
         if external_kv is not None:
-            let_go(external_kv.payloads)
+            external_kv.let_go()
         return RequestOutput(request_id, [], True, FinishReason.ABORT, error=str(error))
 
     def discard(self, request_id: str) -> bool:
@@ -171,7 +170,7 @@ class StructuredOutputManager:
         self._matchers.pop(request_id, None)
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None and waiting[1] is not None:  # its pool views go now, not at a collection
-            let_go(waiting[1].payloads)
+            waiting[1].let_go()
         return waiting is not None
 
     def _matcher(self, compiled: xgr.CompiledGrammar, request: Request) -> xgr.GrammarMatcher:

@@ -16,10 +16,12 @@ each block is one numpy copy into its slot (torch indexing for packing).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from engine.outputs import let_go
 
 
 class LoadGuard:
@@ -99,15 +101,6 @@ def unpack_blocks(
             _copy_into_slots(kv_cache, block_ids, payloads)
     finally:
         let_go(payloads)
-
-
-def let_go(payloads: Sequence[object]) -> None:
-    """Runs the ``LoadGuard`` of every :class:`ArenaBlock` among ``payloads`` now: copied, or
-    never to be (the request was refused before its KV was loaded). Waiting for the views to be
-    garbage instead can take until the next cyclic collection (an exception's traceback holding
-    them in a cycle), which an idle worker may never run, its pool leases renewed all along."""
-    for guard in {id(p.guard): p.guard for p in payloads if isinstance(p, ArenaBlock) and p.guard}.values():
-        guard.done()
 
 
 def _copy_into_slots(kv_cache: torch.Tensor, block_ids: list[int], payloads: list) -> None:
