@@ -9,14 +9,21 @@ runtime (the same ``libgomp.so.1``) and are given torch's thread count by their 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from core.model_source import cache_dir
+
+log = logging.getLogger(__name__)
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -63,3 +70,39 @@ def compile_library(source: Path, target: Path) -> None:
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: a concurrent start sees the old file or the new one
+
+
+class CachedKernel:
+    """One C kernel library, compiled if needed and loaded at most once per process.
+
+    ``name`` says what it is in the logs ("CPU int8 linear kernel"), ``fallback`` what runs
+    without it; ``declare`` sets the library's ctypes signatures. Thread-safe.
+    """
+
+    def __init__(self, source: Path, name: str, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+        self.source, self.name, self.fallback, self.declare = source, name, fallback, declare
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library, compiling it first if needed; None (logged once) when it cannot be built
+        or loaded here."""
+        with self._lock:
+            if self._lib is False:
+                self._lib = self._open()
+            return self._lib
+
+    def _open(self) -> ctypes.CDLL | None:
+        try:
+            path = library_path(self.source)
+            if not path.exists():
+                started = time.perf_counter()
+                log.info("compiling the %s (%s) ...", self.name, self.source.name)
+                compile_library(self.source, path)
+                log.info("compiled the %s in %.1f s: %s", self.name, time.perf_counter() - started, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            log.warning("%s unavailable (%s); %s", self.name, err, self.fallback)
+            return None
+        self.declare(lib)
+        return lib

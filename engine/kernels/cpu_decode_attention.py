@@ -15,21 +15,14 @@ path (:class:`engine.cpu_attention.CpuAttentionBackend` falls back to gather + S
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from engine.kernels import cpu_build
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
 
 
 def library_path() -> Path:
@@ -41,33 +34,20 @@ def library_path() -> Path:
     return cpu_build.library_path(SOURCE)
 
 
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, compiling it first if needed; None (logged once) when it cannot be
-    built or loaded here. Thread-safe."""
-    global _kernel
-    with _lock:
-        if _kernel is False:
-            _kernel = _load()
-        return _kernel
-
-
-def _load() -> ctypes.CDLL | None:
-    try:
-        path = library_path()
-        if not path.exists():
-            started = time.perf_counter()
-            log.info("compiling the CPU paged-attention kernel (%s) ...", SOURCE.name)
-            cpu_build.compile_library(SOURCE, path)
-            log.info("compiled the CPU paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", err)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
             [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
-    return lib
+
+
+_KERNEL = cpu_build.CachedKernel(SOURCE, "CPU paged-attention kernel", "using gather + SDPA", _declare)
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, compiling it first if needed; None (logged once) when it cannot be
+    built or loaded here. Thread-safe."""
+    return _KERNEL.load()
 
 
 # The K/V dtypes the kernel reads; the query is widened to float32, the output narrowed back.

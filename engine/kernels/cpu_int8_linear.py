@@ -9,48 +9,28 @@ returns None, and the linear layers keep the torch backends (engine.model.linear
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from engine.kernels import cpu_build
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "int8_linear.c"
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.int8_linear_f32.restype = None
+    lib.int8_linear_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+
+_KERNEL = cpu_build.CachedKernel(SOURCE, "CPU int8 linear kernel", "int8 layers use the torch backends", _declare)
 
 
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, compiling it first if needed; None (logged once) when it cannot be
     built or loaded here. Thread-safe."""
-    global _kernel
-    with _lock:
-        if _kernel is False:
-            _kernel = _load()
-        return _kernel
-
-
-def _load() -> ctypes.CDLL | None:
-    try:
-        path = cpu_build.library_path(SOURCE)
-        if not path.exists():
-            started = time.perf_counter()
-            log.info("compiling the CPU int8 linear kernel (%s) ...", SOURCE.name)
-            cpu_build.compile_library(SOURCE, path)
-            log.info("compiled the CPU int8 linear kernel in %.1f s: %s", time.perf_counter() - started, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("CPU int8 linear kernel unavailable (%s); int8 layers use the torch backends", err)
-        return None
-    lib.int8_linear_f32.restype = None
-    lib.int8_linear_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return lib
+    return _KERNEL.load()
 
 
 def int8_linear_cpu(

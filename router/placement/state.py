@@ -115,9 +115,6 @@ class EndedWork:
             num_requests, num_tokens = num_requests + requests, num_tokens + tokens
         return num_requests, num_tokens
 
-    def forget(self, address: str) -> None:
-        self._events.pop(address, None)
-
 
 class PlacementView:
     """Read-only access to a :class:`PlacementBook` (what policies and the Predictor get)."""

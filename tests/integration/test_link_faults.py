@@ -24,8 +24,8 @@ NEVER_S = 20.0
 
 async def _served_through_proxy(keepalive: bool = True):
     limits = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    service = GrpcService("127.0.0.1", 0, ["tandem.v1.Test"], grace_s=0,
-                          server_options=[*limits, *keepalive_server_options(TIME_S, TIMEOUT_S)])
+    server_options = [*limits, *keepalive_server_options(TIME_S, TIMEOUT_S)] if keepalive else limits
+    service = GrpcService("127.0.0.1", 0, ["tandem.v1.Test"], grace_s=0, server_options=server_options)
     port = await service.start()
     proxy = LinkProxy(f"127.0.0.1:{port}")
     await proxy.start()
@@ -102,12 +102,7 @@ async def test_the_channel_serves_again_once_the_partition_heals():
 async def test_without_keepalive_a_silent_partition_is_not_seen_by_the_stream():
     """The control: the same partition under a channel and server without keepalive leaves the
     stream waiting (here for 3 s, 3x the keepalive bound above) — what the options fix."""
-    limits = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    service = GrpcService("127.0.0.1", 0, ["tandem.v1.Test"], grace_s=0, server_options=limits)
-    port = await service.start()
-    proxy = LinkProxy(f"127.0.0.1:{port}")
-    await proxy.start()
-    channel = cluster_aio_channel(proxy.address, options=limits)
+    service, proxy, channel = await _served_through_proxy(keepalive=False)
     try:
         stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="tandem.v1.Test"))
         await stream.read()

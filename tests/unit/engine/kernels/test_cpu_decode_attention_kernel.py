@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kernels import cpu_decode_attention
+from engine.kernels import cpu_build, cpu_decode_attention
 from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu
 
 # Both sides accumulate fp32 dot products and softmax in fp32, in different orders (the kernel
@@ -82,6 +82,7 @@ def reference(query, kv_cache, meta, scale):
 @pytest.mark.parametrize("block_size", [16, 1, 32])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("group", [1, 3])
+
 def test_kernel_matches_torch_decode(kernel, group, head_dim, block_size, batch):
     gen = torch.Generator().manual_seed(batch * 1000 + block_size)
     ctx = contexts(block_size, batch, gen)
@@ -190,14 +191,14 @@ def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
     """A fresh cache dir: compiled there on first use; a later start (no compiler at all) loads
     the same file instead of compiling again."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
+    fresh_kernel(monkeypatch)
     path = cpu_decode_attention.library_path()
     assert path.parent == tmp_path / "kernels" and not path.exists()
     first = load_kernel()
     assert first is not None and path.is_file()
     assert load_kernel() is first  # cached in the process
     assert list(path.parent.iterdir()) == [path]  # the temporary build folder is gone
-    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)  # a new process, say
+    fresh_kernel(monkeypatch)  # a new process, say
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # compiling now would fail
     assert load_kernel() is not None
 
@@ -205,8 +206,8 @@ def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
 def test_without_a_compiler_returns_none_and_the_backend_falls_back(kernel, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # empty: nothing compiled here yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
-    with caplog.at_level(logging.WARNING, logger=cpu_decode_attention.__name__):
+    fresh_kernel(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         assert load_kernel() is None
     assert "unavailable" in caplog.text
     assert load_kernel() is None  # the failure is cached too: no second attempt per call
@@ -232,11 +233,17 @@ def test_a_missing_kernel_source_falls_back_with_a_warning(tmp_path, monkeypatch
     """An install without the C source (package data left out) keeps gather + SDPA: no crash."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_decode_attention, "SOURCE", tmp_path / "cpu" / "paged_decode_attention.c")
-    monkeypatch.setattr(cpu_decode_attention, "_kernel", False)
+    fresh_kernel(monkeypatch, cpu_decode_attention.SOURCE)
     with pytest.raises(FileNotFoundError, match="not installed"):
         cpu_decode_attention.library_path()
-    with caplog.at_level(logging.WARNING, logger=cpu_decode_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         assert load_kernel() is None
     assert "unavailable" in caplog.text and "not installed" in caplog.text
     assert CpuAttentionBackend()._kernel is None
     assert not any(tmp_path.rglob("*.so"))
+
+def fresh_kernel(monkeypatch, source=None) -> None:
+    """The attention kernel as a new process finds it: not loaded yet (of ``source``, default its own)."""
+    kernel = cpu_decode_attention._KERNEL
+    monkeypatch.setattr(cpu_decode_attention, "_KERNEL", cpu_build.CachedKernel(
+        source or kernel.source, kernel.name, kernel.fallback, kernel.declare))
