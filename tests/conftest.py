@@ -121,3 +121,78 @@ def redis_url() -> Iterator[str]:
         client.close()
         proc.kill()
         proc.wait(timeout=10)
+
+
+# --- The test process's own memory, and failures named as they happen --------------------------
+#
+# The whole suite runs in one process beside the clusters it starts; module-scoped fixtures (engines,
+# models in several dtypes, KV caches) are freed at module end, but glibc keeps the freed pages in
+# its arenas unless asked to return them. Without that, the process grew to 18 GiB on a 23 GiB
+# machine and the kernel's OOM killer ended the run with no test named. After each module the
+# collector runs and glibc returns what is free; TANDEM_TEST_MEMORY_LOG=<file> also records the
+# resident size per module (tab-separated: module, MiB after, MiB before).
+
+def _resident_mib() -> float:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _return_free_memory() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to ask
+
+
+_module_state: dict[str, object] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    module = item.nodeid.split("::", 1)[0]
+    following = nextitem.nodeid.split("::", 1)[0] if nextitem is not None else None
+    if following == module:
+        return
+    # The module's fixtures are finalised after this hook: collect once the next test starts
+    # (pytest_runtest_setup below) so that what they held is gone.
+    _module_state["ended"] = module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    ended = _module_state.pop("ended", None)
+    if ended is not None:
+        _after_module(ended)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    ended = _module_state.pop("ended", None)
+    if ended is not None:
+        _after_module(ended)
+
+
+def _after_module(module: str) -> None:
+    before = _resident_mib()
+    _return_free_memory()
+    log = os.environ.get("TANDEM_TEST_MEMORY_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{module}\t{_resident_mib():.0f}\t{before:.0f}\n")
+
+
+def pytest_runtest_logreport(report):
+    """Names a failure the moment it happens (-q prints only 'F'): a run killed before its summary
+    still says which tests failed."""
+    if report.failed:
+        import sys
+
+        when = "" if report.when == "call" else f" (in {report.when})"
+        sys.stderr.write(f"\nFAILED {report.nodeid}{when}\n")
+        sys.stderr.flush()
