@@ -22,6 +22,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* bfloat16 -> float32: the bfloat16 bits are the float32's upper half. */
 static inline float bf16_to_f32(uint16_t x)
@@ -55,6 +58,12 @@ static inline vec_f vload_bf16(const uint16_t *p)
     __builtin_memcpy(&v, &w, sizeof v);
     return v;
 }
+/* Vector accumulators of one unit's weighted sum of V rows (half the 32 AVX-512 registers), and
+ * the most vectors in one row (head_dim 128). Fixed sizes, not [NV]: GCC keeps a variable-length
+ * array on the stack even once NV is a constant, and every access then went through memory. */
+#define ACC_VECS 16
+#define MAX_NV 8
+
 typedef float vec_f8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vec_f4 __attribute__((vector_size(4 * sizeof(float))));
 
@@ -62,6 +71,9 @@ typedef float vec_f4 __attribute__((vector_size(4 * sizeof(float))));
  * a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
 static inline float vsum(vec_f v)
 {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v); /* in registers; the generic halves below went through the stack */
+#else
     vec_f8 lo8, hi8;
     __builtin_memcpy(&lo8, &v, sizeof lo8);
     __builtin_memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
@@ -71,6 +83,7 @@ static inline float vsum(vec_f v)
     __builtin_memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
     const vec_f4 s4 = lo4 + hi4;
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
 }
 
 /* One (sequence, KV head) unit with the vector path: head_dim = NV x VEC, NV a compile-time
@@ -88,42 +101,104 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
         for (int64_t i = 0; i < n; ++i) {                                                           \
             const KV_T *k = kb + i * row;                                                           \
+            vec_f kr[MAX_NV]; /* the K row, read (and widened) once for the whole group */          \
+            for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);                                \
             for (int j = 0; j < group; ++j) {                                                       \
                 const float *qj = q + (int64_t)j * head_dim;                                        \
-                vec_f a = vload_f32(qj) * VLOAD(k);                                                 \
-                for (int c = 1; c < NV; ++c) a += vload_f32(qj + c * VEC) * VLOAD(k + c * VEC);     \
+                vec_f a = vload_f32(qj) * kr[0];                                                    \
+                for (int c = 1; c < NV; ++c) a += vload_f32(qj + c * VEC) * kr[c];                  \
                 scores[(int64_t)j * ctx + t0 + i] = vsum(a) * scale;                                \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
     softmax_rows(scores, group, ctx);                                                               \
-    for (int j = 0; j < group; ++j) {                                                               \
-        const float *pj = scores + (int64_t)j * ctx;                                                \
-        vec_f acc[NV];                                                                              \
-        for (int c = 0; c < NV; ++c) acc[c] = (vec_f){0};                                           \
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                         \
+    /* Query heads in chunks of ACC_VECS / NV (4 for head_dim 64, 2 for 128): each V row is read    \
+     * (and widened) once per chunk, the chunk's output rows accumulate in registers. */            \
+    const int chunk = ACC_VECS / NV;                                                                \
+    for (int j0 = 0; j0 < group; j0 += chunk) {                                                     \
+        const int nj = group - j0 < chunk ? group - j0 : chunk;                                     \
+        vec_f acc[ACC_VECS];                                                                        \
+        for (int a = 0; a < ACC_VECS; ++a) acc[a] = (vec_f){0};                                     \
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                          \
             const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim;    \
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
             for (int64_t i = 0; i < n; ++i) {                                                       \
                 const KV_T *v = vb + i * row;                                                       \
-                const float p = pj[t0 + i];                                                         \
-                for (int c = 0; c < NV; ++c) acc[c] += p * VLOAD(v + c * VEC);                      \
+                vec_f vr[MAX_NV];                                                                   \
+                for (int c = 0; c < NV; ++c) vr[c] = VLOAD(v + c * VEC);                            \
+                for (int jj = 0; jj < chunk; ++jj) { /* constant trip count: acc stays in registers */\
+                    if (jj >= nj) break;                                                            \
+                    const float p = scores[(int64_t)(j0 + jj) * ctx + t0 + i];                      \
+                    for (int c = 0; c < NV; ++c) acc[jj * NV + c] += p * vr[c];                     \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        for (int c = 0; c < NV; ++c) __builtin_memcpy(o + (int64_t)j * head_dim + c * VEC, &acc[c], sizeof acc[c]); \
+        for (int jj = 0; jj < nj; ++jj)                                                             \
+            for (int c = 0; c < NV; ++c)                                                            \
+                __builtin_memcpy(o + (int64_t)(j0 + jj) * head_dim + c * VEC, &acc[jj * NV + c], sizeof(vec_f));\
     }                                                                                               \
 }
 
-/* Softmax over t of each of ``rows`` rows of ``scores`` ([rows, ctx]), in place. */
+typedef int32_t vec_i32 __attribute__((vector_size(VEC * sizeof(int32_t))));
+
+/* exp(x) for x <= 0 on VEC lanes (softmax's shifted scores): Cephes' expf. x = n ln2 + r with
+ * |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), exp(r) by its degree-6 minimax
+ * polynomial, 2^n built in the exponent bits. Within 2 ulp of expf; inputs below -87.3 give
+ * exp(-87.3) ~ 1e-38 (nothing a softmax sum notices). The scalar expf call per score was the
+ * kernel's largest cost. */
+static inline vec_f vexp_nonpositive(vec_f x)
+{
+    const vec_f lo = (vec_f){0} - 87.3f;
+    { /* x = max(x, lo) by a bit select (C's ?: takes no vectors) */
+        const vec_i32 below = x < lo;
+        vec_i32 xb, lb;
+        __builtin_memcpy(&xb, &x, sizeof xb);
+        __builtin_memcpy(&lb, &lo, sizeof lb);
+        xb = (xb & ~below) | (lb & below);
+        __builtin_memcpy(&x, &xb, sizeof x);
+    }
+    const vec_f t = x * 1.44269504088896341f + 0.5f;
+    vec_i32 n = __builtin_convertvector(t, vec_i32); /* truncates toward 0: floor for t < 0 below */
+    vec_f nf = __builtin_convertvector(n, vec_f);
+    n += (vec_i32)(nf > t); /* a true lane is -1 */
+    nf = __builtin_convertvector(n, vec_f);
+    const vec_f r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    vec_f p = (vec_f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vec_i32 scale_bits = (n + 127) << 23;
+    vec_f two_n;
+    __builtin_memcpy(&two_n, &scale_bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* Softmax over t of each of ``rows`` rows of ``scores`` ([rows, ctx]), in place; VEC scores at
+ * a time, the row's tail through a padded vector. */
 static void softmax_rows(float *scores, int rows, int64_t ctx)
 {
+    const int64_t body = ctx - ctx % VEC;
     for (int j = 0; j < rows; ++j) {
         float *sj = scores + (int64_t)j * ctx;
         float m = -INFINITY;
         for (int64_t t = 0; t < ctx; ++t) m = sj[t] > m ? sj[t] : m;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < ctx; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        vec_f sum = (vec_f){0};
+        for (int64_t t = 0; t < body; t += VEC) {
+            const vec_f e = vexp_nonpositive(vload_f32(sj + t) - m);
+            __builtin_memcpy(sj + t, &e, sizeof e);
+            sum += e;
+        }
+        float total = vsum(sum);
+        if (body < ctx) {
+            float tail[VEC];
+            for (int i = 0; i < VEC; ++i) tail[i] = body + i < ctx ? sj[body + i] - m : -INFINITY;
+            const vec_f e = vexp_nonpositive(vload_f32(tail));
+            for (int64_t t = body; t < ctx; ++t) { sj[t] = e[t - body]; total += sj[t]; }
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
     }
 }
