@@ -37,12 +37,18 @@ def cluster(tmp_path_factory):
 
 
 class Load:
-    """Open-loop requests at ``rate_per_s`` (changed on the fly) from a thread; every reply kept."""
+    """Requests at ``rate_per_s`` (changed on the fly) from a thread, at most ``max_in_flight``
+    outstanding (an arrival due beyond that waits for a reply); every reply kept.
 
-    def __init__(self, url: str):
+    The cap keeps the step's backlog small: uncapped, the step sent ~130 requests while the second
+    worker started, and draining them took ~100 s of the test. Four in flight still hold twice
+    the KV cache of one worker (two requests fill it), which is what the autoscaler reacts to."""
+
+    def __init__(self, url: str, max_in_flight: int = 4):
         self.url, self.rate_per_s, self.replies, self._stop = url, 0.0, [], threading.Event()
         self._threads: list[threading.Thread] = []
         self._sender = threading.Thread(target=self._send_loop, daemon=True)
+        self._slots = threading.BoundedSemaphore(max_in_flight)
 
     def one(self, index: int) -> None:
         body = {"model": MODEL, "prompt": [index % 7 + 1, *PROMPT], "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -51,11 +57,14 @@ class Load:
             self.replies.append((reply.status_code, reply.json()["usage"]["completion_tokens"]))
         except Exception as err:  # recorded, so the test names what failed
             self.replies.append((repr(err), 0))
+        finally:
+            self._slots.release()
 
     def _send_loop(self) -> None:
         index, last_s = 0, float("-inf")
         while not self._stop.is_set():
-            if self.rate_per_s > 0 and time.monotonic() - last_s >= 1.0 / self.rate_per_s:
+            if self.rate_per_s > 0 and time.monotonic() - last_s >= 1.0 / self.rate_per_s \
+                    and self._slots.acquire(blocking=False):
                 thread = threading.Thread(target=self.one, args=(index,), daemon=True)
                 thread.start()
                 self._threads.append(thread)
