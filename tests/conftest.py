@@ -41,6 +41,7 @@ else:
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -160,8 +161,9 @@ def pytest_runtest_teardown(item, nextitem):
     following = nextitem.nodeid.split("::", 1)[0] if nextitem is not None else None
     if following == module:
         return
-    # The module's fixtures are finalised after this hook: collect once the next test starts
-    # (pytest_runtest_setup below) so that what they held is gone.
+    # The module's fixtures are finalised in this teardown, and the last test's arguments keep
+    # what they returned until it ends (a module-scoped autouse fixture, tried, freed nothing of
+    # test_engine_paths' 8.7 GiB): collect when the next test starts (pytest_runtest_setup).
     _module_state["ended"] = module
 
 
@@ -191,8 +193,6 @@ def pytest_runtest_logreport(report):
     """Names a failure the moment it happens (-q prints only 'F'): a run killed before its summary
     still says which tests failed."""
     if report.failed:
-        import sys
-
         when = "" if report.when == "call" else f" (in {report.when})"
         sys.stderr.write(f"\nFAILED {report.nodeid}{when}\n")
         sys.stderr.flush()
