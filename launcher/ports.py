@@ -3,14 +3,51 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
+import threading
+
+_handed_out: set[int] = set()  # ports free_port returned in this process: never twice
+_lock = threading.Lock()
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range; 32768 unset)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range and never returned before
+    by this process.
+
+    Below the ephemeral range because outgoing connections take their local ports from it: a port
+    the OS picks (bind to 0) could be taken by any connection between this call and the service's
+    own bind (a worker's metrics server failed to start with ``Address already in use`` that way).
+    Falls back to a port the OS picks when the range below holds fewer than 1,000 ports or 200
+    random tries find none free."""
+    end = _ephemeral_range_start()
+    start = max(1024, end // 2)
+    with _lock:
+        for _ in range(200 if end - start >= 1000 else 0):
+            port = random.randrange(start, end)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
 
 
 def free_port_run(num_ports: int, attempts: int = 100) -> int:
