@@ -11,6 +11,9 @@ the layout it reads fastest:
   AVX-NE-CONVERT; an AVX2-only CPU runs bfloat16 through ``torch``.
 - ``mkl``: MKL's packed sgemm (``cblas_sgemm_pack``), float32 only.
 - ``torch``: plain ``F.linear`` (any dtype, any device).
+- ``fp32_cpu``: Tandem's C kernel (engine.kernels.cpu_fp32_linear), float32 only, the weight packed
+  once in panels of output channels and read by a register-blocked micro-kernel: built for decode's
+  small M, where the libraries' general kernels leave bandwidth or FMA throughput unused.
 
 A layer quantised to int8 (:meth:`Linear.quantize_int8`, ``--quantization int8``) keeps an int8
 weight [out, in] and one float32 scale per output channel, and runs through one of:
@@ -40,13 +43,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LINEAR_BACKEND_CHOICES
+from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, pack_weight
+from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
 from engine.kernels.cpu_int8_linear import int8_linear_cpu
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 
 BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
-FLOAT_BACKENDS = ("onednn", "mkl", "torch")  # float32 / bfloat16 / float16 weights
+FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu")  # float32 / bfloat16 / float16 weights
 INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack")  # int8 weights with float32 scales
 assert BACKENDS == FLOAT_BACKENDS + INT8_BACKENDS
+# The backends with a prepared weight copy, by their index in BACKENDS (planned_linear's arguments).
+_ONEDNN, _MKL, _FP32_CPU = (BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu"))
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
 _MKL_BATCH_HINT = 16
 
@@ -81,6 +88,8 @@ def backend_supports(backend: str, weight: torch.Tensor) -> bool:
         # oneDNN's bfloat16 reorder refuses CPUs without AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2
         # EPYC): F.linear runs bfloat16 there.
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
+    if backend == "fp32_cpu":
+        return weight.dtype == torch.float32 and load_fp32_kernel() is not None
     if backend == "int8_cpu":
         return load_int8_kernel() is not None
     return hasattr(torch, "_weight_int8pack_mm")  # int8pack
@@ -103,6 +112,8 @@ def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_BATCH_HINT)
     if backend == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    if backend == "fp32_cpu":
+        return pack_weight(load_fp32_kernel(), weight)
     return None
 
 
@@ -116,6 +127,8 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
         return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
     if backend == "mkl":
         return torch.ops.mkl._mkl_linear(x, prepared, weight, bias, _MKL_BATCH_HINT)
+    if backend == "fp32_cpu":
+        return fp32_linear_cpu(load_fp32_kernel(), x, prepared, weight.shape[0], bias)
     return F.linear(x, weight, bias)
 
 
@@ -227,8 +240,8 @@ class Linear(nn.Module):
         if self.plan is None or x.dim() != 2 or x.dtype != self._source.dtype:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return planned_linear(x, self._source, self.bias, None, self.prepared[0], self.prepared[1],
-                                  list(self.plan))
+            return planned_linear(x, self._source, self.bias, None, self.prepared[_ONEDNN],
+                                  self.prepared[_MKL], self.prepared[_FP32_CPU], list(self.plan))
         code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
         return run_backend(BACKENDS[code], x, self.prepared[code], self._source, self.bias)
 
@@ -238,7 +251,7 @@ class Linear(nn.Module):
         if self.plan is None:
             out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale)
         elif torch.compiler.is_compiling():
-            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, list(self.plan))
+            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, None, list(self.plan))
         else:
             code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
             out = run_backend(BACKENDS[code], x, None, self.qweight, self.bias, self.weight_scale)
@@ -253,16 +266,17 @@ class Linear(nn.Module):
 @torch.library.custom_op("tandem::planned_linear", mutates_args=())
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
                    onednn_weight: torch.Tensor | None, mkl_weight: torch.Tensor | None,
-                   plan: list[int]) -> torch.Tensor:
+                   cpu_weight: torch.Tensor | None, plan: list[int]) -> torch.Tensor:
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
-    (``weight`` int8 with its ``scale`` for a quantised layer)."""
+    (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
+    onednn, mkl and fp32_cpu)."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
-    prepared = {0: onednn_weight, 1: mkl_weight}.get(code)
+    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight}.get(code)
     return run_backend(BACKENDS[code], x, prepared, weight, bias, scale)
 
 
 @planned_linear.register_fake
-def _(x, weight, bias, scale, onednn_weight, mkl_weight, plan):
+def _(x, weight, bias, scale, onednn_weight, mkl_weight, cpu_weight, plan):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -215,9 +215,11 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
 
 
 # Changed when the way a plan is measured changes, so plans cached the old way are measured again.
-PLAN_FORMAT = "3: each timed call reads the copy after the previous call's; other processes' CPU use measured"
-# Plans of int8 layers also depend on Tandem's int8 kernel (engine.kernels.cpu_int8_linear).
-_INT8_KERNEL = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "int8_linear.c"
+PLAN_FORMAT = "4: Tandem's float32 kernel (fp32_cpu) among the candidates"
+# Plans also depend on Tandem's own kernels: float32 layers' on engine.kernels.cpu_fp32_linear,
+# int8 layers' on engine.kernels.cpu_int8_linear.
+_KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+_FP32_KERNEL, _INT8_KERNEL = _KERNELS / "fp32_linear.c", _KERNELS / "int8_linear.c"
 
 
 def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]]) -> str:
@@ -231,8 +233,10 @@ def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]])
         cpu = platform.processor()
     parts = [PLAN_FORMAT, cpu, torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
              repr(sorted((k, n) for k, (_, n) in shapes.items()))]
-    if any(key.startswith("int8:") for key in shapes) and _INT8_KERNEL.is_file():
-        parts.append(hashlib.blake2b(_INT8_KERNEL.read_bytes(), digest_size=8).hexdigest())
+    int8 = any(key.startswith("int8:") for key in shapes)
+    kernel = _INT8_KERNEL if int8 else _FP32_KERNEL
+    if kernel.is_file():
+        parts.append(hashlib.blake2b(kernel.read_bytes(), digest_size=8).hexdigest())
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 

@@ -36,10 +36,25 @@ static inline float bf16_to_f32(uint16_t x)
 #define LOAD_F32(p, d) ((p)[d])
 #define LOAD_BF16(p, d) bf16_to_f32((p)[d])
 
-/* Vectors of VEC floats (GCC/Clang vector extensions): the compiler maps them onto the widest
- * registers -march=native offers (one AVX-512 register, two AVX2 ones, ...). Rows whose head_dim
- * is a multiple of VEC take the vector path; others the scalar loops. */
+/* Vectors of VEC floats (GCC/Clang vector extensions) as wide as the machine's registers: one
+ * AVX-512 register (16 floats) or one AVX2 register (8). Rows whose head_dim is 64 or 128 take the
+ * vector path; other head sizes the scalar loops. Multiply-adds are explicit FMAs (GCC at -std=c11
+ * does not contract a * b + c). The register budgets below fit the register file: 32 AVX-512
+ * registers, 16 AVX2 ones (a vector of 16 floats on AVX2 was two registers, and the accumulators
+ * of one chunk of query heads took 32 of them: GCC spilled them to the stack at every token, and
+ * the kernel ran 4-6x slower than its memory traffic on an AVX2 EPYC). */
+#if defined(__AVX512F__)
 #define VEC 16
+#define ACC_VECS 16 /* vector accumulators of one chunk's weighted sum of V rows: half the registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC 8
+#define ACC_VECS 8
+#else
+#define VEC 8
+#define ACC_VECS 8
+#endif
+#define MAX_NV (128 / VEC) /* the most vectors in one row (head_dim 128) */
 typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
 typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
@@ -59,31 +74,52 @@ static inline vec_f vload_bf16(const uint16_t *p)
     __builtin_memcpy(&v, &w, sizeof v);
     return v;
 }
-/* Vector accumulators of one unit's weighted sum of V rows (half the 32 AVX-512 registers), and
- * the most vectors in one row (head_dim 128). Fixed sizes, not [NV]: GCC keeps a variable-length
- * array on the stack even once NV is a constant, and every access then went through memory. */
-#define ACC_VECS 16
-#define MAX_NV 8
+/* a * b + c, rounded once where the CPU has FMA. */
+static inline vec_f vfma(vec_f a, vec_f b, vec_f c)
+{
+#if defined(__AVX512F__)
+    return (vec_f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec_f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+static inline vec_f vbroadcast(float x)
+{
+#if defined(__AVX512F__)
+    return (vec_f)_mm512_set1_ps(x);
+#elif defined(__AVX2__)
+    return (vec_f)_mm256_set1_ps(x);
+#else
+    vec_f v;
+    for (int i = 0; i < VEC; ++i) v[i] = x; /* GCC builds this lane by lane (insertps) on x86 */
+    return v;
+#endif
+}
 
-typedef float vec_f8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec_f4 __attribute__((vector_size(4 * sizeof(float))));
+/* Prefetches n rows of row_bytes each, stride bytes apart, into the caches (64-byte lines). */
+static inline void prefetch_rows(const void *base, int64_t n, int64_t stride, int64_t row_bytes)
+{
+    const char *p = base;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + i * stride + b, 0, 3);
+}
 
-/* The sum of v's VEC lanes as a tree (halves added pairwise): four dependent vector adds where
- * a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
+/* The sum of v's VEC lanes as a tree (halves added pairwise): log2(VEC) dependent vector adds
+ * where a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
 static inline float vsum(vec_f v)
 {
 #if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v); /* in registers; the generic halves below went through the stack */
+    return _mm512_reduce_add_ps((__m512)v); /* in registers; generic halves went through the stack */
+#elif defined(__AVX2__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 #else
-    vec_f8 lo8, hi8;
-    __builtin_memcpy(&lo8, &v, sizeof lo8);
-    __builtin_memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
-    const vec_f8 s8 = lo8 + hi8;
-    vec_f4 lo4, hi4;
-    __builtin_memcpy(&lo4, &s8, sizeof lo4);
-    __builtin_memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
-    const vec_f4 s4 = lo4 + hi4;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    float total = 0.0f;
+    for (int i = 0; i < VEC; ++i) total += v[i];
+    return total;
 #endif
 }
 
@@ -98,39 +134,59 @@ static inline __attribute__((always_inline)) void NAME(                         
 {                                                                                                   \
     const int head_dim = NV * VEC;                                                                  \
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
-        const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row + g * head_dim;        \
+        const int64_t offset = table[t0 / block_size] * block_size * row + g * head_dim;            \
+        const KV_T *kb = k_cache + offset;                                                          \
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
+        /* This unit's rows are a third (a 1 / num_kv_heads) of each token's and its blocks sit     \
+         * anywhere: ask for the next block's K rows and this block's V rows (read by the second    \
+         * pass, from L2 then) ahead of their use. */                                               \
+        if (t0 + block_size < ctx)                                                                  \
+            prefetch_rows(k_cache + table[t0 / block_size + 1] * block_size * row + g * head_dim,   \
+                          ctx - t0 - block_size < block_size ? ctx - t0 - block_size : block_size,  \
+                          row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T));           \
+        prefetch_rows(v_cache + offset, n, row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T)); \
         for (int64_t i = 0; i < n; ++i) {                                                           \
             const KV_T *k = kb + i * row;                                                           \
             vec_f kr[MAX_NV]; /* the K row, read (and widened) once for the whole group */          \
-            for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);                                \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);       \
             for (int j = 0; j < group; ++j) {                                                       \
                 const float *qj = q + (int64_t)j * head_dim;                                        \
-                vec_f a = vload_f32(qj) * kr[0];                                                    \
-                for (int c = 1; c < NV; ++c) a += vload_f32(qj + c * VEC) * kr[c];                  \
-                scores[(int64_t)j * ctx + t0 + i] = vsum(a) * scale;                                \
+                /* two chains of multiply-adds: half the dependent FMA latency of one */            \
+                vec_f a0 = vload_f32(qj) * kr[0], a1 = vload_f32(qj + VEC) * kr[1];                 \
+                _Pragma("GCC unroll 16") for (int c = 2; c < NV; c += 2) {                          \
+                    a0 = vfma(vload_f32(qj + c * VEC), kr[c], a0);                                  \
+                    a1 = vfma(vload_f32(qj + (c + 1) * VEC), kr[c + 1], a1);                        \
+                }                                                                                   \
+                scores[(int64_t)j * ctx + t0 + i] = vsum(a0 + a1) * scale;                          \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
     softmax_rows(scores, group, ctx);                                                               \
-    /* Query heads in chunks of ACC_VECS / NV (4 for head_dim 64, 2 for 128): each V row is read    \
-     * (and widened) once per chunk, the chunk's output rows accumulate in registers. */            \
-    const int chunk = ACC_VECS / NV;                                                                \
+    /* Query heads in chunks of ACC_VECS / NV (AVX-512: 4 for head_dim 64, 2 for 128; AVX2: 1): each \
+     * V row is read (and widened) once per chunk, the chunk's output rows accumulate in registers. */\
+    const int chunk = ACC_VECS / NV > 0 ? ACC_VECS / NV : 1;                                        \
     for (int j0 = 0; j0 < group; j0 += chunk) {                                                     \
         const int nj = group - j0 < chunk ? group - j0 : chunk;                                     \
-        vec_f acc[ACC_VECS];                                                                        \
-        for (int a = 0; a < ACC_VECS; ++a) acc[a] = (vec_f){0};                                     \
+        vec_f acc[ACC_VECS > MAX_NV ? ACC_VECS : MAX_NV];                                           \
+        _Pragma("GCC unroll 16") for (int a = 0; a < chunk * NV; ++a) acc[a] = (vec_f){0};          \
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                          \
             const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim;    \
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
             for (int64_t i = 0; i < n; ++i) {                                                       \
                 const KV_T *v = vb + i * row;                                                       \
-                vec_f vr[MAX_NV];                                                                   \
-                for (int c = 0; c < NV; ++c) vr[c] = VLOAD(v + c * VEC);                            \
-                for (int jj = 0; jj < chunk; ++jj) { /* constant trip count: acc stays in registers */\
+                vec_f p[ACC_VECS]; /* the chunk's weights of this token, broadcast */               \
+                _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                       \
                     if (jj >= nj) break;                                                            \
-                    const float p = scores[(int64_t)(j0 + jj) * ctx + t0 + i];                      \
-                    for (int c = 0; c < NV; ++c) acc[jj * NV + c] += p * vr[c];                     \
+                    p[jj] = vbroadcast(scores[(int64_t)(j0 + jj) * ctx + t0 + i]);                  \
+                }                                                                                   \
+                /* Each V vector read (and widened) once. Constant trip counts, unrolled in full:   \
+                 * acc and p stay in registers. */                                                  \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) {                             \
+                    const vec_f vc = VLOAD(v + c * VEC);                                            \
+                    _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                   \
+                        if (jj >= nj) break;                                                        \
+                        acc[jj * NV + c] = vfma(p[jj], vc, acc[jj * NV + c]);                       \
+                    }                                                                               \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
@@ -230,10 +286,10 @@ void NAME(                                                                      
         const float *q = query + (s * num_heads + g * group) * head_dim;                            \
         float *o = out + (s * num_heads + g * group) * head_dim;                                    \
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));        \
-        if (head_dim == 4 * VEC) {                                                                  \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 4);  \
-        } else if (head_dim == 8 * VEC) {                                                           \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 8);  \
+        if (head_dim == 64) {                                                                       \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 64 / VEC); \
+        } else if (head_dim == 128) {                                                               \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 128 / VEC); \
         } else {                                                                                    \
             /* scores[j * ctx + t] = scale * q_j . k_t */                                           \
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \

@@ -1,0 +1,102 @@
+"""Float32 linear layers on the CPU for decode's small M: a register-blocked C kernel
+(``cpu/fp32_linear.c``) on a weight packed once in panels of output channels, compiled once per
+machine (:mod:`engine.kernels.cpu_build`) for its own ISA (AVX2 + FMA, or AVX-512).
+
+It is one candidate of the linear chooser (backend ``fp32_cpu``, engine.model.linear): on a 2-core
+AMD EPYC with AVX2 only it ran SmolLM2's GEMMs 1.2-1.9x faster than oneDNN at M = 1-8 and 1.2-1.5x
+at M = 16 (docs/engine.md). Where no compiler works, or the C source is not installed,
+:func:`load_kernel` logs a warning and returns None, and the chooser leaves the backend out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from engine.kernels import cpu_build
+
+SOURCE = Path(__file__).parent / "cpu" / "fp32_linear.c"
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.fp32_linear_panel_width.restype = ctypes.c_int
+    lib.fp32_linear_panel_width.argtypes = []
+    lib.fp32_linear_pack.restype = None
+    lib.fp32_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.fp32_linear.restype = ctypes.c_int
+    lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+
+_KERNEL = cpu_build.CachedKernel(SOURCE, "CPU float32 linear kernel", "float32 layers use the library backends",
+                                 _declare)
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, compiling it first if needed; None (logged once) when it cannot be
+    built or loaded here. Thread-safe."""
+    return _KERNEL.load()
+
+
+def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] float32 (nn.Linear's layout) -> the kernel's packed copy
+    [ceil(N / NR), K, NR] float32, NR output channels per panel (16 with AVX2, 32 with AVX-512),
+    the last panel padded with zeros.
+
+    Raises:
+        ValueError: not a 2-D float32 CPU tensor.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"a 2-D float32 CPU weight only, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    width = kernel.fp32_linear_panel_width()
+    packed = torch.empty((n + width - 1) // width, k, width, dtype=torch.float32)
+    kernel.fp32_linear_pack(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def fp32_linear_cpu(
+    kernel: ctypes.CDLL,
+    x: torch.Tensor,  # [M, K], float32
+    packed: torch.Tensor,  # [ceil(N / NR), K, NR], float32, from pack_weight
+    out_features: int,  # N
+    bias: torch.Tensor | None,  # [N], float32
+) -> torch.Tensor:  # [M, N], float32
+    """``x @ weight.T + bias`` with float32 products and sums, ``weight`` as :func:`pack_weight`
+    packed it.
+
+    The C code trusts what it is given, so every shape, dtype and layout is checked here (a
+    mismatch would read past a tensor rather than fail).
+
+    Raises:
+        ValueError: a tensor with another dtype, device or shape than the above, or a packed
+            tensor that does not hold ``out_features`` channels of ``x``'s K.
+        MemoryError: the kernel could not allocate its scratch (M x K floats).
+    """
+    if x.dtype != torch.float32 or packed.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError(f"float32 x, weight and bias only, got x {x.dtype}, weight {packed.dtype}, "
+                         f"bias {None if bias is None else bias.dtype}")
+    if x.device.type != "cpu" or packed.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        raise ValueError("CPU tensors only")
+    width = kernel.fp32_linear_panel_width()
+    if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] or packed.shape[2] != width \
+            or packed.shape[0] != (out_features + width - 1) // width \
+            or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"x {tuple(x.shape)}, packed weight {tuple(packed.shape)}, {out_features} output "
+                         f"channels and bias {None if bias is None else tuple(bias.shape)} do not fit [M, K], "
+                         f"[ceil(N / {width}), K, {width}], N and [N]")
+    if not packed.is_contiguous():
+        raise ValueError("the packed weight must be contiguous")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    (m, k), n = x.shape, out_features
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return out
+    status = kernel.fp32_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                out.data_ptr(), m, n, k, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the float32 linear kernel could not allocate {m * k * 4} bytes of scratch")
+    return out

@@ -1,0 +1,89 @@
+"""engine.kernels.cpu_fp32_linear: the C kernel against F.linear on every path of the kernel (M of
+one row up to several blocks of micro-kernel rows, every block height; output channels in whole
+panels and a partial last panel; odd K), the packed layout, and the wrapper's argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, load_kernel, pack_weight
+
+# Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
+# F.linear's (and fused multiply-adds): measured max abs difference ~1.5e-5 (relative ~4e-7).
+FP32_TOL = dict(atol=2e-4, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = load_kernel()
+    if lib is None:
+        pytest.skip("no working C compiler here")
+    return lib
+
+
+def make(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536), (50, 24), (7, 13), (33, 1)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 6, 7, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_kernel_equals_f_linear(kernel, shape, num_tokens, bias):
+    weight = make(*shape, seed=shape[0] + num_tokens)
+    x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+    b = torch.randn(shape[0]) if bias else None
+    out = fp32_linear_cpu(kernel, x, pack_weight(kernel, weight), shape[0], b)
+    assert out.shape == (num_tokens, shape[0]) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, weight, b), **FP32_TOL)
+
+
+def test_the_lm_head_shape_at_decode_batches(kernel):
+    weight = make(49152, 576, seed=5)
+    packed = pack_weight(kernel, weight)
+    for num_tokens in (1, 16):
+        x = torch.randn(num_tokens, 576, generator=torch.Generator().manual_seed(num_tokens))
+        torch.testing.assert_close(fp32_linear_cpu(kernel, x, packed, 49152, None), F.linear(x, weight), **FP32_TOL)
+
+
+def test_packed_layout_is_panels_of_channels_padded_with_zeros(kernel):
+    width = kernel.fp32_linear_panel_width()
+    assert width in (8, 16, 32)  # two vectors: SSE-width generic, AVX2, AVX-512
+    weight = make(width + 3, 5, seed=1)
+    packed = pack_weight(kernel, weight)
+    assert packed.shape == (2, 5, width)
+    torch.testing.assert_close(packed[0], weight[:width].t(), rtol=0, atol=0)
+    torch.testing.assert_close(packed[1, :, :3], weight[width:].t(), rtol=0, atol=0)
+    assert torch.count_nonzero(packed[1, :, 3:]) == 0
+
+
+def test_a_non_contiguous_input_is_read_as_its_values(kernel):
+    weight = make(40, 32, seed=3)
+    x = torch.randn(32, 4).t()  # [4, 32], column-major
+    torch.testing.assert_close(fp32_linear_cpu(kernel, x, pack_weight(kernel, weight), 40, None),
+                               F.linear(x, weight), **FP32_TOL)
+
+
+def test_zero_rows_give_an_empty_result(kernel):
+    out = fp32_linear_cpu(kernel, torch.empty(0, 8), pack_weight(kernel, make(20, 8, seed=0)), 20, None)
+    assert out.shape == (0, 20)
+
+
+def test_bad_arguments_are_refused_before_the_c_code_runs(kernel):
+    weight = make(20, 8, seed=0)
+    packed = pack_weight(kernel, weight)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="float32 x, weight and bias only"):
+        fp32_linear_cpu(kernel, x.double(), packed, 20, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp32_linear_cpu(kernel, torch.randn(2, 9), packed, 20, None)  # K differs
+    with pytest.raises(ValueError, match="do not fit"):
+        fp32_linear_cpu(kernel, x, packed, 20 + 2 * kernel.fp32_linear_panel_width(), None)  # N past the panels
+    with pytest.raises(ValueError, match="do not fit"):
+        fp32_linear_cpu(kernel, x, packed, 20, torch.randn(19))
+    with pytest.raises(ValueError, match="contiguous"):
+        fp32_linear_cpu(kernel, x, packed.transpose(1, 2).contiguous().transpose(1, 2), 20, None)
+    with pytest.raises(ValueError, match="2-D float32 CPU weight"):
+        pack_weight(kernel, weight.double())
