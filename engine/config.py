@@ -67,7 +67,7 @@ class EngineConfig:
               "measured no faster.")
     # GEMM backend of the linear layers (engine.model.linear): "auto" measures the candidates on
     # the model's shapes once per machine and keeps the fastest per shape and M bucket; "onednn",
-    # "mkl" or "torch" forces one wherever it can run.
+    # "mkl", "torch" or "fp32_cpu" forces one wherever it can run.
     linear_backend: str = setting("auto", "GEMM backend of the linear layers; auto measures them once per machine "
                                           "on the model's shapes and keeps the fastest per shape and batch size.",
                                   choices=LINEAR_BACKEND_CHOICES)
