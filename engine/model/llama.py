@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention import paged_attention
+from engine.kernels import cpu_elementwise
 from engine.model.linear import Linear
 
 
@@ -25,6 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_elementwise.usable(x)
+        if kernel is not None:  # one C loop per row (F.rms_norm runs six ops here)
+            return cpu_elementwise.rms_norm(kernel, x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; bitwise equal to the lines below in float32
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -64,7 +68,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x`` ([num_tokens, num_heads, head_dim]) by the positions' angles."""
+        """Rotates ``x`` ([num_tokens, num_heads, head_dim]) by the positions' angles: a new tensor,
+        or on the CPU in float32 ``x`` itself, rotated in place (one C loop, bitwise the same)."""
+        kernel = cpu_elementwise.usable(x)
+        if kernel is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return cpu_elementwise.rotary_(kernel, x, cos, sin)
         return x * cos + _rotate_half(x) * sin
 
 
@@ -113,7 +121,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernel = cpu_elementwise.usable(gate_up)
+        if kernel is not None and gate_up.dim() == 2:
+            return self.down_proj(cpu_elementwise.silu_mul(kernel, gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import cpu_elementwise
 from engine.model.llama import RMSNorm, fuse_checkpoint
 
 
@@ -88,10 +89,13 @@ def test_an_incomplete_group_is_left_as_it_is():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 576), (7, 576), (33, 64)])
-def test_rms_norm_equals_transformers_bitwise(num_tokens, hidden, dtype):
-    """float32 takes F.rms_norm, half precision the explicit float32 lines: both bitwise equal to
-    transformers' LlamaRMSNorm (which always computes in float32)."""
+def test_rms_norm_equals_transformers_bitwise(num_tokens, hidden, dtype, monkeypatch):
+    """The torch forms: float32 takes F.rms_norm, half precision the explicit float32 lines: both
+    bitwise equal to transformers' LlamaRMSNorm (which always computes in float32). (The CPU's
+    float32 C kernel, which sums the squares in another order, is tested below.)"""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    monkeypatch.setattr(cpu_elementwise, "usable", lambda x: None)
 
     gen = torch.Generator().manual_seed(num_tokens)
     x = (3 * torch.randn(num_tokens, hidden, generator=gen)).to(dtype)
@@ -101,3 +105,19 @@ def test_rms_norm_equals_transformers_bitwise(num_tokens, hidden, dtype):
     out = ours(x)
     assert out.dtype == dtype
     assert torch.equal(out, theirs(x))
+
+
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 576), (7, 576), (33, 64)])
+def test_rms_norm_float32_on_the_cpu_kernel_is_within_an_ulp_of_transformers(num_tokens, hidden):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if cpu_elementwise.load_kernel() is None:
+        pytest.skip("no working C compiler here")
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = 3 * torch.randn(num_tokens, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    ours, theirs = RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, 1e-5)
+    ours.weight.data, theirs.weight.data = weight.clone(), weight.clone()
+    with torch.no_grad():
+        expected = theirs(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-6, rtol=1e-6)

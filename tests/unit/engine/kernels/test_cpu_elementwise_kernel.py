@@ -1,0 +1,93 @@
+"""engine.kernels.cpu_elementwise: RMSNorm, the rotary embedding and SiLU x up in C against the
+torch forms engine.model.llama keeps for other devices and dtypes (the rotary bitwise), on decode
+and prefill row counts (the second past the kernels' threading threshold), and the checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_elementwise
+from engine.model.llama import RotaryEmbedding, _rotate_half
+
+# A sum of 576 squares in another order than torch's reduction, then a square root: measured max
+# relative difference ~1.2e-7 (one float32 ulp); libm's expf against torch's vectorised exp in
+# SiLU: ~2.4e-7 relative.
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = cpu_elementwise.load_kernel()
+    if lib is None:
+        pytest.skip("no working C compiler here")
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("dim", [576, 77])
+def test_rms_norm_equals_torch(kernel, rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    x, w = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    out = cpu_elementwise.rms_norm(kernel, x, w, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (dim,), w, 1e-5), **TOL)
+    variance = x.pow(2).mean(-1, keepdim=True)  # transformers' LlamaRMSNorm
+    torch.testing.assert_close(out, w * (x * torch.rsqrt(variance + 1e-5)), **TOL)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_rotary_in_place_is_bitwise_the_torch_form_on_the_fused_qkv_view(kernel, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)  # [T, 1, D] as RotaryEmbedding.tables
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    expected = qk * cos + _rotate_half(qk) * sin
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    out = cpu_elementwise.rotary_(kernel, qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # V untouched
+
+
+def test_rotary_embedding_apply_takes_the_kernel_for_float32_cpu(kernel):
+    x = torch.randn(4, 3, 8)
+    cos, sin = torch.rand(4, 1, 8), torch.rand(4, 1, 8)
+    expected = x * cos + _rotate_half(x) * sin
+    assert torch.equal(RotaryEmbedding.apply(x, cos, sin), expected)
+    assert torch.equal(x, expected)  # rotated in place
+    xb = torch.randn(4, 3, 8, dtype=torch.bfloat16)
+    before = xb.clone()
+    RotaryEmbedding.apply(xb, cos.bfloat16(), sin.bfloat16())
+    assert torch.equal(xb, before)  # bfloat16 keeps the torch form (a new tensor)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_silu_mul_equals_torch(kernel, rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_elementwise.silu_mul(kernel, gate_up), F.silu(gate) * up, **TOL)
+
+
+def test_bad_arguments_are_refused(kernel):
+    with pytest.raises(ValueError, match="float32 x"):
+        cpu_elementwise.rms_norm(kernel, torch.randn(2, 8).double(), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match=r"weight \[D\]"):
+        cpu_elementwise.rms_norm(kernel, torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(ValueError, match="contiguous heads and even D"):
+        cpu_elementwise.rotary_(kernel, torch.randn(2, 3, 7), torch.rand(2, 7), torch.rand(2, 7))
+    with pytest.raises(ValueError, match="contiguous heads"):
+        cpu_elementwise.rotary_(kernel, torch.randn(2, 8, 3).transpose(1, 2), torch.rand(2, 8), torch.rand(2, 8))
+    with pytest.raises(ValueError, match="one row of 8 per token"):
+        cpu_elementwise.rotary_(kernel, torch.randn(2, 3, 8), torch.rand(3, 8), torch.rand(3, 8))
+    with pytest.raises(ValueError, match=r"\[M, 2I\]"):
+        cpu_elementwise.silu_mul(kernel, torch.randn(2, 7))
+
+
+def test_usable_only_for_float32_cpu_tensors_without_grad(kernel):
+    assert cpu_elementwise.usable(torch.randn(2, 2)) is kernel
+    assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.bfloat16)) is None
+    assert cpu_elementwise.usable(torch.randn(2, 2, requires_grad=True)) is None
