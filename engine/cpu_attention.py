@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
-from engine.kernels.cpu_decode_attention import KV_DTYPES, load_kernel, paged_decode_attention_cpu
+from engine.kernels.cpu_decode_attention import KV_DTYPES, load_kernel, paged_decode_attention_cpu, paged_kv_write_cpu
 
 
 class CpuAttentionBackend:
@@ -39,7 +39,11 @@ class CpuAttentionBackend:
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """AttentionBackend.forward (shapes there); mutates ``kv_cache``."""
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+        if self._kernel is not None and key.dtype == kv_cache.dtype and key.stride(2) == 1 \
+                and key.stride(1) == key.shape[2] and value.stride(2) == 1 and value.stride(1) == value.shape[2]:
+            paged_kv_write_cpu(self._kernel, key, value, kv_cache, meta.slot_mapping)
+        else:
+            write_kv(key, value, kv_cache, meta.slot_mapping)
         plan = self._plan_for(meta, kv_cache.shape[2])
         if plan.all_decode:
             return self._decode(query, kv_cache, plan, scale)

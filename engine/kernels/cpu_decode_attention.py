@@ -39,6 +39,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
             [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_kv_write.restype = ctypes.c_int64
+    lib.paged_kv_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU paged-attention kernel", "using gather + SDPA", _declare)
@@ -100,3 +103,36 @@ def paged_decode_attention_cpu(
         head_dim, block_size, scale, torch.get_num_threads(),
     )
     return out.to(out_dtype)
+
+
+def paged_kv_write_cpu(
+    kernel: ctypes.CDLL,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], heads contiguous, any token stride
+    value: torch.Tensor,  # same
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens], int64
+) -> None:
+    """:func:`engine.attention.write_kv` in one C call: token t's K and V rows into slot
+    ``slot_mapping[t]`` of the cache (block ``slot // block_size``, row ``slot % block_size``).
+    Mutates ``kv_cache``.
+
+    Raises:
+        ValueError: dtypes that differ from the cache's, rows of another shape or layout, a
+            non-contiguous cache or slot mapping, or a slot outside the cache (nothing is written
+            for those tokens; the others are).
+    """
+    row_shape = tuple(kv_cache.shape[3:])
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != kv_cache.dtype or t.device.type != "cpu" or t.dim() != 3 or tuple(t.shape[1:]) != row_shape \
+                or t.stride(2) != 1 or t.stride(1) != row_shape[1] or t.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} strides {t.stride()} does not fit rows "
+                             f"{row_shape} of a {kv_cache.dtype} cache for {slot_mapping.shape[0]} slots")
+    if not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError("kv_cache must be contiguous and slot_mapping contiguous int64")
+    size = kv_cache.element_size()
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    bad = kernel.paged_kv_write(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+                                kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
+                                slot_mapping.shape[0], row_shape[0] * row_shape[1] * size, num_slots)
+    if bad:
+        raise ValueError(f"{bad} of {slot_mapping.shape[0]} slots lie outside the cache's {num_slots}")

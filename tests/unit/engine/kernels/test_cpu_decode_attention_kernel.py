@@ -260,3 +260,37 @@ def fresh_kernel(monkeypatch, source=None) -> None:
     kernel = cpu_decode_attention._KERNEL
     monkeypatch.setattr(cpu_decode_attention, "_KERNEL", cpu_build.CachedKernel(
         source or kernel.source, kernel.name, kernel.fallback, kernel.declare))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_write_kv_on_strided_views_of_the_fused_qkv(kernel, dtype):
+    """Keys and values as the model hands them over (views into the fused QKV output, token stride
+    past the row); every other slot of the cache keeps its value."""
+    from engine.attention import write_kv
+    from engine.kernels.cpu_decode_attention import paged_kv_write_cpu
+
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, NUM_KV_HEADS, 8, 5
+    qkv = torch.randn(tokens, (3 + 2) * kv_heads * head_dim, generator=gen).to(dtype)
+    key = qkv[:, 3 * kv_heads * head_dim: 4 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 4 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([5, 0, 23, 12, 13])
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    write_kv(key, value, expected, slots)
+    paged_kv_write_cpu(kernel, key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_kv_write_refuses_slots_outside_the_cache_and_mismatched_rows(kernel):
+    from engine.kernels.cpu_decode_attention import paged_kv_write_cpu
+
+    cache = torch.zeros(2, 2, 4, NUM_KV_HEADS, 8)
+    key = torch.ones(2, NUM_KV_HEADS, 8)
+    with pytest.raises(ValueError, match="1 of 2 slots lie outside the cache's 8"):
+        paged_kv_write_cpu(kernel, key, key, cache, torch.tensor([3, 8]))
+    assert cache[0].view(-1, NUM_KV_HEADS, 8)[3].eq(1).all()  # the valid slot was written
+    with pytest.raises(ValueError, match="does not fit rows"):
+        paged_kv_write_cpu(kernel, key.double(), key, cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="does not fit rows"):
+        paged_kv_write_cpu(kernel, torch.ones(2, NUM_KV_HEADS, 4), key, cache, torch.tensor([0, 1]))
