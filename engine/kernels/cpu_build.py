@@ -100,7 +100,11 @@ class CachedKernel:
                 log.info("compiling the %s (%s) ...", self.name, self.source.name)
                 compile_library(self.source, path)
                 log.info("compiled the %s in %.1f s: %s", self.name, time.perf_counter() - started, path)
-            lib = ctypes.CDLL(str(path))
+            # PyDLL: calls keep the GIL, as torch's own CPU ops do. CDLL released it around every
+            # call, and in a worker (gRPC and asyncio threads beside the forward) each of a pass's
+            # ~250 kernel calls then let another Python thread onto a core the kernel's OpenMP
+            # team was using, or made the forward wait to take the GIL back.
+            lib = ctypes.PyDLL(str(path))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             log.warning("%s unavailable (%s); %s", self.name, err, self.fallback)
             return None
