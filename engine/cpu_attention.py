@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
-from engine.kernels.cpu_decode_attention import KV_DTYPES, load_kernel, paged_decode_attention_cpu, paged_kv_write_cpu
+from engine.kernels.cpu_decode_attention import (KV_DTYPES, load_kernel, paged_decode_attention_cpu,
+                                                 paged_kv_write_cpu)
 
 
 class CpuAttentionBackend:
