@@ -51,7 +51,11 @@ class Load:
         self._slots = threading.BoundedSemaphore(max_in_flight)
 
     def one(self, index: int) -> None:
-        body = {"model": MODEL, "prompt": [index % 7 + 1, *PROMPT], "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        # A first token of its own (3..992: past the special ids 1 and 2): no request finds another's
+        # blocks in the pool, so each computes its whole prompt and holds its 13 blocks as long as
+        # its own service time (pool hits of 192 of 200 tokens made requests several times
+        # shorter than the first one, whose latency sets the rates).
+        body = {"model": MODEL, "prompt": [3 + index % 990, *PROMPT], "max_tokens": MAX_TOKENS, "ignore_eos": True}
         try:
             reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=600)
             self.replies.append((reply.status_code, reply.json()["usage"]["completion_tokens"]))
@@ -118,7 +122,10 @@ def test_a_load_step_scales_decode_up_and_back_down_answering_every_request(clus
         base_until = time.monotonic() + 1.5 / base_rate_per_s  # two base-rate arrivals
         run_until(scaler, lambda: time.monotonic() > base_until, 600, "")
         assert decode_workers() == 1, scaler.history
-        load.rate_per_s = 4 * base_rate_per_s  # the step: requests overlap, the KV cache fills
+        # The step: as many requests as the cap lets in (4 in flight), so that they overlap and
+        # fill the KV cache whatever the service time (a 4x rate step kept one request at a time
+        # once the kernels got faster, and the autoscaler saw no pressure for 8 minutes).
+        load.rate_per_s = 1000.0
         run_until(scaler, lambda: decode_workers() == 2, 600, "no second decode worker")
         run_until(scaler, lambda: len(scaler.read_live("decode")) == 2, 300, "the new worker never registered")
         new_worker = cluster.worker_services("decode")[-1].name
