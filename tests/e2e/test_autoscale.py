@@ -110,8 +110,12 @@ def test_a_load_step_scales_decode_up_and_back_down_answering_every_request(clus
     latency_s = time.monotonic() - started  # one request alone: the worker's service time
     # SLOs loose enough that only the KV cache fills up: one request holds 13 of 28 blocks (pressure
     # 13 / 28 / 0.85 = 0.55), two hold 26 (1.09).
+    # One evaluation over the threshold scales up: with 4 requests in flight the cache holds one or
+    # two of them from moment to moment (each finishes in ~0.6 s on a fast worker), and three
+    # consecutive samples at two took minutes in a fresh-clone CI run (the hysteresis itself is
+    # tested in tests/unit/autoscaler). The base rate never overlaps two requests.
     config = AutoscaleConfig(ttft_slo_s=600.0, tbt_slo_s=600.0, min_prefill=0, max_prefill=0, min_decode=1,
-                             max_decode=2, up_evaluations=3, down_evaluations=4, cooldown_s=5.0, kv_usage_high=0.85)
+                             max_decode=2, up_evaluations=1, down_evaluations=4, cooldown_s=5.0, kv_usage_high=0.85)
     scaler = LocalAutoscaler(cluster, config, interval_s=1.0)
     decode_workers = lambda: len(cluster.worker_services("decode"))  # noqa: E731
     load = Load(cluster.http_url)
