@@ -1,6 +1,8 @@
-"""Float32 linear layers on the CPU for decode's small M: a register-blocked C kernel
-(``cpu/fp32_linear.c``) on a weight packed once in panels of output channels, compiled once per
-machine (:mod:`engine.kernels.cpu_build`) for its own ISA (AVX2 + FMA, or AVX-512).
+"""Linear layers on the CPU for decode's small M with float32 arithmetic: a register-blocked C
+kernel (``cpu/fp32_linear.c``) on a weight packed once in panels of output channels, compiled once
+per machine (:mod:`engine.kernels.cpu_build`) for its own ISA (AVX2 + FMA, or AVX-512). Float32
+tensors, or bfloat16 ones (weight, input, bias and output): a bfloat16 weight is widened to float32
+in registers as it is read, so it moves half the bytes of a float32 one and needs no AVX512-BF16.
 
 It is one candidate of the linear chooser (backend ``fp32_cpu``, engine.model.linear): on a 2-core
 AMD EPYC with AVX2 only it ran SmolLM2's GEMMs 1.2-1.9x faster than oneDNN at M = 1-8 and 1.2-1.5x
@@ -27,6 +29,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp32_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.fp32_linear.restype = ctypes.c_int
     lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.bf16_linear_pack.restype = None
+    lib.bf16_linear_pack.argtypes = lib.fp32_linear_pack.argtypes
+    lib.bf16_linear.restype = ctypes.c_int
+    lib.bf16_linear.argtypes = lib.fp32_linear.argtypes
+    lib.panel_width = lib.fp32_linear_panel_width()  # read once: a ctypes call costs ~1 µs
+
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU float32 linear kernel", "float32 layers use the library backends",
@@ -40,32 +50,34 @@ def load_kernel() -> ctypes.CDLL | None:
 
 
 def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] float32 (nn.Linear's layout) -> the kernel's packed copy
-    [ceil(N / NR), K, NR] float32, NR output channels per panel (16 with AVX2, 32 with AVX-512),
-    the last panel padded with zeros.
+    """``weight`` [N, K] float32 or bfloat16 (nn.Linear's layout) -> the kernel's packed copy
+    [ceil(N / NR), K, NR] of the same dtype, NR output channels per panel (16 with AVX2, 32 with
+    AVX-512), the last panel padded with zeros.
 
     Raises:
-        ValueError: not a 2-D float32 CPU tensor.
+        ValueError: not a 2-D float32 or bfloat16 CPU tensor.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"a 2-D float32 CPU weight only, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if weight.dim() != 2 or weight.dtype not in DTYPES or weight.device.type != "cpu":
+        raise ValueError(f"a 2-D float32 or bfloat16 CPU weight only, got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    width = kernel.fp32_linear_panel_width()
-    packed = torch.empty((n + width - 1) // width, k, width, dtype=torch.float32)
-    kernel.fp32_linear_pack(weight.data_ptr(), packed.data_ptr(), n, k)
+    width = kernel.panel_width
+    packed = torch.empty((n + width - 1) // width, k, width, dtype=weight.dtype)
+    pack = kernel.fp32_linear_pack if weight.dtype == torch.float32 else kernel.bf16_linear_pack
+    pack(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
 def fp32_linear_cpu(
     kernel: ctypes.CDLL,
-    x: torch.Tensor,  # [M, K], float32
-    packed: torch.Tensor,  # [ceil(N / NR), K, NR], float32, from pack_weight
+    x: torch.Tensor,  # [M, K], float32 or bfloat16
+    packed: torch.Tensor,  # [ceil(N / NR), K, NR], x's dtype, from pack_weight
     out_features: int,  # N
-    bias: torch.Tensor | None,  # [N], float32
-) -> torch.Tensor:  # [M, N], float32
+    bias: torch.Tensor | None,  # [N], x's dtype
+) -> torch.Tensor:  # [M, N], x's dtype
     """``x @ weight.T + bias`` with float32 products and sums, ``weight`` as :func:`pack_weight`
-    packed it.
+    packed it. In bfloat16 each output is the float32 sum rounded once to bfloat16 (nearest even).
 
     The C code trusts what it is given, so every shape, dtype and layout is checked here (a
     mismatch would read past a tensor rather than fail).
@@ -75,12 +87,12 @@ def fp32_linear_cpu(
             tensor that does not hold ``out_features`` channels of ``x``'s K.
         MemoryError: the kernel could not allocate its scratch (M x K floats).
     """
-    if x.dtype != torch.float32 or packed.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
-        raise ValueError(f"float32 x, weight and bias only, got x {x.dtype}, weight {packed.dtype}, "
+    if x.dtype not in DTYPES or packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias all float32 or all bfloat16, got x {x.dtype}, weight {packed.dtype}, "
                          f"bias {None if bias is None else bias.dtype}")
     if x.device.type != "cpu" or packed.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
         raise ValueError("CPU tensors only")
-    width = kernel.fp32_linear_panel_width()
+    width = kernel.panel_width
     if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] or packed.shape[2] != width \
             or packed.shape[0] != (out_features + width - 1) // width \
             or (bias is not None and bias.shape != (out_features,)):
@@ -92,11 +104,12 @@ def fp32_linear_cpu(
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     (m, k), n = x.shape, out_features
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return out
-    status = kernel.fp32_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+    linear = kernel.fp32_linear if x.dtype == torch.float32 else kernel.bf16_linear
+    status = linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 out.data_ptr(), m, n, k, torch.get_num_threads())
     if status != 0:
-        raise MemoryError(f"the float32 linear kernel could not allocate {m * k * 4} bytes of scratch")
+        raise MemoryError(f"the linear kernel could not allocate {m * k * 4} bytes of scratch")
     return out

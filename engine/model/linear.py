@@ -11,9 +11,11 @@ the layout it reads fastest:
   AVX-NE-CONVERT; an AVX2-only CPU runs bfloat16 through ``torch``.
 - ``mkl``: MKL's packed sgemm (``cblas_sgemm_pack``), float32 only.
 - ``torch``: plain ``F.linear`` (any dtype, any device).
-- ``fp32_cpu``: Tandem's C kernel (engine.kernels.cpu_fp32_linear), float32 only, the weight packed
-  once in panels of output channels and read by a register-blocked micro-kernel: built for decode's
-  small M, where the libraries' general kernels leave bandwidth or FMA throughput unused.
+- ``fp32_cpu``: Tandem's C kernel (engine.kernels.cpu_fp32_linear) with float32 arithmetic, the
+  weight packed once in panels of output channels and read by a register-blocked micro-kernel:
+  built for decode's small M, where the libraries' general kernels leave bandwidth or FMA
+  throughput unused. Float32 or bfloat16 weights (a bfloat16 one widened as it is read, on any
+  AVX2 CPU).
 
 A layer quantised to int8 (:meth:`Linear.quantize_int8`, ``--quantization int8``) keeps an int8
 weight [out, in] and one float32 scale per output channel, and runs through one of:
@@ -89,7 +91,7 @@ def backend_supports(backend: str, weight: torch.Tensor) -> bool:
         # EPYC): F.linear runs bfloat16 there.
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
     if backend == "fp32_cpu":
-        return weight.dtype == torch.float32 and load_fp32_kernel() is not None
+        return weight.dtype in (torch.float32, torch.bfloat16) and load_fp32_kernel() is not None
     if backend == "int8_cpu":
         return load_int8_kernel() is not None
     return hasattr(torch, "_weight_int8pack_mm")  # int8pack

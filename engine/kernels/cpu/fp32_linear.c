@@ -6,6 +6,13 @@
  * x float32 [M, K], w float32 [N, K] (nn.Linear's layout), y float32 [M, N]; float32 products and
  * sums (fused multiply-adds), so the result is the float32 GEMM up to the order of the sums.
  *
+ * bfloat16: bf16_linear() takes x, w, bias and y in bfloat16 with the same float32 arithmetic:
+ * the packed bf16 weight is widened to float32 as it is loaded (a bf16 value is the upper half of
+ * a float32, so the widening is exact), x is widened as its rows are interleaved, and each y value
+ * is rounded to bfloat16 once (round to nearest even), as oneDNN's and F.linear's bf16 GEMMs round
+ * their float32 accumulators. The weight's bytes, what a decode step's GEMM is bound by, halve;
+ * every CPU with AVX2 runs it (no AVX512-BF16 needed).
+ *
  * Reference: F.linear (engine/model/linear.py, backend "torch"); the wrapper and its checks live in
  * engine/kernels/cpu_fp32_linear.py, the test in tests/unit/engine/kernels/test_cpu_fp32_linear_kernel.py.
  *
@@ -59,6 +66,31 @@ static inline vec_f bcast(const float *p) { vec_f v; for (int i = 0; i < VEC; i+
 static inline vec_f loadv(const float *p) { vec_f v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vec_f v) { memcpy(p, &v, sizeof v); }
 
+/* bfloat16 <-> float32: a bf16 value is the upper 16 bits of a float32. */
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) /* round to nearest even; NaN stays a (quiet) NaN */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* VEC bf16 values -> VEC floats (zero-extended to 32 bits, shifted into the upper half). */
+static inline vec_f loadv_bf16(const uint16_t *p)
+{
+#if defined(__AVX512F__)
+    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (vec_f)_mm512_castsi512_ps(w);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (vec_f)_mm256_castsi256_ps(w);
+#else
+    vec_f v;
+    for (int i = 0; i < VEC; i++) v[i] = bf16_to_f32(p[i]);
+    return v;
+#endif
+}
+
 /* Output channels per panel on this build (the wrapper sizes the packed tensor with it). */
 int fp32_linear_panel_width(void) { return NR; }
 
@@ -75,6 +107,19 @@ void fp32_linear_pack(const float *w, float *packed, int64_t N, int64_t K)
             }
 }
 
+/* The same for a bfloat16 weight (bits as uint16): packed[ceil(N / NR)][K][NR] <- w[N, K]. */
+void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
+{
+    int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t n = p * NR + j;
+                packed[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0;
+            }
+}
+
 /* row[n0 .. n0 + NR) = a0 | a1 (+ bias), cut at N for the last panel. */
 static inline void store_row(float *row, int64_t n0, int64_t N, const float *bias, vec_f a0, vec_f a1)
 {
@@ -88,79 +133,98 @@ static inline void store_row(float *row, int64_t n0, int64_t N, const float *bia
     for (int64_t j = 0; n0 + j < N; j++) row[n0 + j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
 }
 
-/* y rows 0..MT, columns [n0, n0 + NR) = xp ([K][MT], interleaved rows) . panel pw + bias. The
- * loops over rows are unrolled in full so that GCC keeps c0/c1 in registers (a loop it leaves
- * rolled indexes them, and it then stores them to the stack at every k). */
-#define DEFINE_MICRO_KERNEL(MT)                                                                    \
-static void micro_kernel_##MT(const float *xp, int64_t K, const float *pw, const float *bias,      \
-                              float *y, int64_t N, int64_t n0, const float *next)                  \
+/* The same into a bfloat16 row (bias bf16 too): float32 sum, one rounding. */
+static inline void store_row_bf16(uint16_t *row, int64_t n0, int64_t N, const uint16_t *bias, vec_f a0, vec_f a1)
+{
+    float tmp[NR];
+    storev(tmp, a0); storev(tmp + VEC, a1);
+    int64_t n = N - n0 < NR ? N - n0 : NR;
+    for (int64_t j = 0; j < n; j++) row[n0 + j] = f32_to_bf16(tmp[j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f));
+}
+
+/* y rows 0..MT, columns [n0, n0 + NR) = xp ([K][MT], interleaved float32 rows) . panel pw + bias,
+ * the panel's elements of type W_T widened by LOADW, each row stored by STORE. The loops over rows
+ * are unrolled in full so that GCC keeps c0/c1 in registers (a loop it leaves rolled indexes them,
+ * and it then stores them to the stack at every k). */
+#define DEFINE_MICRO_KERNEL(NAME, MT, W_T, LOADW, Y_T, STORE)                                       \
+static void NAME##_##MT(const float *xp, int64_t K, const W_T *pw, const Y_T *bias,                \
+                        Y_T *y, int64_t N, int64_t n0, const W_T *next)                            \
 {                                                                                                  \
     vec_f c0[MT], c1[MT];                                                                          \
     _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) { c0[i] = (vec_f){0}; c1[i] = (vec_f){0}; } \
     for (int64_t k = 0; k < K; k++) {                                                              \
-        vec_f b0 = loadv(pw + k * NR), b1 = loadv(pw + k * NR + VEC);                              \
-        if (next) /* the next panel's k-th row: NR floats, one 64-byte line per 16 */              \
-            for (int l = 0; l < NR; l += 16) __builtin_prefetch(next + k * NR + l, 0, 3);          \
+        vec_f b0 = LOADW(pw + k * NR), b1 = LOADW(pw + k * NR + VEC);                              \
+        if (next) /* the next panel's k-th row, one 64-byte line at a time */                       \
+            for (int l = 0; l < NR * (int)sizeof(W_T); l += 64)                                    \
+                __builtin_prefetch((const char *)(next + k * NR) + l, 0, 3);                       \
         _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
             vec_f a = bcast(xp + k * MT + i);                                                      \
             c0[i] = fma_f(a, b0, c0[i]); c1[i] = fma_f(a, b1, c1[i]);                              \
         }                                                                                          \
     }                                                                                              \
-    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) store_row(y + i * N, n0, N, bias, c0[i], c1[i]); \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) STORE(y + i * N, n0, N, bias, c0[i], c1[i]); \
 }
-DEFINE_MICRO_KERNEL(1)
-DEFINE_MICRO_KERNEL(2)
-DEFINE_MICRO_KERNEL(3)
-DEFINE_MICRO_KERNEL(4)
+#define DEFINE_MICRO_KERNELS(NAME, W_T, LOADW, Y_T, STORE)                                          \
+    DEFINE_MICRO_KERNEL(NAME, 1, W_T, LOADW, Y_T, STORE)                                            \
+    DEFINE_MICRO_KERNEL(NAME, 2, W_T, LOADW, Y_T, STORE)                                            \
+    DEFINE_MICRO_KERNEL(NAME, 3, W_T, LOADW, Y_T, STORE)                                            \
+    DEFINE_MICRO_KERNEL(NAME, 4, W_T, LOADW, Y_T, STORE)                                            \
+    MICRO_KERNELS_6(NAME, W_T, LOADW, Y_T, STORE)                                                   \
+    MICRO_KERNELS_8(NAME, W_T, LOADW, Y_T, STORE)                                                   \
+    typedef void (*NAME##_fn)(const float *, int64_t, const W_T *, const Y_T *, Y_T *, int64_t, int64_t, \
+                              const W_T *);                                                        \
+    static const NAME##_fn NAME##_table[MR_MAX + 1] = {                                            \
+        0, NAME##_1, NAME##_2, NAME##_3, NAME##_4 MICRO_ENTRIES_6(NAME) MICRO_ENTRIES_8(NAME) };
 #if MR_MAX >= 6
-DEFINE_MICRO_KERNEL(5)
-DEFINE_MICRO_KERNEL(6)
+#define MICRO_KERNELS_6(NAME, W_T, LOADW, Y_T, STORE)                                               \
+    DEFINE_MICRO_KERNEL(NAME, 5, W_T, LOADW, Y_T, STORE) DEFINE_MICRO_KERNEL(NAME, 6, W_T, LOADW, Y_T, STORE)
+#define MICRO_ENTRIES_6(NAME) , NAME##_5, NAME##_6
+#else
+#define MICRO_KERNELS_6(NAME, W_T, LOADW, Y_T, STORE)
+#define MICRO_ENTRIES_6(NAME)
 #endif
 #if MR_MAX >= 8
-DEFINE_MICRO_KERNEL(7)
-DEFINE_MICRO_KERNEL(8)
+#define MICRO_KERNELS_8(NAME, W_T, LOADW, Y_T, STORE)                                               \
+    DEFINE_MICRO_KERNEL(NAME, 7, W_T, LOADW, Y_T, STORE) DEFINE_MICRO_KERNEL(NAME, 8, W_T, LOADW, Y_T, STORE)
+#define MICRO_ENTRIES_8(NAME) , NAME##_7, NAME##_8
+#else
+#define MICRO_KERNELS_8(NAME, W_T, LOADW, Y_T, STORE)
+#define MICRO_ENTRIES_8(NAME)
 #endif
+DEFINE_MICRO_KERNELS(micro_f32, float, loadv, float, store_row)
+DEFINE_MICRO_KERNELS(micro_bf16, uint16_t, loadv_bf16, uint16_t, store_row_bf16)
 
-typedef void (*micro_kernel_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
-                                const float *);
-static const micro_kernel_fn MICRO_KERNELS[MR_MAX + 1] = {
-    0, micro_kernel_1, micro_kernel_2, micro_kernel_3, micro_kernel_4,
-#if MR_MAX >= 6
-    micro_kernel_5, micro_kernel_6,
-#endif
-#if MR_MAX >= 8
-    micro_kernel_7, micro_kernel_8,
-#endif
-};
-
-/* y[M, N] = x[M, K] @ w^T + bias (bias may be NULL), w as fp32_linear_pack() left it; see the top.
- * The M rows are cut into ceil(M / MR_MAX) blocks of nearly equal size (16 -> 6 + 5 + 5). Returns 0,
- * or -1 when the scratch for the interleaved rows cannot be allocated (y is then untouched). */
-int fp32_linear(const float *x, const float *packed, const float *bias, float *y,
-                int64_t M, int64_t N, int64_t K, int num_threads)
-{
-    int64_t panels = (N + NR - 1) / NR;
-    int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
-    float *xp = malloc((size_t)(M * K) * sizeof(float));
-    if (!xp) return -1;
-    for (int64_t b = 0; b < blocks; b++) {  /* block b = rows [m0, m1), stored as [K][m1 - m0] */
-        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t i = 0; i < mt; i++)
-                xp[m0 * K + k * mt + i] = x[(m0 + i) * K + k];
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
-            /* The next panel is prefetched while this one is read from the caches (the row blocks
-             * after the first) or, with one block of 3+ rows, while its multiply-adds run: the
-             * first block's loads come from DRAM, the prefetcher's own stream, and the compute of
-             * the later blocks would otherwise leave the memory idle. Measured on an AVX2 EPYC:
-             * 20-30 % off M = 16 and 4-6; at M = 1-2 (bandwidth-bound already) it cost up to 20 %. */
-            const float *next = p + 1 < panels && (b > 0 || m1 - m0 >= 3) ? packed + (p + 1) * K * NR : 0;
-            MICRO_KERNELS[m1 - m0](xp + m0 * K, K, packed + p * K * NR, bias, y + m0 * N, N, p * NR, next);
-        }
-    free(xp);
-    return 0;
+/* y[M, N] = x[M, K] @ w^T + bias (bias may be NULL), w as the pack function left it; see the top.
+ * The M rows are cut into ceil(M / MR_MAX) blocks of nearly equal size (16 -> 6 + 5 + 5), each
+ * block's rows interleaved into float32 scratch ([K][rows], widened by TO_F32). Returns 0, or -1
+ * when the scratch cannot be allocated (y is then untouched). */
+#define DEFINE_LINEAR(NAME, T, TO_F32, TABLE)                                                      \
+int NAME(const T *x, const T *packed, const T *bias, T *y, int64_t M, int64_t N, int64_t K, int num_threads) \
+{                                                                                                  \
+    int64_t panels = (N + NR - 1) / NR;                                                            \
+    int64_t blocks = (M + MR_MAX - 1) / MR_MAX;                                                    \
+    float *xp = malloc((size_t)(M * K) * sizeof(float));                                           \
+    if (!xp) return -1;                                                                            \
+    for (int64_t b = 0; b < blocks; b++) {                                                         \
+        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;                      \
+        for (int64_t k = 0; k < K; k++)                                                            \
+            for (int64_t i = 0; i < mt; i++) xp[m0 * K + k * mt + i] = TO_F32(x[(m0 + i) * K + k]); \
+    }                                                                                              \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                          \
+    for (int64_t p = 0; p < panels; p++)                                                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;                                \
+            const T *next = p + 1 < panels && (b > 0 || m1 - m0 >= 3) ? packed + (p + 1) * K * NR : 0; \
+            TABLE[m1 - m0](xp + m0 * K, K, packed + p * K * NR, bias, y + m0 * N, N, p * NR, next); \
+        }                                                                                          \
+    free(xp);                                                                                      \
+    return 0;                                                                                      \
 }
+/* The next panel is prefetched while this one is read from the caches (the row blocks after the
+ * first) or, with one block of 3+ rows, while its multiply-adds run: the first block's loads come
+ * from DRAM, the prefetcher's own stream, and the compute of the later blocks would otherwise leave
+ * the memory idle. Measured on an AVX2 EPYC: 20-30 % off M = 16 and 4-6; at M = 1-2
+ * (bandwidth-bound already) it cost up to 20 %. */
+#define F32_IDENTITY(v) (v)
+DEFINE_LINEAR(fp32_linear, float, F32_IDENTITY, micro_f32_table)
+DEFINE_LINEAR(bf16_linear, uint16_t, bf16_to_f32, micro_bf16_table)

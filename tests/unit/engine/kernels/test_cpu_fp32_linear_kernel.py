@@ -1,6 +1,7 @@
 """engine.kernels.cpu_fp32_linear: the C kernel against F.linear on every path of the kernel (M of
 one row up to several blocks of micro-kernel rows, every block height; output channels in whole
-panels and a partial last panel; odd K), the packed layout, and the wrapper's argument checks."""
+panels and a partial last panel; odd K), in float32 and bfloat16, the packed layout, and the
+wrapper's argument checks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, load_kernel, pack_we
 # Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
 # F.linear's (and fused multiply-adds): measured max abs difference ~1.5e-5 (relative ~4e-7).
 FP32_TOL = dict(atol=2e-4, rtol=1e-5)
+# bfloat16: the float32 sum rounded once to bfloat16. Against the float32 GEMM of the same bf16
+# values rounded once, a sum on the other side of a rounding boundary (sums ~1e-5 apart) lands
+# one bf16 step away: 2^-7 relative at most (8 significant bits), or the float32 tolerance near zero.
+BF16_TOL = dict(atol=2e-4, rtol=2**-7)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +45,38 @@ def test_kernel_equals_f_linear(kernel, shape, num_tokens, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), **FP32_TOL)
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (50, 24), (7, 13)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 3, 6, 8, 16, 17])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_bfloat16_equals_the_float32_gemm_of_its_values_rounded_once(kernel, shape, num_tokens, bias):
+    weight = make(*shape, seed=shape[0] + num_tokens).bfloat16()
+    x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    b = torch.randn(shape[0]).bfloat16() if bias else None
+    out = fp32_linear_cpu(kernel, x, pack_weight(kernel, weight), shape[0], b)
+    assert out.shape == (num_tokens, shape[0]) and out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float()).bfloat16()
+    torch.testing.assert_close(out.float(), expected.float(), **BF16_TOL)
+    # most outputs are bitwise the single rounding of the float32 sum
+    assert (out == expected).float().mean() > 0.95
+
+
+def test_bfloat16_rounds_to_nearest_even_and_keeps_nan_and_inf(kernel):
+    """One input channel, so each output is exactly x * w in float32 before the rounding."""
+    values = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, float("nan"), float("inf")])
+    weight = torch.ones(values.numel(), 1, dtype=torch.bfloat16)
+    # x * 1 is exact; the bias adds the float32 part a bfloat16 input cannot carry
+    bias = torch.zeros(values.numel(), dtype=torch.bfloat16)
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    out = fp32_linear_cpu(kernel, x, pack_weight(kernel, weight * 0 + values[:, None].bfloat16()), values.numel(), bias)
+    torch.testing.assert_close(out[0], values.bfloat16(), rtol=0, atol=0, equal_nan=True)
+    halfway = fp32_linear_cpu(kernel, torch.tensor([[1.0, 2**-8]], dtype=torch.bfloat16),
+                              pack_weight(kernel, torch.ones(1, 2, dtype=torch.bfloat16)), 1, None)
+    assert halfway.item() == 1.0  # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: to the even one, 1
+    above = fp32_linear_cpu(kernel, torch.tensor([[1.0, 3 * 2**-8]], dtype=torch.bfloat16),
+                            pack_weight(kernel, torch.ones(1, 2, dtype=torch.bfloat16)), 1, None)
+    assert above.item() == 1.0 + 2**-6  # 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: even is 1 + 2^-6
+
+
 def test_the_lm_head_shape_at_decode_batches(kernel):
     weight = make(49152, 576, seed=5)
     packed = pack_weight(kernel, weight)
@@ -48,10 +85,11 @@ def test_the_lm_head_shape_at_decode_batches(kernel):
         torch.testing.assert_close(fp32_linear_cpu(kernel, x, packed, 49152, None), F.linear(x, weight), **FP32_TOL)
 
 
-def test_packed_layout_is_panels_of_channels_padded_with_zeros(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_layout_is_panels_of_channels_padded_with_zeros(kernel, dtype):
     width = kernel.fp32_linear_panel_width()
     assert width in (8, 16, 32)  # two vectors: SSE-width generic, AVX2, AVX-512
-    weight = make(width + 3, 5, seed=1)
+    weight = make(width + 3, 5, seed=1).to(dtype)
     packed = pack_weight(kernel, weight)
     assert packed.shape == (2, 5, width)
     torch.testing.assert_close(packed[0], weight[:width].t(), rtol=0, atol=0)
@@ -75,8 +113,10 @@ def test_bad_arguments_are_refused_before_the_c_code_runs(kernel):
     weight = make(20, 8, seed=0)
     packed = pack_weight(kernel, weight)
     x = torch.randn(2, 8)
-    with pytest.raises(ValueError, match="float32 x, weight and bias only"):
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
         fp32_linear_cpu(kernel, x.double(), packed, 20, None)
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        fp32_linear_cpu(kernel, x.bfloat16(), packed, 20, None)  # a float32 weight with bf16 input
     with pytest.raises(ValueError, match="do not fit"):
         fp32_linear_cpu(kernel, torch.randn(2, 9), packed, 20, None)  # K differs
     with pytest.raises(ValueError, match="do not fit"):
@@ -85,5 +125,5 @@ def test_bad_arguments_are_refused_before_the_c_code_runs(kernel):
         fp32_linear_cpu(kernel, x, packed, 20, torch.randn(19))
     with pytest.raises(ValueError, match="contiguous"):
         fp32_linear_cpu(kernel, x, packed.transpose(1, 2).contiguous().transpose(1, 2), 20, None)
-    with pytest.raises(ValueError, match="2-D float32 CPU weight"):
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16 CPU weight"):
         pack_weight(kernel, weight.double())

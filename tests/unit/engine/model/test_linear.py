@@ -77,6 +77,20 @@ def test_onednn_bfloat16_equals_f_linear_bfloat16(num_tokens):
     torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()), **BF16_TOL)
 
 
+@pytest.mark.skipif(not backend_supports("fp32_cpu", torch.empty(1, 1, dtype=torch.bfloat16)),
+                    reason="no working C compiler here")
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_fp32_cpu_bfloat16_equals_f_linear_bfloat16(shape, num_tokens):
+    """Tandem's kernel on a bfloat16 layer of the real model's shapes (any CPU with AVX2)."""
+    layer = make_linear(bias=False, dtype=torch.bfloat16, out=shape[0], inp=shape[1])
+    layer.set_plan(("fp32_cpu",))
+    x = torch.randn(num_tokens, shape[1]).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and layer.backend_for(num_tokens) == "fp32_cpu"
+    torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float()), **BF16_TOL)
+
+
 def test_plan_dispatches_by_m_bucket():
     """Bucket 0 (M=1) -> torch, bucket 1 (M=2) -> onednn, buckets 2.. (M>=3, past the plan's end
     too) -> mkl; each result equals F.linear."""
@@ -261,13 +275,15 @@ def test_timed_calls_rotate_through_the_copies_backends_in_turn(monkeypatch):
 
 def test_a_bfloat16_model_plans_and_runs_on_every_cpu(tmp_path, monkeypatch):
     """oneDNN's bfloat16 needs AVX-512 or AVX-NE-CONVERT: where the CPU lacks them (an AVX2
-    EPYC) the plan leaves bfloat16 layers on F.linear instead of failing the start-up."""
+    EPYC) the plan leaves bfloat16 layers on F.linear or Tandem's kernel (which widens bfloat16
+    weights on any CPU) instead of failing the start-up."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
     onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and torch.backends.mkldnn.is_available()
     assert backend_supports("onednn", torch.empty(1, 1, dtype=torch.bfloat16)) == onednn_bf16
     layer = make_linear(bias=True, dtype=torch.bfloat16)
     plan = plan_linears(torch.nn.Sequential(layer), LinearSetup("auto", 2, 2))
-    assert set(plan.choices[f"{OUT}x{IN}"]) <= ({"onednn", "torch"} if onednn_bf16 else {"torch"})
+    cpu_kernel = {"fp32_cpu"} if backend_supports("fp32_cpu", layer.weight) else set()
+    assert set(plan.choices[f"{OUT}x{IN}"]) <= ({"onednn", "torch"} if onednn_bf16 else {"torch"}) | cpu_kernel
     x = torch.randn(2, IN).to(torch.bfloat16)
     torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), **BF16_TOL)
