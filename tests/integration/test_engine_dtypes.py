@@ -21,7 +21,8 @@ batch of 8) == HF generate                        all 16: 4/8         (bound >= 
 ================================================  ==================  ==================
 
 bfloat16 engines run their GEMMs through whichever backend the linear chooser measured fastest
-(oneDNN's bfloat16 inner product or F.linear; engine.model.linear_chooser) and decode attention
+(oneDNN's bfloat16 inner product, Tandem's kernel with the bf16 weight widened to float32, or
+F.linear; engine.model.linear_chooser) and decode attention
 through the C kernel's bfloat16-K/V entry point (float32 accumulation). float16 runs F.linear and
 gather + SDPA (asserted); it is fast on a CPU with AVX512-FP16, and transformers' fp16 reference
 is the slow part.
@@ -93,7 +94,7 @@ def case(request) -> Case:
 def engine_teacher_forced(case) -> list[torch.Tensor]:
     """The engine model's (eager, CPU backend) logits over the same sequences, one prefill each."""
     model = load_model(reference.hf_dir(), case.dtype, "cpu", 256)
-    allowed = {"bfloat16": {"onednn", "torch"}, "float16": {"torch"}}[case.dtype]
+    allowed = {"bfloat16": {"onednn", "fp32_cpu", "torch"}, "float16": {"torch"}}[case.dtype]
     assert {m.backend_for(n) for m in model.modules() if isinstance(m, Linear) for n in (1, 16)} <= allowed
     backend = CpuAttentionBackend()
     return [engine_logits(model, p + t, backend) for p, t in zip(case.prompts, case.hf_tokens)]
