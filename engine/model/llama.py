@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = cpu_elementwise.usable(x)
-        if kernel is not None:  # one C loop per row (F.rms_norm runs six ops here)
+        if kernel is not None and self.weight.dtype == x.dtype:  # one C loop per row (torch: six ops or more)
             return cpu_elementwise.rms_norm(kernel, x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; bitwise equal to the lines below in float32
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -69,9 +69,10 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates ``x`` ([num_tokens, num_heads, head_dim]) by the positions' angles: a new tensor,
-        or on the CPU in float32 ``x`` itself, rotated in place (one C loop, bitwise the same)."""
+        or on the CPU in float32 and bfloat16 ``x`` itself, rotated in place (one C loop, bitwise
+        the same)."""
         kernel = cpu_elementwise.usable(x)
-        if kernel is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        if kernel is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == sin.dtype == x.dtype:
             return cpu_elementwise.rotary_(kernel, x, cos, sin)
         return x * cos + _rotate_half(x) * sin
 

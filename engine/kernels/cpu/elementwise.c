@@ -12,13 +12,32 @@
  * squares is summed in another order than torch's reduction, and SiLU uses libm's expf where torch
  * uses a vectorised exp: both within a few float32 ulps of torch.
  *
+ * bfloat16 (the *_bf16 entry points, tensors as uint16 bits): each step rounds to bfloat16 where
+ * the torch form's bfloat16 ops round (llama.py: RMSNorm normalises in float32, rounds, then
+ * multiplies by the bf16 weight and rounds again; the rotary rounds each product and the sum;
+ * SiLU rounds, then the product with up rounds), so the rotary is bitwise torch's bfloat16 ops and
+ * the others are except where a float32 ulp moves a value across a bfloat16 rounding boundary.
+ *
  * Threads: decode steps have a few rows of a few hundred values, where an OpenMP fork costs more
  * than the work: rows are shared out among the threads only past PARALLEL_ELEMENTS values.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PARALLEL_ELEMENTS (1 << 16)
+
+/* bfloat16 <-> float32: a bf16 value is the upper 16 bits of a float32. */
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) /* round to nearest even; NaN stays a (quiet) NaN */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#define BF(v) f32_to_bf16(v)
+#define FL(h) bf16_to_f32(h)
 
 /* out[m] = x[m] * w / sqrt(mean(x[m]^2) + eps), rows of D values (HF's LlamaRMSNorm in float32). */
 void rms_norm_f32(const float *x, const float *w, float *out, int64_t M, int64_t D, float eps, int num_threads)
@@ -70,5 +89,59 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int nu
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* bfloat16 RMSNorm (llama.py's bf16 form): out = bf16(w * bf16(x * 1 / sqrt(mean(x^2) + eps))). */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t D, float eps,
+                   int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * D > PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = x + m * D;
+        uint16_t *om = out + m * D;
+        float s[8] = {0};
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            for (int i = 0; i < 8; i++) s[i] += FL(xm[d + i]) * FL(xm[d + i]);
+        float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        for (; d < D; d++) total += FL(xm[d]) * FL(xm[d]);
+        const float inv = 1.0f / sqrtf(total / (float)D + eps);
+        for (d = 0; d < D; d++) om[d] = BF(FL(w[d]) * FL(BF(FL(xm[d]) * inv)));
+    }
+}
+
+/* bfloat16 rotary in place, as rotary_f32 with each product and each sum rounded to bfloat16. */
+void rotary_bf16(uint16_t *x, const uint16_t *cos_t, const uint16_t *sin_t, int64_t T, int64_t H, int64_t D,
+                 int64_t x_stride, int num_threads)
+{
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * H * D > PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            uint16_t *xh = x + t * x_stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = FL(xh[i]), x2 = FL(xh[i + half]);
+                const float a = FL(BF(x1 * FL(c[i]))), b = FL(BF(-x2 * FL(s[i])));
+                const float e = FL(BF(x2 * FL(c[i + half]))), f = FL(BF(x1 * FL(s[i + half])));
+                xh[i] = BF(a + b);
+                xh[i + half] = BF(e + f);
+            }
+        }
+    }
+}
+
+/* bfloat16 SiLU(gate) x up: out = bf16(bf16(silu(g)) * u). */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t I, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * I > PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
+        uint16_t *o = out + m * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float gi = FL(g[i]);
+            o[i] = BF(FL(BF(gi / (1.0f + expf(-gi)))) * FL(u[i]));
+        }
     }
 }

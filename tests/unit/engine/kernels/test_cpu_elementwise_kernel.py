@@ -59,10 +59,10 @@ def test_rotary_embedding_apply_takes_the_kernel_for_float32_cpu(kernel):
     expected = x * cos + _rotate_half(x) * sin
     assert torch.equal(RotaryEmbedding.apply(x, cos, sin), expected)
     assert torch.equal(x, expected)  # rotated in place
-    xb = torch.randn(4, 3, 8, dtype=torch.bfloat16)
-    before = xb.clone()
-    RotaryEmbedding.apply(xb, cos.bfloat16(), sin.bfloat16())
-    assert torch.equal(xb, before)  # bfloat16 keeps the torch form (a new tensor)
+    xh = torch.randn(4, 3, 8, dtype=torch.float16)
+    before = xh.clone()
+    RotaryEmbedding.apply(xh, cos.half(), sin.half())
+    assert torch.equal(xh, before)  # float16 keeps the torch form (a new tensor)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64])
@@ -72,8 +72,50 @@ def test_silu_mul_equals_torch(kernel, rows):
     torch.testing.assert_close(cpu_elementwise.silu_mul(kernel, gate_up), F.silu(gate) * up, **TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_bfloat16_rms_norm_equals_the_torch_bfloat16_form(kernel, rows):
+    """llama.RMSNorm's bfloat16 lines: float32 normalisation, rounded, times the bf16 weight."""
+    gen = torch.Generator().manual_seed(rows)
+    x, w = (torch.randn(rows, 576, generator=gen) * 3).bfloat16(), torch.randn(576, generator=gen).bfloat16()
+    out = cpu_elementwise.rms_norm(kernel, x, w, 1e-5)
+    xf = x.float()
+    expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert out.dtype == torch.bfloat16
+    # a float32 ulp of the scale can move a value across a bf16 rounding boundary: one bf16 step
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-7)
+    assert (out == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_bfloat16_rotary_in_place_is_bitwise_the_torch_bfloat16_form(kernel, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    qk = torch.randn(tokens, 12, 64, generator=gen).bfloat16()
+    angles = torch.rand(tokens, 32, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().unsqueeze(1).bfloat16(), emb.sin().unsqueeze(1).bfloat16()
+    expected = qk * cos + _rotate_half(qk) * sin
+    out = RotaryEmbedding.apply(qk, cos, sin)
+    assert out.data_ptr() == qk.data_ptr() and out.dtype == torch.bfloat16  # in place
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_bfloat16_silu_mul_equals_the_torch_bfloat16_form(kernel, rows):
+    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    out = cpu_elementwise.silu_mul(kernel, gate_up)
+    expected = F.silu(gate) * up
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-7)  # libm's expf vs torch's
+    assert (out == expected).float().mean() > 0.99
+
+
 def test_bad_arguments_are_refused(kernel):
-    with pytest.raises(ValueError, match="float32 x"):
+    with pytest.raises(ValueError, match="of its dtype only"):
+        cpu_elementwise.rms_norm(kernel, torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="of one dtype only"):
+        cpu_elementwise.rotary_(kernel, torch.randn(2, 3, 8).bfloat16(), torch.rand(2, 8), torch.rand(2, 8))
+    with pytest.raises(ValueError, match="float32 or bfloat16 x"):
         cpu_elementwise.rms_norm(kernel, torch.randn(2, 8).double(), torch.randn(8), 1e-5)
     with pytest.raises(ValueError, match=r"weight \[D\]"):
         cpu_elementwise.rms_norm(kernel, torch.randn(2, 8), torch.randn(7), 1e-5)
@@ -87,7 +129,8 @@ def test_bad_arguments_are_refused(kernel):
         cpu_elementwise.silu_mul(kernel, torch.randn(2, 7))
 
 
-def test_usable_only_for_float32_cpu_tensors_without_grad(kernel):
+def test_usable_only_for_float32_and_bfloat16_cpu_tensors_without_grad(kernel):
     assert cpu_elementwise.usable(torch.randn(2, 2)) is kernel
-    assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.bfloat16)) is None
+    assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.bfloat16)) is kernel
+    assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.float16)) is None
     assert cpu_elementwise.usable(torch.randn(2, 2, requires_grad=True)) is None
