@@ -2,7 +2,9 @@
 kernel (``cpu/fp32_linear.c``) on a weight packed once in panels of output channels, compiled once
 per machine (:mod:`engine.kernels.cpu_build`) for its own ISA (AVX2 + FMA, or AVX-512). Float32
 tensors, or bfloat16 ones (weight, input, bias and output): a bfloat16 weight is widened to float32
-in registers as it is read, so it moves half the bytes of a float32 one and needs no AVX512-BF16.
+in registers as it is read, so it moves half the bytes of a float32 one and needs no AVX512-BF16;
+where the CPU has AVX512-BF16 the weight is packed in pairs of k instead and VDPBF16PS multiplies
+two pairs per lane (float32 sums of exact products, half the instructions).
 
 It is one candidate of the linear chooser (backend ``fp32_cpu``, engine.model.linear): on a 2-core
 AMD EPYC with AVX2 only it ran SmolLM2's GEMMs 1.2-1.9x faster than oneDNN at M = 1-8 and 1.2-1.5x
@@ -33,7 +35,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bf16_linear_pack.argtypes = lib.fp32_linear_pack.argtypes
     lib.bf16_linear.restype = ctypes.c_int
     lib.bf16_linear.argtypes = lib.fp32_linear.argtypes
+    lib.bf16_linear_pairs.restype = ctypes.c_int
+    lib.bf16_linear_pairs.argtypes = []
     lib.panel_width = lib.fp32_linear_panel_width()  # read once: a ctypes call costs ~1 µs
+    lib.bf16_pairs = bool(lib.bf16_linear_pairs())
 
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -51,8 +56,9 @@ def load_kernel() -> ctypes.CDLL | None:
 
 def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] float32 or bfloat16 (nn.Linear's layout) -> the kernel's packed copy
-    [ceil(N / NR), K, NR] of the same dtype, NR output channels per panel (16 with AVX2, 32 with
-    AVX-512), the last panel padded with zeros.
+    [ceil(N / NR), K', NR] of the same dtype, NR output channels per panel (16 with AVX2, 32 with
+    AVX-512), the last panel padded with zeros. K' is K, except for a bfloat16 weight on a CPU
+    with AVX512-BF16: K rounded up to even, each panel's rows pairs of k ([K' / 2][NR][2]).
 
     Raises:
         ValueError: not a 2-D float32 or bfloat16 CPU tensor.
@@ -63,16 +69,21 @@ def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach().contiguous()
     n, k = weight.shape
     width = kernel.panel_width
-    packed = torch.empty((n + width - 1) // width, k, width, dtype=weight.dtype)
+    packed = torch.empty((n + width - 1) // width, packed_k(kernel, k, weight.dtype), width, dtype=weight.dtype)
     pack = kernel.fp32_linear_pack if weight.dtype == torch.float32 else kernel.bf16_linear_pack
     pack(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
+def packed_k(kernel: ctypes.CDLL, k: int, dtype: torch.dtype) -> int:
+    """The packed weight's second dimension for a K of ``k`` (:func:`pack_weight`)."""
+    return k + k % 2 if dtype == torch.bfloat16 and kernel.bf16_pairs else k
+
+
 def fp32_linear_cpu(
     kernel: ctypes.CDLL,
     x: torch.Tensor,  # [M, K], float32 or bfloat16
-    packed: torch.Tensor,  # [ceil(N / NR), K, NR], x's dtype, from pack_weight
+    packed: torch.Tensor,  # [ceil(N / NR), K', NR], x's dtype, from pack_weight
     out_features: int,  # N
     bias: torch.Tensor | None,  # [N], x's dtype
 ) -> torch.Tensor:  # [M, N], x's dtype
@@ -93,7 +104,8 @@ def fp32_linear_cpu(
     if x.device.type != "cpu" or packed.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
         raise ValueError("CPU tensors only")
     width = kernel.panel_width
-    if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] or packed.shape[2] != width \
+    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != width \
+            or packed.shape[1] != packed_k(kernel, x.shape[1], x.dtype) \
             or packed.shape[0] != (out_features + width - 1) // width \
             or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"x {tuple(x.shape)}, packed weight {tuple(packed.shape)}, {out_features} output "

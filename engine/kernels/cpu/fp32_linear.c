@@ -107,6 +107,25 @@ void fp32_linear_pack(const float *w, float *packed, int64_t N, int64_t K)
             }
 }
 
+#if defined(__AVX512BF16__)
+/* With AVX512-BF16 a bfloat16 weight is packed in pairs of k for VDPBF16PS, which multiplies two
+ * bf16 pairs per 32-bit lane and adds both products to a float32 accumulator:
+ * packed[ceil(N / NR)][ceil(K / 2)][NR][2] <- w[N, K], zeros past N and past K (an odd K's pad). */
+#define BF16_PAIRS 1
+void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
+{
+    int64_t panels = (N + NR - 1) / NR, pairs = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < pairs; kk++)
+            for (int64_t j = 0; j < NR; j++)
+                for (int64_t t = 0; t < 2; t++) {
+                    int64_t n = p * NR + j, k = 2 * kk + t;
+                    packed[((p * pairs + kk) * NR + j) * 2 + t] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+#else
+#define BF16_PAIRS 0
 /* The same for a bfloat16 weight (bits as uint16): packed[ceil(N / NR)][K][NR] <- w[N, K]. */
 void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
 {
@@ -119,6 +138,9 @@ void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K)
                 packed[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0;
             }
 }
+#endif
+/* 1 when bf16_linear_pack() packs pairs of k (its K rounded up to even), else 0. */
+int bf16_linear_pairs(void) { return BF16_PAIRS; }
 
 /* row[n0 .. n0 + NR) = a0 | a1 (+ bias), cut at N for the last panel. */
 static inline void store_row(float *row, int64_t n0, int64_t N, const float *bias, vec_f a0, vec_f a1)
@@ -192,7 +214,9 @@ static void NAME##_##MT(const float *xp, int64_t K, const W_T *pw, const Y_T *bi
 #define MICRO_ENTRIES_8(NAME)
 #endif
 DEFINE_MICRO_KERNELS(micro_f32, float, loadv, float, store_row)
+#if !defined(__AVX512BF16__) /* there bf16_linear() multiplies pairs with VDPBF16PS instead (below) */
 DEFINE_MICRO_KERNELS(micro_bf16, uint16_t, loadv_bf16, uint16_t, store_row_bf16)
+#endif
 
 /* y[M, N] = x[M, K] @ w^T + bias (bias may be NULL), w as the pack function left it; see the top.
  * The M rows are cut into ceil(M / MR_MAX) blocks of nearly equal size (16 -> 6 + 5 + 5), each
@@ -227,4 +251,64 @@ int NAME(const T *x, const T *packed, const T *bias, T *y, int64_t M, int64_t N,
  * (bandwidth-bound already) it cost up to 20 %. */
 #define F32_IDENTITY(v) (v)
 DEFINE_LINEAR(fp32_linear, float, F32_IDENTITY, micro_f32_table)
+#if !defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16_linear, uint16_t, bf16_to_f32, micro_bf16_table)
+#else
+/* y rows 0..MT, columns [n0, n0 + NR) with VDPBF16PS: xp holds each row's k pairs as 32-bit words
+ * ([pairs][MT]), the panel [pairs][NR][2]; each instruction adds two products per lane, so a k
+ * pair costs one multiply-add where the widening kernel spends two (and no widening). */
+#define DEFINE_DP_KERNEL(MT)                                                                       \
+static void dp_bf16_##MT(const uint32_t *xp, int64_t pairs, const uint16_t *pw, const uint16_t *bias, \
+                         uint16_t *y, int64_t N, int64_t n0, const uint16_t *next)                 \
+{                                                                                                  \
+    __m512 c0[MT], c1[MT];                                                                         \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) { c0[i] = _mm512_setzero_ps(); c1[i] = _mm512_setzero_ps(); } \
+    for (int64_t kk = 0; kk < pairs; kk++) {                                                       \
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(pw + kk * NR * 2);                             \
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512(pw + kk * NR * 2 + 32);                         \
+        if (next) { __builtin_prefetch(next + kk * NR * 2, 0, 3); __builtin_prefetch(next + kk * NR * 2 + 32, 0, 3); } \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[kk * MT + i]);                        \
+            c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); c1[i] = _mm512_dpbf16_ps(c1[i], a, b1);        \
+        }                                                                                          \
+    }                                                                                              \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++)                                          \
+        store_row_bf16(y + i * N, n0, N, bias, (vec_f)c0[i], (vec_f)c1[i]);                        \
+}
+DEFINE_DP_KERNEL(1) DEFINE_DP_KERNEL(2) DEFINE_DP_KERNEL(3) DEFINE_DP_KERNEL(4)
+DEFINE_DP_KERNEL(5) DEFINE_DP_KERNEL(6) DEFINE_DP_KERNEL(7) DEFINE_DP_KERNEL(8)
+typedef void (*dp_bf16_fn)(const uint32_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
+                           int64_t, const uint16_t *);
+static const dp_bf16_fn DP_BF16[MR_MAX + 1] = {0, dp_bf16_1, dp_bf16_2, dp_bf16_3, dp_bf16_4,
+                                                dp_bf16_5, dp_bf16_6, dp_bf16_7, dp_bf16_8};
+
+/* bf16 y[M, N] = x[M, K] @ w^T + bias with w as the pair-packing bf16_linear_pack() left it; the
+ * row blocks, the work split and the prefetch as DEFINE_LINEAR's. Returns 0, or -1 when the
+ * scratch cannot be allocated. */
+int bf16_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                int64_t K, int num_threads)
+{
+    int64_t panels = (N + NR - 1) / NR, pairs = (K + 1) / 2;
+    int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
+    uint32_t *xp = malloc((size_t)(M * pairs) * sizeof(uint32_t));
+    if (!xp) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;
+        for (int64_t kk = 0; kk < pairs; kk++)
+            for (int64_t i = 0; i < mt; i++) {
+                const uint16_t *row = x + (m0 + i) * K;
+                uint32_t lo = row[2 * kk], hi = 2 * kk + 1 < K ? row[2 * kk + 1] : 0;
+                xp[m0 * pairs + kk * mt + i] = lo | hi << 16;
+            }
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
+            const uint16_t *next = p + 1 < panels && (b > 0 || m1 - m0 >= 3) ? packed + (p + 1) * pairs * NR * 2 : 0;
+            DP_BF16[m1 - m0](xp + m0 * pairs, pairs, packed + p * pairs * NR * 2, bias, y + m0 * N, N, p * NR, next);
+        }
+    free(xp);
+    return 0;
+}
+#endif

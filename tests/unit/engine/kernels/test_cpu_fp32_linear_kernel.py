@@ -91,6 +91,14 @@ def test_packed_layout_is_panels_of_channels_padded_with_zeros(kernel, dtype):
     assert width in (8, 16, 32)  # two vectors: SSE-width generic, AVX2, AVX-512
     weight = make(width + 3, 5, seed=1).to(dtype)
     packed = pack_weight(kernel, weight)
+    if dtype == torch.bfloat16 and kernel.bf16_pairs:  # AVX512-BF16: [panels][K'/2][NR][2], K' = 6
+        assert packed.shape == (2, 6, width)
+        pairs = packed.view(2, 3, width, 2)  # pairs[p, kk, j, t] = w[p * NR + j, 2 kk + t]
+        unpaired = pairs.permute(0, 1, 3, 2).reshape(2, 6, width)[:, :5]  # back to [panels][K][NR]
+        torch.testing.assert_close(unpaired[0], weight[:width].t(), rtol=0, atol=0)
+        torch.testing.assert_close(unpaired[1, :, :3], weight[width:].t(), rtol=0, atol=0)
+        assert torch.count_nonzero(unpaired[1, :, 3:]) == 0 and torch.count_nonzero(pairs[:, 2, :, 1]) == 0  # K pad
+        return
     assert packed.shape == (2, 5, width)
     torch.testing.assert_close(packed[0], weight[:width].t(), rtol=0, atol=0)
     torch.testing.assert_close(packed[1, :, :3], weight[width:].t(), rtol=0, atol=0)
