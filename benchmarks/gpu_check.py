@@ -249,7 +249,7 @@ def decode_sweep(device: torch.device, copy_bw: float) -> list[Row]:
             case = decode_case(64, 4096, 32, 8, 128, torch.bfloat16, device, block_n=block_n, num_splits=num_splits)
             row = Row(case.name, case.shape, floor_ms=case.bytes_moved / copy_bw * 1e3)
             row.triton_ms = median_ms(case.run_triton, device, iters=30, warmup=3)
-            rows.append(row)
+            rows.append(report(row))
     return rows
 
 
@@ -374,6 +374,13 @@ def tensor_parallel_rows(device: torch.device, model: str) -> list[Row]:
     return [e2e_row(device, False, model, compiled=compiled, tp=2) for compiled in (False, True)]
 
 
+def report(row: Row) -> Row:
+    """Prints a row the moment it is measured (a run stopped by a time limit still shows it)."""
+    print(f"gpu_check: {row.name} [{row.shape}]: triton {_fmt(row.triton_ms)} ms, torch {_fmt(row.torch_ms)} ms, "
+          f"floor {_fmt(row.floor_ms)} ms, {'ok' if row.ok else 'FAIL'} {row.note}", flush=True)
+    return row
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -411,18 +418,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     smoke = args.cpu_smoke
     device = torch.device("cpu" if smoke else "cuda")
-    rows = [] if smoke or args.skip_tests else [kernel_tests_row(device)]
+    rows = [] if smoke or args.skip_tests else [report(kernel_tests_row(device))]
     copy_bw = copy_bandwidth_bytes_per_s(device, 1 << (26 if smoke else 30), iters=3 if smoke else 20)
     for build in kernel_cases(device, smoke):
-        rows += [time_case(case, device, copy_bw, smoke) for case in build()]
+        rows += [report(time_case(case, device, copy_bw, smoke)) for case in build()]
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     sweep = [] if smoke else decode_sweep(device, copy_bw)
-    rows.append(e2e_row(device, smoke, args.model))
+    rows.append(report(e2e_row(device, smoke, args.model)))
     if not smoke:  # the compiled forward (torch.compile per layer, inductor + Triton) on CUDA
-        rows.append(e2e_row(device, smoke, args.model, compiled=True))
-        rows += tensor_parallel_rows(device, args.model)
+        rows.append(report(e2e_row(device, smoke, args.model, compiled=True)))
+        rows += [report(row) for row in tensor_parallel_rows(device, args.model)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter, smoke)"
     text = f"{name}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)\n{format_table(rows)}"
     if sweep:
