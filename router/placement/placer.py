@@ -75,7 +75,8 @@ class Placer:
     async def place(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                     prefill_workers: Sequence[WorkerInfo], decode_workers: Sequence[WorkerInfo]) -> Placement:
         """Chooses where the request runs and admits it. Mutates: the local prefix view (of the
-        worker that prefills) and the pending prefill tokens (until ``first_token`` or
+        worker that prefills), the pending prefill tokens (until ``first_token`` or ``finished``)
+        and, disaggregated, the request awaiting its decode worker (until ``decoding`` or
         ``finished``). The returned placement carries the prompt's block hashes.
 
         Raises:
@@ -90,6 +91,8 @@ class Placer:
         prefilling = placement.prefill or placement.decode
         cached = placement.prediction.num_cached_tokens if placement.prediction else request.num_pool_cached_tokens
         self.book.add_pending(placement, prefilling.address, max(0, request.num_prompt_tokens - cached))
+        if placement.prefill is not None:  # its decode worker sees it only when the Decode stream opens
+            self.book.add_awaiting_decode(placement, placement.decode.address)
         # Only the worker that computes the prompt holds it for sure. A disaggregated decode
         # worker gets the prompt's KV only with a Decode stream (``decoding``): none follows a
         # request that ends at its first token.
@@ -121,8 +124,10 @@ class Placer:
     def decoding(self, address: str, placement: Placement | None) -> None:
         """A Decode stream that loads or computes the prompt's KV (a manifest, a resumed or a
         colocated request) opens at ``address``: the prompt's blocks join that worker's local
-        prefix view. Mutates: the local prefix view. A no-op for None."""
+        prefix view, and the request no longer awaits it (the stream counts in flight). Mutates:
+        the local prefix view, awaiting decode. A no-op for None."""
         if placement is not None:
+            self.book.remove_awaiting_decode(placement)
             self.book.record_sent(address, placement.block_hashes)
 
     def attempt(self, address: str) -> contextlib.AbstractContextManager[None]:
@@ -140,7 +145,8 @@ class Placer:
             self.metrics.ttft_predicted(placement.mode, placement.prediction.ttft_s, ttft_s)
 
     def finished(self, placement: Placement | None) -> None:
-        """The request ended (with or without a first token): its pending prefill tokens, if still
-        counted, leave the queue. A no-op for None (never placed)."""
+        """The request ended (with or without a first token): its pending prefill tokens and its
+        wait for a decode worker, if still counted, end. A no-op for None (never placed)."""
         if placement is not None:
             self.book.remove_pending(placement)
+            self.book.remove_awaiting_decode(placement)

@@ -111,9 +111,11 @@ class Placement:
 
 def num_requests(worker: WorkerInfo, view: PlacementView) -> int:
     """Running + waiting at its last heartbeat less those this router saw end there since, or
-    this router's in flight there if more."""
+    this router's in flight there if more; plus the requests this router placed there that have
+    not reached it yet (a decode worker's, prefilling elsewhere)."""
     ended, _ = view.ended_since(worker.address, worker.heartbeat_time_s)
-    return max(worker.load.num_requests - ended, view.in_flight(worker.address))
+    at_worker = max(worker.load.num_requests - ended, view.in_flight(worker.address))
+    return at_worker + view.awaiting_decode(worker.address)
 
 
 def drain_s(cost: CostModel, num_tokens: float) -> float:

@@ -5,13 +5,16 @@ burst of requests does not all land on the worker that looked idle:
 
 - in flight: this router's requests running at each worker address (an RPC or stream open);
 - pending prefills: prompt tokens it placed at each worker that still wait for their first token;
+- awaiting decode: requests it placed at each decode worker whose Decode stream has not opened
+  yet (a disaggregated request prefilling elsewhere): without them every request of a burst sees
+  the same idle decode workers while the prefills run, and all of them go to one;
 - the local prefix view: the block hashes it sent to each worker (router.placement.prefix_index);
 - ended work: the requests and prompt tokens it saw end at each worker lately, with the time: a
   heartbeat taken before they ended still counts them, and the Predictor takes them off
   (:meth:`PlacementView.ended_since`), or a worker that just finished looks busy for up to a
   heartbeat and the next request goes elsewhere (to a worker that lacks its prefix).
 
-:class:`PlacementBook` holds all four; only :class:`router.placement.placer.Placer` writes it (at
+:class:`PlacementBook` holds all five; only :class:`router.placement.placer.Placer` writes it (at
 placement, at each attempt's start and end, at the first token and at the request's end).
 Routing policies and the Predictor read it through :class:`PlacementView`, which has readers
 only. Everything here runs on the router's event loop (no lock).
@@ -48,10 +51,11 @@ class InFlightCounter:
                 del self._counts[address]
 
 
-class PendingPrefills:
-    """Prompt tokens this router placed at each worker and still waiting for their first token.
+class PlacedAmounts:
+    """An amount per placement, summed per worker address: the prompt tokens waiting for their
+    first token (pending prefills), or 1 per request waiting for its Decode stream.
 
-    ``add`` at placement, ``remove`` at the first token (or the request's end); ``key`` names one
+    ``add`` at placement, ``remove`` when it is done (or at the request's end); ``key`` names one
     placement (the router uses the Placement object itself).
     """
 
@@ -60,8 +64,7 @@ class PendingPrefills:
         self._tokens: Counter[str] = Counter()
 
     def add(self, key: Hashable, address: str, num_tokens: int) -> None:
-        """Counts ``num_tokens`` prompt tokens queued at ``address`` under ``key`` (replacing an
-        earlier entry of that key)."""
+        """Counts ``num_tokens`` at ``address`` under ``key`` (replacing an earlier entry of that key)."""
         self.remove(key)
         self._by_key[key] = (address, num_tokens)
         self._tokens[address] += num_tokens
@@ -76,8 +79,8 @@ class PendingPrefills:
                 del self._tokens[address]
         return entry
 
-    def tokens(self, address: str) -> int:
-        """Prompt tokens this router has placed at ``address`` and not yet seen prefilled."""
+    def total(self, address: str) -> int:
+        """The amounts placed at ``address`` and not yet removed."""
         return self._tokens[address]
 
 
@@ -135,7 +138,12 @@ class PlacementView:
 
     def pending_tokens(self, address: str) -> int:
         """Prompt tokens this router placed at ``address`` that still wait for their first token."""
-        return self._book._pending.tokens(address)
+        return self._book._pending.total(address)
+
+    def awaiting_decode(self, address: str) -> int:
+        """Requests this router placed at decode worker ``address`` whose Decode stream has not
+        opened yet (prefilling elsewhere)."""
+        return self._book._awaiting_decode.total(address)
 
     def local_cached_blocks(self, address: str, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` this router recently sent to ``address``."""
@@ -155,7 +163,8 @@ class PlacementBook:
 
     def __init__(self, cache_capacity_blocks: int = 8192):
         self._in_flight = InFlightCounter()
-        self._pending = PendingPrefills()
+        self._pending = PlacedAmounts()
+        self._awaiting_decode = PlacedAmounts()
         self._local_cache = LocalPrefixCache(cache_capacity_blocks)
         self._ended = EndedWork()
         self.view = PlacementView(self)
@@ -180,6 +189,16 @@ class PlacementBook:
         entry = self._pending.remove(key)
         if entry is not None:
             self._ended.note(entry[0], num_tokens=entry[1])
+
+    def add_awaiting_decode(self, key: Hashable, address: str) -> None:
+        """Counts ``key``'s request at decode worker ``address`` until its Decode stream opens.
+        Mutates: awaiting decode."""
+        self._awaiting_decode.add(key, address, 1)
+
+    def remove_awaiting_decode(self, key: Hashable) -> None:
+        """Forgets ``key``'s request awaiting decode (no-op when unknown): its Decode stream
+        opened (then counted in flight) or the request ended. Mutates: awaiting decode."""
+        self._awaiting_decode.remove(key)
 
     def record_sent(self, address: str, block_hashes: Sequence[int]) -> None:
         """Notes that ``block_hashes`` went to ``address``. Mutates: the local prefix view."""
