@@ -34,11 +34,12 @@ def _build_engine(worker: WorkerConfig, engine_config: EngineConfig, save_kv_on_
     log.info("loading model %s", engine_config.model)
     engine = LLMEngine.from_config(engine_config, save_kv_on_finish=save_kv_on_finish)
     if worker.calibration_steps:
-        result = calibrate(engine, worker.calibration_steps)
+        result = calibrate(engine, worker.calibration_steps, cache=True)
         model = engine.stats().cost_model
-        log.info("cost model calibrated: %d passes in %.2f s; base %.2f ms, %.1f us/token, %.1f us/seq, "
-                 "%.2f us/1k attention pairs", result.num_steps, result.duration_s, model.base_s * 1e3,
-                 model.per_token_s * 1e6, model.per_seq_s * 1e6, model.per_attn_s * 1e6)
+        log.info("cost model calibrated: %d passes %s in %.2f s; base %.2f ms, %.1f us/token, %.1f us/seq, "
+                 "%.2f us/1k attention pairs", result.num_steps,
+                 "read from this machine's cache" if result.cached else "timed", result.duration_s,
+                 model.base_s * 1e3, model.per_token_s * 1e6, model.per_seq_s * 1e6, model.per_attn_s * 1e6)
     return engine
 
 

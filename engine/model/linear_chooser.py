@@ -222,8 +222,8 @@ _KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 _FP32_KERNEL, _INT8_KERNEL = _KERNELS / "fp32_linear.c", _KERNELS / "int8_linear.c"
 
 
-def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]]) -> str:
-    """A digest of everything a measured plan depends on."""
+def cpu_identity() -> str:
+    """This CPU's model name and instruction-set flags (/proc/cpuinfo), or the platform's name."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -231,7 +231,12 @@ def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]])
                 cpu += line + "\n"
     except OSError:
         cpu = platform.processor()
-    parts = [PLAN_FORMAT, cpu, torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
+    return cpu
+
+
+def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]]) -> str:
+    """A digest of everything a measured plan depends on."""
+    parts = [PLAN_FORMAT, cpu_identity(), torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
              repr(sorted((k, n) for k, (_, n) in shapes.items()))]
     int8 = any(key.startswith("int8:") for key in shapes)
     kernel = _INT8_KERNEL if int8 else _FP32_KERNEL
@@ -286,7 +291,7 @@ class OtherCpuUse:
         return max(0.0, (machine_s - own_s) / wall_s) if wall_s > 0 else 0.0
 
 
-def _other_cores_now() -> float:
+def other_cores_now() -> float:
     """Cores other processes use over the next QUIET_PROBE_S seconds."""
     use = OtherCpuUse()
     time.sleep(QUIET_PROBE_S)  # the window measured, not a wait for an event
@@ -342,7 +347,7 @@ def _cached_or_measured(path: Path, shapes: dict[str, tuple[torch.Tensor, int]])
     cached = _read_cached(path)
     if cached is not None and set(cached.choices) == set(shapes):
         # A plan measured on a busy machine is kept until a start finds the machine quiet.
-        if cached.other_cores <= BUSY_OTHER_CORES or _other_cores_now() > BUSY_OTHER_CORES:
+        if cached.other_cores <= BUSY_OTHER_CORES or other_cores_now() > BUSY_OTHER_CORES:
             return cached
     plan = _measure_now(shapes)
     _write_cached(path, plan)

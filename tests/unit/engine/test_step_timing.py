@@ -3,12 +3,16 @@ and publishes the load the router reads (engine.stats / worker.stats.worker_load
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from core.model_source import resolve_model
 from core.request import Request
 from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
+from core.cost_model import StepSample
+from engine import calibration
 from engine.calibration import Probe, calibrate, calibration_probes
 from engine.engine import LLMEngine
 
@@ -151,6 +155,44 @@ def test_calibration_zero_steps_is_a_no_op(tiny):
     assert calibrate(engine, 0).num_steps == 0 and engine.step_stats.num_steps == 0
     with pytest.raises(ValueError, match="num_steps must be >= 0, got -1"):
         calibrate(engine, -1)
+
+
+def test_cached_calibration_gives_an_engine_built_alike_the_same_fit(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "other_cores_now", lambda: 1.0)  # the machine busy now: any samples do
+    first = make_engine(tiny)
+    timed = calibrate(first, num_steps=10, max_duration_s=float("inf"), cache=True)
+    path = calibration.samples_path(first, 10, float("inf"))
+    assert not timed.cached and timed.num_steps == 10 and path.is_file()
+    assert [p.name for p in (tmp_path / "calibration").iterdir()] == [path.name]
+
+    second = make_engine(tiny)
+    read = calibrate(second, num_steps=10, max_duration_s=float("inf"), cache=True)
+    assert read.cached and read.num_steps == 10
+    assert second.step_stats.fit.samples() == first.step_stats.fit.samples()
+    assert second.stats().cost_model == first.stats().cost_model
+    stats = second.stats()  # idle as after a timed calibration: only the warm-up probe ran
+    assert (stats.num_used_blocks, stats.num_free_blocks, stats.recent_step_time_s) == (0, 32, 0.0)
+
+    other = make_engine(tiny, max_num_batched_tokens=16)  # built otherwise: timed, cached apart
+    assert calibration.samples_path(other, 10, float("inf")) != path
+    assert not calibrate(other, num_steps=10, max_duration_s=float("inf"), cache=True).cached
+    assert len(list((tmp_path / "calibration").iterdir())) == 2
+
+
+def test_samples_timed_on_a_busy_machine_are_timed_again_once_it_is_quiet(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    engine = make_engine(tiny)
+    path = calibration.samples_path(engine, 10, float("inf"))
+    calibration._write_samples(path, [StepSample(8, 1, 0.036, 0.5)] * 10, other_cores=1.0)
+    monkeypatch.setattr(calibration, "other_cores_now", lambda: 1.0)
+    assert calibrate(engine, num_steps=10, max_duration_s=float("inf"), cache=True).cached
+    monkeypatch.setattr(calibration, "other_cores_now", lambda: 0.0)
+    result = calibrate(make_engine(tiny), num_steps=10, max_duration_s=float("inf"), cache=True)
+    assert not result.cached and result.num_steps == 10
+    assert [row[3] for row in json.loads(path.read_text())["samples"]] != [0.5] * 10  # rewritten: the new ones
+    path.write_text("not json")
+    assert calibration._read_samples(path) is None
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
