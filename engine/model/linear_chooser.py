@@ -215,7 +215,7 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
 
 
 # Changed when the way a plan is measured changes, so plans cached the old way are measured again.
-PLAN_FORMAT = "4: Tandem's float32 kernel (fp32_cpu) among the candidates"
+PLAN_FORMAT = "5: fp32_cpu among the candidates; one plan per shape set, read for any number of buckets it covers"
 # Plans also depend on Tandem's own kernels: float32 layers' on engine.kernels.cpu_fp32_linear,
 # int8 layers' on engine.kernels.cpu_int8_linear.
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
@@ -235,9 +235,10 @@ def cpu_identity() -> str:
 
 
 def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]]) -> str:
-    """A digest of everything a measured plan depends on."""
+    """A digest of everything a measured plan depends on but the number of M buckets (bucket b
+    is timed at the same M whatever their number: a plan of more buckets holds one of fewer)."""
     parts = [PLAN_FORMAT, cpu_identity(), torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
-             repr(sorted((k, n) for k, (_, n) in shapes.items()))]
+             repr(sorted(shapes))]
     int8 = any(key.startswith("int8:") for key in shapes)
     kernel = _INT8_KERNEL if int8 else _FP32_KERNEL
     if kernel.is_file():
@@ -345,13 +346,22 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
 
 def _cached_or_measured(path: Path, shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:
     cached = _read_cached(path)
-    if cached is not None and set(cached.choices) == set(shapes):
+    if (cached is not None and set(cached.choices) == set(shapes)
+            and all(len(cached.choices[key]) >= n for key, (_, n) in shapes.items())):
         # A plan measured on a busy machine is kept until a start finds the machine quiet.
         if cached.other_cores <= BUSY_OTHER_CORES or other_cores_now() > BUSY_OTHER_CORES:
-            return cached
+            return _first_buckets(cached, shapes)
     plan = _measure_now(shapes)
     _write_cached(path, plan)
     return plan
+
+
+def _first_buckets(plan: LinearPlan, shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:
+    """``plan`` cut to the buckets ``shapes`` asks for (a plan cached by an engine with a larger
+    step budget or batch covers more)."""
+    choices = {key: plan.choices[key][:n] for key, (_, n) in shapes.items()}
+    timings = {key: {b: ms[:n] for b, ms in plan.timings_ms.get(key, {}).items()} for key, (_, n) in shapes.items()}
+    return LinearPlan(choices, timings, plan.took_s, cached=plan.cached, other_cores=plan.other_cores)
 
 
 def _measure_now(shapes: dict[str, tuple[torch.Tensor, int]]) -> LinearPlan:

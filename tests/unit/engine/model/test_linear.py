@@ -193,6 +193,26 @@ def test_cheap_measured_plan_is_applied_and_cached(tmp_path, monkeypatch):
     assert "read from the cache" in again.summary()
 
 
+def test_a_cached_plan_serves_engines_with_fewer_buckets(tmp_path, monkeypatch):
+    """Bucket b is timed at the same M whatever their number: a plan measured for a larger step
+    budget is read, cut to its first buckets, by an engine with a smaller one; a larger budget
+    than any cached measures again and its plan replaces the cached one."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    monkeypatch.setattr(linear_chooser.OtherCpuUse, "cores", lambda self: 0.0)
+    model = torch.nn.Sequential(make_linear(False))
+    key = f"{OUT}x{IN}"
+    wide = choose_plan(model, LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=8))
+    assert not wide.cached and len(wide.choices[key]) == 4  # M buckets 1, 2, 3-4, 5-8
+    narrow = choose_plan(model, LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=2))
+    assert narrow.cached and narrow.choices[key] == wide.choices[key][:2]
+    assert all(ms == wide.timings_ms[key][b][:2] for b, ms in narrow.timings_ms[key].items())
+    wider = choose_plan(model, LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=16))
+    assert not wider.cached and len(wider.choices[key]) == 5
+    assert choose_plan(model, LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=8)).cached
+    assert len(list((tmp_path / "linear").glob("plan-*.json"))) == 1
+
+
 def test_busy_machine_measurement_is_remeasured_once_the_machine_is_quiet(tmp_path, monkeypatch):
     """Measured busy: cached and reused while the machine stays busy, measured again (and the
     quiet plan cached) on the first start that finds it quiet; a quiet plan is then kept."""
