@@ -1,7 +1,7 @@
 """LocalCluster: every Tandem service as its own process on this machine (docs/design.md §9).
 
-Start order: Redis → KV pool → prefill workers → decode workers → routers; stop order is the
-reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
+Start order: Redis → KV pool → the workers and routers together (a router counts as started
+once it sees every worker in the registry); stop order is the reverse. Each child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no process is left
 behind even when the launcher is killed. A start-up whose ``interrupted()`` turns true (Ctrl-C
 at ``tandem up``) starts nothing more and raises StartInterrupted. While it runs,
 :meth:`LocalCluster.supervise` restarts a worker, KV pool or (one of several) router process
@@ -24,7 +24,7 @@ from launcher import processes
 from launcher.commands import pool_node_args, service_argv, service_env, worker_threads
 from launcher.config import ClusterConfig
 from launcher.ports import free_port
-from launcher.readiness import grpc_ready, http_ready, redis_ready
+from launcher.readiness import grpc_ready, http_ready, redis_ready, router_sees
 from launcher.supervisor import StartInterrupted, Supervisor
 
 
@@ -147,14 +147,18 @@ class LocalCluster:
         self._metrics_ports = metrics_ports
         self._threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
                                        c.num_prefill_workers, c.num_decode_workers)
+        # The routers start beside the workers (they load only a tokenizer) and are ready once
+        # they see every worker in the registry.
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
-        for worker in workers:
-            self._wait(worker, on_progress, timeout_s)
         routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1], self.redis_url,
                                                     http_port=c.router_ports(r.name)[0]),
                                http_ready(f"{r.http_url}/health")) for r in self.routers]
-        for router in routers:
-            self._wait(router, on_progress, timeout_s)
+        for worker in workers:
+            self._wait(worker, on_progress, timeout_s)
+        roles = [role for _, role in c.worker_names]
+        for router, r in zip(routers, self.routers):
+            self._wait(router, on_progress, timeout_s,
+                       ready=router_sees(f"{r.http_url}/health", roles.count("prefill"), roles.count("decode")))
 
     def _spawn_worker(self, name: str, role: str) -> Service:
         c, threads = self.config, self._threads[role]
@@ -229,7 +233,11 @@ class LocalCluster:
             argv += ["--protected-mode", "no"]
         self._wait(self._spawn("redis", argv, redis_ready(port, bind)), on_progress, timeout_s)
 
-    def _wait(self, service: Service, on_progress: Callable[[str], None], timeout_s: float) -> None:
+    def _wait(self, service: Service, on_progress: Callable[[str], None], timeout_s: float,
+              ready: Callable[[], bool] | None = None) -> None:
+        """Until ``ready`` (default: the service's own probe) holds. Raises RuntimeError when the
+        service exits or ``timeout_s`` passes; StartInterrupted when interrupted."""
+        ready = ready or service.ready
         on_progress(f"starting {service.name}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -238,7 +246,7 @@ class LocalCluster:
                 tail = service.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{service.name} exited with code {service.process.returncode}; "
                                    f"log {service.log_path}:\n{tail}")
-            if service.ready():
+            if ready():
                 on_progress(f"{service.name} ready")
                 return
             time.sleep(0.2)  # polling a child's health, not synchronising threads

@@ -37,6 +37,21 @@ def http_ready(url: str) -> Callable[[], bool]:
     return check
 
 
+def router_sees(url: str, num_prefill: int, num_decode: int) -> Callable[[], bool]:
+    """GET ``url`` (a router's ``/health``) answers 200 and counts at least ``num_prefill`` prefill
+    and ``num_decode`` decode workers: the router started beside the workers has read them all
+    from the registry, so no first request is placed without one of them."""
+    def check() -> bool:
+        try:
+            reply = httpx.get(url, timeout=1.0)
+            workers = reply.json().get("workers", {}) if reply.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return False
+        return workers.get("prefill", 0) >= num_prefill and workers.get("decode", 0) >= num_decode
+
+    return check
+
+
 def redis_ready(port: int, host: str = "127.0.0.1") -> Callable[[], bool]:
     """A Redis at ``host:port`` answers PING."""
     def check() -> bool:
