@@ -19,9 +19,11 @@ demo: setup
 up: setup
 	.venv/bin/tandem up $(ARGS)
 
-# The whole suite; --durations=30 lists its slowest 30 tests (what CI's time goes to).
+# The whole suite; --durations=30 lists its slowest 30 tests (what CI's time goes to). Two xdist
+# workers: the model and cluster tests one after another in one, the rest in the other
+# (tests/conftest.py); PYTEST_ARGS="-n 0" runs everything in one process.
 test: setup-test
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 protos: setup-test
 	.venv/bin/python proto/generate.py

@@ -172,6 +172,24 @@ def pytest_runtest_setup(item):
     ended = _module_state.pop("ended", None)
     if ended is not None:
         _after_module(ended)
+    _share_the_cores(item)
+
+
+_default_threads: dict[str, int] = {}
+
+
+def _share_the_cores(item) -> None:
+    """In an xdist worker, a test outside the serial group runs torch on one thread: the other
+    worker's clusters and model tests use every core, and two OpenMP teams on the same cores
+    wait for each other's time slices. Tests of the serial group get torch's default back."""
+    torch = sys.modules.get("torch")  # only where a test module imported it: no import here
+    if torch is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _default_threads.setdefault("torch", torch.get_num_threads())
+    serial = any(mark.args == (SERIAL_GROUP,) for mark in item.iter_markers("xdist_group"))
+    wanted = _default_threads["torch"] if serial else 1
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -187,6 +205,31 @@ def _after_module(module: str) -> None:
     if log:
         with open(log, "a") as out:
             out.write(f"{module}\t{_resident_mib():.0f}\t{before:.0f}\n")
+
+
+# The tests that run the real model or whole clusters (tests/e2e, tests/integration) run one after
+# another, in their order, in one xdist worker (`make test` runs `-n 2 --dist loadgroup`); the
+# others (router, scheduler, manifests, ...: mostly one core of Python) run beside them in the
+# other worker, on the core those leave idle much of the time (waits on leases, restarts,
+# process start-ups). Without xdist the mark is inert.
+SERIAL_DIRS = ("e2e", "integration")
+SERIAL_GROUP = "model-and-clusters"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the SERIAL_DIRS tests with one xdist group and moves them first (their relative
+    order kept: tests/e2e/conftest.py orders its shared clusters' tests), so one worker starts
+    on them at once while the other takes the rest."""
+    tests = Path(__file__).parent
+    serial = []
+    for item in items:
+        if any(tests / name in item.path.parents for name in SERIAL_DIRS):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+            serial.append(item)
+    if serial and len(serial) < len(items):
+        chosen = set(map(id, serial))
+        items[:] = serial + [item for item in items if id(item) not in chosen]
 
 
 def pytest_runtest_logreport(report):
