@@ -62,6 +62,10 @@ def two_by_two(references, tmp_path_factory):
         max_model_len=1024, max_num_batched_tokens=512, num_prefill_workers=2, num_decode_workers=2,
         kv_lease_ttl_s=LEASE_TTL_S, pool_put_reservation_ttl_s=PUT_RESERVATION_TTL_S,
         log_dir=tmp_path_factory.mktemp("failover-logs"),
+        # Every request prefilled on a prefill worker: each test kills a worker mid-run and needs
+        # both roles streaming (conditional disaggregation may keep short prompts on a decode
+        # worker that calibrated faster: tests/e2e/test_pool_nodes.py).
+        disaggregation="always",
     )
     with LocalCluster(config) as cluster:
         cluster.start()

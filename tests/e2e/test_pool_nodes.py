@@ -52,6 +52,10 @@ def two_node_cluster(tmp_path_factory):
         num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=256, pool_capacity_bytes=256 * 1024**2,
         log_dir=log_dir,
         pools_from_registry=True,  # workers find the pool nodes in Redis: the second one joins
+        # Every prompt through the pool: with conditional disaggregation a decode worker that
+        # calibrated faster than the prefill worker prefills short prompts itself, and a run in
+        # a busy fresh-clone CI placed all 32 warm-up prompts colocated (no block reached pool-b).
+        disaggregation="always",
     )
     with LocalCluster(config) as cluster:
         cluster.start()
