@@ -23,7 +23,7 @@ up: setup
 # workers: the model and cluster tests one after another in one, the rest in the other
 # (tests/conftest.py); PYTEST_ARGS="-n 0" runs everything in one process.
 test: setup-test
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 $(PYTEST_ARGS)
 
 protos: setup-test
 	.venv/bin/python proto/generate.py

@@ -179,15 +179,14 @@ _default_threads: dict[str, int] = {}
 
 
 def _share_the_cores(item) -> None:
-    """In an xdist worker, a test outside the serial group runs torch on one thread: the other
+    """In an xdist worker, a test outside SERIAL_DIRS runs torch on one thread: the other
     worker's clusters and model tests use every core, and two OpenMP teams on the same cores
-    wait for each other's time slices. Tests of the serial group get torch's default back."""
+    wait for each other's time slices. SERIAL_DIRS tests get torch's default back."""
     torch = sys.modules.get("torch")  # only where a test module imported it: no import here
     if torch is None or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     _default_threads.setdefault("torch", torch.get_num_threads())
-    serial = any(mark.args == (SERIAL_GROUP,) for mark in item.iter_markers("xdist_group"))
-    wanted = _default_threads["torch"] if serial else 1
+    wanted = _default_threads["torch"] if _serial(item.nodeid) else 1
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
 
@@ -208,28 +207,32 @@ def _after_module(module: str) -> None:
 
 
 # The tests that run the real model or whole clusters (tests/e2e, tests/integration) run one after
-# another, in their order, in one xdist worker (`make test` runs `-n 2 --dist loadgroup`); the
-# others (router, scheduler, manifests, ...: mostly one core of Python) run beside them in the
-# other worker, on the core those leave idle much of the time (waits on leases, restarts,
-# process start-ups). Without xdist the mark is inert.
+# another, in their collection order (tests/e2e/conftest.py orders its shared clusters' tests),
+# in one xdist worker (`make test` runs `-n 2`); the others (router, scheduler, manifests, ...:
+# mostly one core of Python) run beside them in the other worker, on the core those leave idle
+# much of the time (waits on leases and restarts, process start-ups).
 SERIAL_DIRS = ("e2e", "integration")
-SERIAL_GROUP = "model-and-clusters"
+SERIAL_SCOPE = "model-and-clusters"
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Marks the SERIAL_DIRS tests with one xdist group and moves them first (their relative
-    order kept: tests/e2e/conftest.py orders its shared clusters' tests), so one worker starts
-    on them at once while the other takes the rest."""
-    tests = Path(__file__).parent
-    serial = []
-    for item in items:
-        if any(tests / name in item.path.parents for name in SERIAL_DIRS):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
-            serial.append(item)
-    if serial and len(serial) < len(items):
-        chosen = set(map(id, serial))
-        items[:] = serial + [item for item in items if id(item) not in chosen]
+def _serial(nodeid: str) -> bool:
+    path = nodeid.split("::", 1)[0]
+    return any(path.startswith(f"tests/{name}/") for name in SERIAL_DIRS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with every SERIAL_DIRS test in one scope (one work unit: one
+    worker, collection order) and every other test a scope of its own. Not ``--dist loadgroup``:
+    with pytest 9 its group marks do not reach the scheduler (xdist 3.8 renames ``item._nodeid``,
+    which pytest 9 no longer reads), and it spread the cluster tests over both workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL_SCOPE if _serial(nodeid) else nodeid
+
+    return SerialScopeScheduling(config, log)
 
 
 def pytest_runtest_logreport(report):
