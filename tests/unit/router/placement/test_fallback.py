@@ -10,7 +10,7 @@ from router.placement.fallback import ColocatedFallbacks
 from router.errors import KVSaveFailedError, WorkerFailedError
 from router.workers.clients import _router_error
 from router.metrics import RouterMetrics
-from tests.unit.router.test_failover import counter, make_generation, run
+from tests.unit.router.test_generation import counter, make_generation, run
 
 
 async def test_a_failed_prefill_with_no_prefill_worker_left_is_counted(tokenizer):

@@ -1,7 +1,7 @@
 """Hung workers: a worker whose heartbeat stops is lost, and the calls waiting on it
 fail over; a worker that only vanished from the registry (Redis restarted) is kept.
 
-The fakes of test_failover.py stand in for workers; the fake decode stream here hangs after some
+The fakes of test_generation.py stand in for workers; the fake decode stream here hangs after some
 tokens the way a SIGSTOPped worker's does (no message, no error), and a fake clock moves time.
 """
 
@@ -17,7 +17,7 @@ from router.workers.clients import DecodeTokens
 from router.workers.loss import LossWatch, stream_unless_lost, unless_lost
 from router.errors import WorkerFailedError
 from router.workers.view import Health, WorkerView
-from tests.unit.router.test_failover import POOL, FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
+from tests.unit.router.test_generation import POOL, FakeClients, FakeRegistry, FakeStream, addresses, counter, make_generation, run, workers
 
 
 class Clock:
