@@ -16,7 +16,8 @@ elif [[ -x .venv/bin/python ]]; then
 else
   py=python3
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# proto/ holds the generated gRPC stubs (package `tandem`), importable without installing the project.
+export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 peers=0
 args=()
