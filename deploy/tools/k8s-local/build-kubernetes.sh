@@ -31,7 +31,7 @@ if ((${#missing[@]})); then
 fi
 
 rm -rf "$work"
-mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial" "$work/src"
+mkdir -p "$LOG_DIR" "$work/apt/lists/partial" "$work/apt/cache/archives/partial" "$work/src"
 cat >"$work/apt/sources.list" <<EOF
 deb-src $DEBIAN_MIRROR bookworm main
 deb-src $DEBIAN_MIRROR bookworm-updates main
