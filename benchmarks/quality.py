@@ -1,8 +1,8 @@
-"""Output quality of reduced-precision weights (and, later, KV blocks) against float32, on the
-real model, through the engine.
+"""Output quality of reduced-precision weights and KV blocks against float32, on the real model,
+through the engine.
 
     .venv/bin/python benchmarks/quality.py --path alpaca_eval_805_gpt4_1106_preview_outputs.json \\
-        [--variants float32,bfloat16,int8] [--num-prompts 32] [--answer-tokens 256] [--greedy-tokens 32]
+        [--variants float32,bfloat16,int8,kv-fp8,kv-int8] [--num-prompts 32] [--answer-tokens 256] [--greedy-tokens 32]
 
 ``--path``: AlpacaEval's reference outputs (a JSON array of ``{"instruction", "output"}``; the
 ``alpaca`` data set of docs/data.md). For each of the first ``--num-prompts`` rows, every variant
@@ -38,13 +38,15 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.model.gguf_convert import ensure_hf_dir  # noqa: E402
 
-# Variant name -> EngineConfig fields: the weight dtypes so far; a KV-cache dtype is one
-# more entry here (e.g. "int8+kv-int8": dict(quantization="int8", kv_cache_dtype="int8")).
+# Variant name -> EngineConfig fields: weight dtypes, then KV-cache dtypes (float32 weights,
+# 8-bit K/V with a scale per token and head: docs/quantization.md).
 VARIANTS: dict[str, dict] = {
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
     "float16": dict(dtype="float16"),
     "int8": dict(dtype="float32", quantization="int8"),
+    "kv-fp8": dict(dtype="float32", kv_cache_dtype="fp8"),
+    "kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
 }
 
 
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", type=Path, required=True, help="AlpacaEval reference outputs (JSON array)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--variants", default="float32,bfloat16,int8",
+    parser.add_argument("--variants", default="float32,bfloat16,int8,kv-fp8,kv-int8",
                         help="comma-separated, the first is the reference: " + ", ".join(VARIANTS))
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--answer-tokens", type=int, default=256, help="reference answer tokens scored per prompt")

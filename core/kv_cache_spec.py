@@ -8,11 +8,21 @@ from dataclasses import asdict, dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_LAYOUTS = ("all_heads",)
+# The KV cache's element type (vLLM's --kv-cache-dtype): "auto" stores K/V in the model's dtype;
+# "fp8" (float8 e4m3fn) and "int8" store 8-bit values with one float32 scale per token and head.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# An 8-bit head row: head_dim 8-bit values, then the row's float32 scale (little-endian).
+KV_SCALE_BYTES = 4
+KV_SCALE_LAYOUT = "per_token_head_f32_after_row"
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Layout of one KV block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` of ``dtype``.
+    """Layout of one KV block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` of ``dtype``,
+    or with an 8-bit ``kv_cache_dtype`` ``[num_layers, 2, block_size, num_kv_heads, head_dim + 4]``
+    bytes: each (token, head) row is ``head_dim`` fp8 / int8 values followed by its float32 scale
+    (``value = q * scale``). The scales travel inside the block, so whatever moves a block's bytes
+    (pool, swap, copy-on-write, a tensor-parallel cut by heads) moves its scales with it.
 
     Two caches can exchange blocks only when their specs are equal; the fingerprint enforces it.
 
@@ -35,10 +45,13 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     kv_layout: str = "all_heads"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -46,14 +59,44 @@ class KVCacheSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored as 8-bit values with per-(token, head) scales."""
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """What a block's K/V values are: the model's dtype ("float32", ...), "fp8" or "int8"."""
+        return self.kv_cache_dtype if self.quantized else self.dtype
+
+    @property
+    def head_row_bytes(self) -> int:
+        """Bytes of one (token, KV head) row: values, plus the scale when quantized."""
+        if self.quantized:
+            return self.head_dim + KV_SCALE_BYTES
+        return self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block (all layers, K and V)."""
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
-        )
+        """Bytes of one block (all layers, K and V, and their scales when quantized)."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_row_bytes
 
     @property
     def fingerprint(self) -> str:
-        """16 hex chars identifying the spec; namespaces every pool key."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """16 hex chars identifying the spec; namespaces every pool key.
+
+        An 8-bit spec adds its KV dtype and scale layout to the hashed fields; an ``auto`` spec
+        hashes the fields it always had, so float blocks keep the keys they had before 8-bit
+        KV existed.
+        """
+        fields = asdict(self)
+        if self.quantized:
+            fields["kv_scale_layout"] = KV_SCALE_LAYOUT
+        else:
+            del fields["kv_cache_dtype"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+    def describe(self) -> str:
+        """A short human label of what the blocks hold, for error messages: e.g. ``KV fp8 (model
+        float32), fingerprint 1a2b...``."""
+        return f"KV {self.kv_dtype_name} (model {self.dtype}), fingerprint {self.fingerprint}"

@@ -28,7 +28,7 @@ def _finished(request: Request) -> decode_worker_pb2.DecodeResponse:
 
 def manifest_from_proto(manifest) -> Manifest:
     return Manifest(manifest.spec_fingerprint, manifest.pool_address,
-                    [block_key_from_proto(k) for k in manifest.blocks], manifest.num_tokens)
+                    [block_key_from_proto(k) for k in manifest.blocks], manifest.num_tokens, manifest.kv_dtype)
 
 
 def decode_start_from_proto(request: decode_worker_pb2.DecodeRequest) -> DecodeStart:

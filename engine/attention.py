@@ -2,7 +2,9 @@
 
 The KV cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; a request's
 tokens live in the blocks its block table lists, token ``p`` at slot
-``block_table[p // block_size] * block_size + p % block_size``.
+``block_table[p // block_size] * block_size + p % block_size``. An 8-bit cache (fp8 / int8) has
+rows of ``head_dim + 4``: the values, then their float32 scale (:mod:`engine.kv_cache.kv_quant`);
+every backend writes quantised rows and attends over their dequantised values.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_cache.kv_quant import as_values, is_quantized, quantize_rows, write_rows
 
 
 @dataclass
@@ -47,7 +51,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 when 8-bit)]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -55,7 +59,12 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatters ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) into ``kv_cache`` at ``slot_mapping``."""
+    """Scatters ``key``/``value`` ([num_tokens, num_kv_heads, head_dim]) into ``kv_cache`` at
+    ``slot_mapping``, quantised to packed rows when the cache is 8-bit. Mutates ``kv_cache``."""
+    if is_quantized(kv_cache):
+        write_rows(quantize_rows(key, kv_cache.dtype), kv_cache[0], slot_mapping)
+        write_rows(quantize_rows(value, kv_cache.dtype), kv_cache[1], slot_mapping)
+        return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -77,6 +86,7 @@ class TorchAttentionBackend:
         for i, ctx in enumerate(meta.seq_lens.tolist()):
             q = query[starts[i] : starts[i + 1]]  # [q_len, num_heads, head_dim]
             k, v = self._gather(kv_cache, meta.block_tables[i], ctx)  # [ctx, num_kv_heads, head_dim]
+            k, v = as_values(k, q.dtype), as_values(v, q.dtype)
             q_len = q.shape[0]
             # Query j sits at absolute position ctx - q_len + j and sees keys 0..that position.
             mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - q_len)
@@ -88,6 +98,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of the first ``ctx`` tokens: two [ctx, num_kv_heads, row], the cache's dtype."""
         block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         blocks = block_table[: (ctx + block_size - 1) // block_size]
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
@@ -96,12 +107,14 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(query, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        head_dim = query.shape[-1]
         num_blocks = (meta.max_seq_len + block_size - 1) // block_size
         tables = meta.block_tables[:, :num_blocks]
         # [num_seqs, num_kv_heads, max_ctx, head_dim]
-        k = kv_cache[0, tables].reshape(meta.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1, tables].reshape(meta.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = as_values(kv_cache[0, tables], query.dtype).reshape(meta.num_seqs, -1, num_kv_heads, head_dim)
+        v = as_values(kv_cache[1, tables], query.dtype).reshape(meta.num_seqs, -1, num_kv_heads, head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         positions = torch.arange(k.shape[2], device=query.device)
         mask = (positions[None, :] < meta.seq_lens.to(query.device)[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)

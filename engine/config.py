@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.kv_cache_spec import DTYPE_BYTES
+from core.kv_cache_spec import DTYPE_BYTES, KV_CACHE_DTYPES
 from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
 from core.settings import setting
 
@@ -74,6 +74,12 @@ class EngineConfig:
     quantization: str = setting("none", "Weight quantisation: int8 quantises the linear layers' weights at load "
                                         "(per output channel, symmetric; activations stay float32); fp8 is "
                                         "reserved for CUDA.", choices=QUANTIZATIONS)
+    # KV cache element type (vLLM's --kv-cache-dtype): "auto" is the model's dtype; "fp8" (float8
+    # e4m3fn) and "int8" store 8-bit K/V with one float32 scale per token and head
+    # (engine.kv_cache.kv_quant, docs/quantization.md).
+    kv_cache_dtype: str = setting("auto", "KV cache dtype: auto (the model's dtype), fp8 (float8 e4m3) or int8, "
+                                          "8-bit values with a float32 scale per token and head.",
+                                  choices=KV_CACHE_DTYPES)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default).")
     seed: int = setting(0, "Seed of the generator used by requests without their own seed.")
     # Rank processes that shard the model (engine.parallel); 1: one process, no process group.
@@ -107,6 +113,8 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKEND_CHOICES:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKEND_CHOICES}, got {self.linear_backend!r}")
         self._check_quantization()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

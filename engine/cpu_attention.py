@@ -13,6 +13,11 @@ differs is what each step touches:
   no read of the cache at all.
 * A chunk after cached context (chunked prefill, a prefix-cache hit, KV loaded from the pool)
   gathers its context blocks once, with the causal mask offset by the cached length.
+
+On an 8-bit cache (``--kv-cache-dtype fp8|int8``) the write quantises (one C call for float32
+K/V), decode rows take the kernel's 8-bit entry points, and every prompt chunk attends over the
+dequantised rows the cache holds, its own included, so a chunk attends to the same values
+whether its context was computed here, cached or loaded from the pool.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
-from engine.kernels.cpu_decode_attention import (KV_DTYPES, load_kernel, paged_decode_attention_cpu,
-                                                 paged_kv_write_cpu)
+from engine.kernels.cpu_decode_attention import (KV_DTYPES, QUERY_DTYPES, load_kernel, paged_decode_attention_cpu,
+                                                 paged_kv_write_cpu, paged_kv_write_q8_cpu)
+from engine.kv_cache.kv_quant import as_values, is_quantized
 
 
 class CpuAttentionBackend:
@@ -40,9 +46,12 @@ class CpuAttentionBackend:
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """AttentionBackend.forward (shapes there); mutates ``kv_cache``."""
-        if self._kernel is not None and key.dtype == kv_cache.dtype and key.stride(2) == 1 \
-                and key.stride(1) == key.shape[2] and value.stride(2) == 1 and value.stride(1) == value.shape[2]:
-            paged_kv_write_cpu(self._kernel, key, value, kv_cache, meta.slot_mapping)
+        quantized = is_quantized(kv_cache)
+        rows_fit = key.stride(2) == 1 and key.stride(1) == key.shape[2] and value.stride(2) == 1 \
+            and value.stride(1) == value.shape[2]
+        if self._kernel is not None and rows_fit and key.dtype == (torch.float32 if quantized else kv_cache.dtype):
+            write = paged_kv_write_q8_cpu if quantized else paged_kv_write_cpu
+            write(self._kernel, key, value, kv_cache, meta.slot_mapping)
         else:
             write_kv(key, value, kv_cache, meta.slot_mapping)
         plan = self._plan_for(meta, kv_cache.shape[2])
@@ -53,11 +62,12 @@ class CpuAttentionBackend:
             out[plan.decode_rows] = self._decode(query[plan.decode_rows], kv_cache, plan, scale)
         for start, end, ctx, blocks in plan.prefills:
             q = query[start:end].transpose(0, 1)  # [q_len, H, D] -> [H, q_len, D]
-            if ctx == end - start:  # nothing cached before this chunk: its own K/V suffice
+            if ctx == end - start and not quantized:  # nothing cached before this chunk: its own K/V suffice
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 k, v = _gather(kv_cache, blocks, ctx)
+                k, v = as_values(k, q.dtype), as_values(v, q.dtype)
                 q_len = end - start
                 mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
                 o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
@@ -66,7 +76,7 @@ class CpuAttentionBackend:
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
-        if self._kernel is not None and query.dtype in KV_DTYPES and kv_cache.dtype in KV_DTYPES:
+        if self._kernel is not None and query.dtype in QUERY_DTYPES and kv_cache.dtype in KV_DTYPES:
             return paged_decode_attention_cpu(self._kernel, query, kv_cache, plan.decode_tables, plan.decode_lens, scale)
         return _decode(query, kv_cache, plan.decode_tables, plan.decode_mask, scale)
 
@@ -113,7 +123,8 @@ class _StepPlan:
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first ``ctx`` tokens held in ``blocks``: two [ctx, num_kv_heads, head_dim]."""
+    """K and V rows of the first ``ctx`` tokens held in ``blocks``: two [ctx, num_kv_heads, row] of
+    the cache's dtype (row: head_dim, or head_dim + 4 packed 8-bit)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]
     v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]
@@ -125,9 +136,9 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, m
     """One query per sequence over its paged context. query [n, H, D], tables [n, num_blocks],
     mask [n, 1, 1, num_blocks x block_size] -> [n, H, D]."""
     n, num_blocks = tables.shape
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    num_kv_heads, head_dim = kv_cache.shape[3], query.shape[-1]
     flat = tables.reshape(-1)
-    k = kv_cache[0].index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = kv_cache[1].index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    k = as_values(kv_cache[0].index_select(0, flat), query.dtype).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = as_values(kv_cache[1].index_select(0, flat), query.dtype).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]

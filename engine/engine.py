@@ -17,6 +17,7 @@ from core.request import Request
 from core.worker_load import WorkerLoad
 from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
+from engine.kv_cache.kv_quant import allocate_kv_cache, cache_dtype
 from engine.kv_connector.swap import HostSwapSpace, SwapSpace
 from engine.model.compile import compile_layers, warm_up
 from engine.model.gguf_convert import ensure_hf_dir
@@ -63,15 +64,14 @@ class LLMEngine:
             num_kv_heads=mc.num_key_value_heads,
             head_dim=head_dim,
             block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         eos = getattr(mc, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         num_kv_heads = mc.num_key_value_heads if parallel is None else len(parallel.layout.kv_heads())
-        kv_cache = torch.zeros(
-            (mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size, num_kv_heads, head_dim),
-            dtype=TORCH_DTYPES[config.dtype],
-            device=config.device,
-        )
+        kv_cache = allocate_kv_cache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size, num_kv_heads,
+                                     head_dim, cache_dtype(config.kv_cache_dtype, TORCH_DTYPES[config.dtype]),
+                                     config.device)
         if swap_space is None and config.preemption_mode == "swap":
             swap_space = HostSwapSpace(config.swap_space_bytes)
         self.swap_space = swap_space

@@ -120,14 +120,16 @@ def size(num_bytes: float) -> str:
 
 
 def worker_need(role: str, count: int, tp: int, num_kv_blocks: int, block_size: int, shape: ModelShape, dtype: str,
-                flags: str, on_gpu: bool = False) -> Need:
+                flags: str, on_gpu: bool = False, kv_cache_dtype: str = "auto") -> Need:
     """``count`` workers of ``role`` with ``tp`` ranks each (each rank a process). ``on_gpu``:
-    weights and KV cache live in GPU memory, the host keeps the process only."""
-    kv = num_kv_blocks * shape.kv_block_bytes(block_size, dtype) // tp
+    weights and KV cache live in GPU memory, the host keeps the process only. ``kv_cache_dtype``:
+    as --kv-cache-dtype (8-bit blocks are about a quarter of float32's)."""
+    block_bytes = shape.kv_block_bytes(block_size, dtype, kv_cache_dtype)
+    kv = num_kv_blocks * block_bytes // tp
     parts = [("process", PROCESS_BYTES["worker"])]
     if not on_gpu:
         parts = [("weights", shape.weight_bytes(dtype) // tp),
-                 (f"KV cache ({num_kv_blocks} blocks x {size(shape.kv_block_bytes(block_size, dtype))}"
+                 (f"KV cache ({num_kv_blocks} blocks x {size(block_bytes)}"
                   + (f" / {tp} ranks)" if tp > 1 else ")"), kv)] + parts
     name = f"{role} worker ranks" if tp > 1 else f"{role} workers"
     return Need(name, count * tp, sum(n for _, n in parts), tuple(parts), flags)
@@ -145,7 +147,9 @@ def cluster_needs(config, shape: ModelShape, workers_on_gpu: bool = False) -> tu
         block_flag = "--prefill-num-kv-blocks" if role == "prefill" and config.prefill_num_kv_blocks else "--num-kv-blocks"
         flags = (f"--num-{role}-workers {count}, {block_flag} {blocks}, --block-size {block_size}, --dtype {dtype}"
                  + (f", --{role}-tp {tp}" if tp > 1 else ""))
-        needs.append(worker_need(role, count, tp, blocks, block_size, shape, dtype, flags, workers_on_gpu))
+        kv_dtype = config.engine.kv_cache_dtype
+        flags += f", --kv-cache-dtype {kv_dtype}" if kv_dtype != "auto" else ""
+        needs.append(worker_need(role, count, tp, blocks, block_size, shape, dtype, flags, workers_on_gpu, kv_dtype))
     arena = config.pool.capacity_bytes
     needs.append(Need("KV pool nodes", config.num_pool_nodes, arena + PROCESS_BYTES["kv_pool"],
                       (("DRAM arena", arena), ("process", PROCESS_BYTES["kv_pool"])),
@@ -248,7 +252,8 @@ def _container_need(container: Mapping, env: Mapping[str, str], shape: ModelShap
         on_gpu = (env.get(f"{prefix}DEVICE") or "cpu").startswith("cuda")
         ranks = worker_need(role, 1, tp, blocks, int(env.get(f"{prefix}BLOCK_SIZE") or 16), shape, dtype,
                             f"{role}.numKvBlocks {blocks}, model.dtype {dtype}, {role}.device "
-                            f"{env.get(f'{prefix}DEVICE') or 'cpu'}", on_gpu)
+                            f"{env.get(f'{prefix}DEVICE') or 'cpu'}", on_gpu,
+                            env.get(f"{prefix}KV_CACHE_DTYPE") or "auto")
         return Need(f"{role} worker", 1, ranks.total_bytes, ranks.parts, ranks.flags)  # the ranks share one pod
     if "-m kv_pool" in command and env.get("POOL_ARENA_PERCENT") and (resources.get("requests") or {}).get("memory"):
         request = quantity(resources["requests"]["memory"])

@@ -11,6 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.kv_cache_spec import KV_SCALE_BYTES
 from core.model_source import ModelSource
 from launcher.preflight import PreflightError
 
@@ -33,9 +34,12 @@ class ModelShape:
         """Bytes of the weights in ``dtype`` (float32, bfloat16, float16)."""
         return self.num_params * DTYPE_BYTES[dtype]
 
-    def kv_block_bytes(self, block_size: int, dtype: str) -> int:
-        """Bytes of one paged-KV block: K and V of every layer for ``block_size`` tokens."""
-        return block_size * 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+    def kv_block_bytes(self, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one paged-KV block: K and V of every layer for ``block_size`` tokens, in
+        ``dtype``, or with an 8-bit ``kv_cache_dtype`` (fp8, int8) one byte per value plus a
+        4-byte scale per (token, head) row (core.kv_cache_spec.KVCacheSpec.block_bytes)."""
+        row = self.head_dim + KV_SCALE_BYTES if kv_cache_dtype != "auto" else self.head_dim * DTYPE_BYTES[dtype]
+        return block_size * 2 * self.num_layers * self.num_kv_heads * row
 
     @classmethod
     def from_hf_dir(cls, folder: Path) -> ModelShape:

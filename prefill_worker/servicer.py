@@ -24,6 +24,7 @@ def manifest_to_proto(manifest: Manifest) -> common_pb2.KVManifest:
     return common_pb2.KVManifest(
         spec_fingerprint=manifest.spec_fingerprint, pool_address=manifest.pool_address,
         blocks=[block_key_to_proto(k) for k in manifest.keys], num_tokens=manifest.num_tokens,
+        kv_dtype=manifest.kv_dtype,
     )
 
 

@@ -155,6 +155,7 @@ OPTIONS: dict[str, tuple[tuple[str, ...], Reader]] = {
     "num_scheduler_steps": _at("engine.numSchedulerSteps"),
     "attention_backend": _at("engine.attentionBackend"),
     "linear_backend": _at("engine.linearBackend"),
+    "kv_cache_dtype": _at("engine.kvCacheDtype"),
     "kv_transfer": _at("transfer.backend"),
     "kv_load_failure_policy": _at("transfer.kvLoadFailurePolicy"),
     "kv_lease_ttl_s": _at("transfer.kvLeaseTtlS", float),

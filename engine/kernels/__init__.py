@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache.kv_quant import head_dim_of, is_quantized
+
 
 def check_launchable(kernel, tensor: torch.Tensor) -> None:
     """Raises RuntimeError when ``kernel`` cannot run on ``tensor``'s device.
@@ -57,10 +59,10 @@ def check_paged_query(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
             last dimension that is not contiguous.
     """
     _, num_heads, head_dim = query.shape
-    num_kv_heads, cache_head_dim = kv_cache.shape[3:]
-    if head_dim != cache_head_dim or num_heads % num_kv_heads:
+    num_kv_heads = kv_cache.shape[3]
+    if head_dim != head_dim_of(kv_cache) or num_heads % num_kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)}")
-    if query.dtype != kv_cache.dtype:
+    if query.dtype != kv_cache.dtype and not is_quantized(kv_cache):
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache need a contiguous last dimension")
@@ -82,3 +84,14 @@ def default_block_n(query: torch.Tensor) -> int:
     """Keys per attention tile: 64, or 32 when one K row is 512+ bytes (fp32, D=128), so that
     three pipelined K and V tiles stay well inside a Hopper SM's shared memory."""
     return 32 if query.element_size() * query.shape[-1] >= 512 else 64
+
+
+def quant_launch(kv_cache: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(KV_QUANT, cache to pass)`` for a paged attention kernel: ``(0, kv_cache)`` for a float
+    cache, ``(1, kv_cache)`` for int8, ``(2, kv_cache viewed as uint8)`` for float8 e4m3fn (the
+    kernels decode its bits themselves, so the interpreter needs no float8 support)."""
+    if kv_cache.dtype == torch.int8:
+        return 1, kv_cache
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return 2, kv_cache.view(torch.uint8)
+    return 0, kv_cache

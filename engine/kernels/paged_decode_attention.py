@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import output_like, prepare_paged_launch
+from engine.kernels import output_like, prepare_paged_launch, quant_launch
 from engine.kernels.paged_tile import attend_tile
 
 LOG2E = 1.4426950408889634
@@ -45,6 +45,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per tile
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps fp32 exact, "tf32" otherwise
     WRITE_LSE: tl.constexpr,  # split-KV: the merge kernel needs each split's log-sum-exp
+    KV_QUANT: tl.constexpr,  # 0: float K/V; 1: int8, 2: fp8 rows with a float32 scale each
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,7 +74,8 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         m, l, acc = attend_tile(q, m, l, acc, k_base, table_ptr, n, n_mask, n_mask[None, :], d, d_mask,
-                                stride_c_kv, stride_c_block, stride_c_slot, sm_scale_log2, BLOCK_SIZE, PRECISION)
+                                stride_c_kv, stride_c_block, stride_c_slot, sm_scale_log2, BLOCK_SIZE, PRECISION,
+                                KV_QUANT, HEAD_DIM)
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -138,8 +140,10 @@ def paged_decode_attention(
     (every element is written), else a new tensor.
 
     Args:
-        query: ``[S, H_q, D]``, last dim contiguous; the cache's dtype.
-        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, last dim contiguous.
+        query: ``[S, H_q, D]``, last dim contiguous; the cache's dtype (any float dtype for an
+            8-bit cache).
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, last dim contiguous; or 8-bit
+            (float8_e4m3fn / int8) packed rows ``[..., D + 4]`` (:mod:`engine.kv_cache.kv_quant`).
         block_tables: ``[S, max_blocks]`` int64, same device (padding entries are never read).
         seq_lens: ``[S]`` int64, same device: context length including this step's token, >= 1.
         max_seq_len: ``max(seq_lens)``, used only to size the splits.
@@ -156,6 +160,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     block_n = prepare_paged_launch(_decode_kernel, query, kv_cache, block_n)
+    kv_quant, kv_cache = quant_launch(kv_cache)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
@@ -180,7 +185,8 @@ def paged_decode_attention(
         split_len,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", WRITE_LSE=num_splits > 1,
+        PRECISION="ieee" if query.dtype == torch.float32 or kv_quant else "tf32", WRITE_LSE=num_splits > 1,
+        KV_QUANT=kv_quant,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import output_like, prepare_paged_launch
+from engine.kernels import output_like, prepare_paged_launch, quant_launch
 from engine.kernels.paged_tile import attend_tile
 
 LOG2E = 1.4426950408889634
@@ -46,6 +46,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_N: tl.constexpr,  # keys per tile
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps fp32 exact, "tf32" otherwise
+    KV_QUANT: tl.constexpr,  # 0: float K/V; 1: int8, 2: fp8 rows with a float32 scale each
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,7 +80,8 @@ def _prefill_kernel(
         n_mask = n < kv_end
         causal = n_mask[None, :] & (n[None, :] <= pos[:, None])
         m, l, acc = attend_tile(q, m, l, acc, k_base, table_ptr, n, n_mask, causal, d, d_mask,
-                                stride_c_kv, stride_c_block, stride_c_slot, sm_scale_log2, BLOCK_SIZE, PRECISION)
+                                stride_c_kv, stride_c_block, stride_c_slot, sm_scale_log2, BLOCK_SIZE, PRECISION,
+                                KV_QUANT, HEAD_DIM)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
@@ -105,9 +107,10 @@ def paged_prefill_attention(
     ``query_start_loc`` is written), else a new tensor.
 
     Args:
-        query: ``[T, H_q, D]``, last dim contiguous; the cache's dtype.
+        query: ``[T, H_q, D]``, last dim contiguous; the cache's dtype (any float dtype for an
+            8-bit cache).
         kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, last dim contiguous, already holding
-            this step's K/V.
+            this step's K/V; or 8-bit (float8_e4m3fn / int8) packed rows ``[..., D + 4]``.
         block_tables: ``[S, max_blocks]`` int64, same device (padding entries are never read).
         query_start_loc: ``[S + 1]`` int64, same device; ``query_start_loc[-1] == T``.
         seq_lens: ``[S]`` int64, same device: context length after this step, >= each ``q_len``.
@@ -123,6 +126,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     block_n = prepare_paged_launch(_prefill_kernel, query, kv_cache, block_n)
+    kv_quant, kv_cache = quant_launch(kv_cache)
     out = output_like(out, query)
     num_seqs = seq_lens.numel()
     if num_tokens == 0 or num_seqs == 0:
@@ -139,6 +143,6 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 or kv_quant else "tf32", KV_QUANT=kv_quant,
     )
     return out

@@ -2,7 +2,8 @@
 
 A block's bytes are its ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` slice of the cache
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, C-contiguous, native dtype
-(docs/design.md §4). How the bytes reach the pool is the worker's business.
+(docs/design.md §4). How the bytes reach the pool is the worker's business. An 8-bit cache's block
+is its packed rows (values and float32 scales, :mod:`engine.kv_cache.kv_quant`), moved as bytes.
 
 Payloads to load are ``bytes`` (gRPC, NIXL, host swap) or :class:`ArenaBlock` views of a pool's
 shared-memory arena mapped into this process (``engine.kv_connector.pool_io`` on the shm backend): those are
@@ -69,7 +70,7 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> list[bytes]:
     if kv_cache.is_cuda:
         from engine.kernels.block_copy import gather_blocks
 
-        staged = gather_blocks(kv_cache, ids).cpu()
+        staged = gather_blocks(_bytes_if_8bit(kv_cache), ids).cpu()
     else:
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         staged = kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
@@ -120,6 +121,7 @@ def _copy_into_slots(kv_cache: torch.Tensor, block_ids: list[int], payloads: lis
 
 def _copy_staged(kv_cache: torch.Tensor, block_ids: list[int], payloads: list) -> None:
     """All blocks through one staging tensor: one host-to-device copy, one scatter kernel."""
+    kv_cache = _bytes_if_8bit(kv_cache)
     shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
     blob = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     staged = blob.view(kv_cache.dtype).view(len(block_ids), *shape).to(kv_cache.device)
@@ -127,3 +129,9 @@ def _copy_staged(kv_cache: torch.Tensor, block_ids: list[int], payloads: list) -
     from engine.kernels.block_copy import scatter_blocks
 
     scatter_blocks(kv_cache, ids, staged)
+
+
+def _bytes_if_8bit(kv_cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache as uint8 (same shape): the block-copy kernel then needs no float8 type on
+    the device."""
+    return kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache

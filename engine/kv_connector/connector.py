@@ -264,7 +264,7 @@ class KVConnector:
         """The manifest of blocks saved to ``ring``. One node: its address; several: "" (the
         decode worker places the keys on its own ring)."""
         address = ring.addresses[0] if len(ring.nodes) == 1 else ""
-        return Manifest(self.spec.fingerprint, address, keys, num_tokens)
+        return Manifest(self.spec.fingerprint, address, keys, num_tokens, self.spec.kv_dtype_name)
 
     def hand_off(self, request_id: str) -> None:
         """The request's pool state now belongs to whoever receives its manifest: forget it

@@ -18,10 +18,18 @@ class Manifest:
     pool_address: str
     keys: list[BlockKey]
     num_tokens: int
+    # The blocks' K/V dtype (KVCacheSpec.kv_dtype_name: "float32", ..., "fp8", "int8"); "" from a
+    # sender that does not say.
+    kv_dtype: str = ""
 
     def validate(self, spec: KVCacheSpec, num_prompt_tokens: int) -> None:
-        """Raises ValueError when the manifest is of another KV spec, does not cover the prompt,
-        or lists a wrong number of blocks."""
+        """Raises ValueError when the manifest is of another KV spec (naming both KV dtypes when
+        they differ: blocks of one KV dtype are never read as another's), does not cover the
+        prompt, or lists a wrong number of blocks."""
+        if self.kv_dtype and self.kv_dtype != spec.kv_dtype_name:
+            raise ValueError(f"manifest KV blocks are {self.kv_dtype}, this worker's KV cache is "
+                             f"{spec.kv_dtype_name}: prefill and decode workers need the same --kv-cache-dtype "
+                             f"(and --dtype)")
         if self.spec_fingerprint != spec.fingerprint:
             raise ValueError(f"manifest KV spec {self.spec_fingerprint!r} != this worker's {spec.fingerprint!r}")
         if self.num_tokens != num_prompt_tokens:

@@ -10,6 +10,7 @@ import torch
 from core.model_source import ModelSource, resolve_model
 from engine.attention_selector import make_attention_backend
 from engine.config import EngineConfig
+from engine.kv_cache.kv_quant import allocate_kv_cache, cache_dtype
 from engine.model.compile import compile_layers
 from engine.model.gguf_convert import ensure_hf_dir
 from engine.model.linear_chooser import LinearSetup
@@ -88,6 +89,7 @@ def build_rank_runner(config: EngineConfig, group: RankGroup) -> ModelRunner:
         compile_layers(model)
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv_cache = torch.zeros((mc.num_hidden_layers, 2, config.num_kv_blocks, config.block_size,
-                            len(layout.kv_heads()), head_dim), dtype=TORCH_DTYPES[config.dtype], device=group.device)
+    kv_cache = allocate_kv_cache(mc.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                 len(layout.kv_heads()), head_dim,
+                                 cache_dtype(config.kv_cache_dtype, TORCH_DTYPES[config.dtype]), group.device)
     return ModelRunner(model, kv_cache, make_attention_backend(config), Sampler(config.seed))

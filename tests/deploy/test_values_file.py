@@ -21,7 +21,8 @@ COMPARED = {
     "router": {"model", "served-model-name", "max-model-len", "routing-policy", "disaggregation", "ttft-slo-s", "tbt-slo-s",
                "default-max-tokens", "request-timeout-s", "http-port", "grpc-port"},
     "prefill_worker": {"model", "dtype", "quantization", "block-size", "num-kv-blocks", "max-num-seqs", "max-num-batched-tokens",
-                       "max-model-len", "attention-backend", "linear-backend", "num-scheduler-steps", "kv-transfer"},
+                       "max-model-len", "attention-backend", "linear-backend", "kv-cache-dtype", "num-scheduler-steps",
+                       "kv-transfer"},
     "kv_pool": {"capacity-bytes", "lease-ttl-s"},
 }
 COMPARED["decode_worker"] = COMPARED["prefill_worker"]
@@ -32,6 +33,7 @@ CASES = {
     "values-local + overrides": (LOCAL, ["--max-num-seqs", "8", "--num-decode-workers", "2"],
                                  ["--set", "engine.maxNumSeqs=8", "--set", "decode.replicas=2"]),
     "values-local + int8": (LOCAL, ["--quantization", "int8"], ["--set", "model.quantization=int8"]),
+    "values-local + fp8 KV": (LOCAL, ["--kv-cache-dtype", "fp8"], ["--set", "engine.kvCacheDtype=fp8"]),
 }
 
 

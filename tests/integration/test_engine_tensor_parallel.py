@@ -157,3 +157,25 @@ def test_shutdown_stops_every_rank(make_engine):
     engine.shutdown()
     assert [p.exitcode for p in processes] == [0]
     engine.shutdown()  # idempotent (the fixture calls it once more)
+
+
+def test_fp8_kv_crosses_degrees_with_its_scales(make_engine):
+    """fp8 blocks (head rows of 64 values and a float32 scale) saved at one degree decode at the
+    other: each TP=2 rank holds its heads' rows with their scales, rank 0 joins and cuts whole
+    blocks. The reference is TP=1 fp8 alone (8-bit KV is not float32's tokens), 12 tokens."""
+    tp1, tp2 = make_engine(1, kv_cache_dtype="fp8"), make_engine(2, kv_cache_dtype="fp8")
+    assert tp2.spec == tp1.spec and tp1.spec.kv_dtype_name == "fp8"
+    assert tuple(tp1.runner.kv_cache.shape[-2:]) == (3, 68) and tuple(tp2.runner.kv_cache.shape[-2:]) == (2, 68)
+    prompt = reference.chat_ids(reference.PROMPTS[2])
+    expected = run_all(tp1, [greedy("alone", prompt, 12)])["alone"]
+    for prefill, decode in ((tp2, tp1), (tp1, tp2)):
+        out = []
+        prefill.add_request(greedy("a", prompt, 1))
+        while prefill.has_unfinished_requests():
+            out += prefill.step()
+        saved = out[-1].saved_kv
+        assert {len(b) for b in saved} == {tp1.spec.block_bytes} == {30 * 2 * BLOCK_SIZE * 3 * 68}
+        follow = greedy("b", prompt, 12)
+        follow.append_output_token(out[-1].new_token_ids[0])
+        run_all(decode, [follow], {"b": ExternalKV(len(prompt), saved)})
+        assert follow.output_token_ids == expected

@@ -1,15 +1,18 @@
 /* Paged decode attention on the CPU: one query token per sequence, its context read in place from
- * the paged KV cache through the block table (no gathered copy). Two entry points from one body:
- * paged_decode_attention_f32 (float32 K/V) and paged_decode_attention_bf16 (bfloat16 K/V, widened
- * to float32 as they are read); the query, the scores, the softmax and the output accumulate in
- * float32 in both.
+ * the paged KV cache through the block table (no gathered copy). Four entry points from one body:
+ * paged_decode_attention_f32 (float32 K/V), paged_decode_attention_bf16 (bfloat16 K/V, widened
+ * to float32 as they are read), paged_decode_attention_i8 and paged_decode_attention_fp8 (8-bit
+ * K/V rows with a float32 scale each, engine/kv_cache/kv_quant.py: each row's values widened to
+ * float32 as they are read, its scale applied once to its score (K) or its softmax weight (V));
+ * the query, the scores, the softmax and the output accumulate in float32 in all of them.
  *
  * Reference: engine/attention.py, TorchAttentionBackend._decode (gather + SDPA); the wrapper and
  * its test live in engine/kernels/cpu_decode_attention.py and
  * tests/unit/engine/kernels/test_cpu_decode_attention_kernel.py.
  *
  * Layout (docs/design.md §4): one layer's K (or V) cache is [num_blocks, block_size,
- * num_kv_heads, head_dim], contiguous; token p of a sequence lives in block
+ * num_kv_heads, head_row], contiguous, head_row = head_dim (float) or head_dim + 4 bytes (8-bit:
+ * the values, then the row's float32 scale); token p of a sequence lives in block
  * block_table[p / block_size], row p % block_size.
  *
  * Work split: one unit per (sequence, KV head), so that one sequence's heads spread over the
@@ -23,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -33,8 +37,28 @@ static inline float bf16_to_f32(uint16_t x)
     union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
     return v.f;
 }
+/* float8 e4m3fn -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+ * subnormal (m x 2^-9). 0x7f / 0xff (NaN) are never written (kv_write_q8 saturates at 448). */
+static inline float fp8_to_f32(uint8_t x)
+{
+    const int e = (x >> 3) & 15, m = x & 7;
+    const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    return x & 0x80 ? -v : v;
+}
+/* The row's float32 scale, stored after its head_dim 8-bit values. */
+static inline float row_scale(const void *row, int head_dim)
+{
+    float s;
+    memcpy(&s, (const char *)row + head_dim, sizeof s);
+    return s;
+}
 #define LOAD_F32(p, d) ((p)[d])
 #define LOAD_BF16(p, d) bf16_to_f32((p)[d])
+#define LOAD_I8(p, d) ((float)(p)[d])
+#define LOAD_FP8(p, d) fp8_to_f32((p)[d])
+/* A head row's scale: 1 for float rows (folded away by the compiler), the stored one for 8-bit. */
+#define SCALE_ONE(p, head_dim) 1.0f
+#define SCALE_ROW(p, head_dim) row_scale((p), (head_dim))
 
 /* Vectors of VEC floats (GCC/Clang vector extensions) as wide as the machine's registers: one
  * AVX-512 register (16 floats) or one AVX2 register (8). Rows whose head_dim is 64 or 128 take the
@@ -58,6 +82,8 @@ static inline float bf16_to_f32(uint16_t x)
 typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
 typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
+typedef int8_t vec_i8 __attribute__((vector_size(VEC)));
+typedef uint8_t vec_u8 __attribute__((vector_size(VEC)));
 
 static inline vec_f vload_f32(const float *p)
 {
@@ -73,6 +99,29 @@ static inline vec_f vload_bf16(const uint16_t *p)
     vec_f v;
     __builtin_memcpy(&v, &w, sizeof v);
     return v;
+}
+static inline vec_f vload_i8(const int8_t *p)
+{
+    vec_i8 b;
+    __builtin_memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vec_f);
+}
+/* e4m3 -> float32 by bit arithmetic: the exponent re-biased (7 -> 127) and the mantissa moved up;
+ * a subnormal (exponent 0) is built as 2^-6 (1 + m/8) and 2^-6 taken off again, exactly, so no
+ * float32 denormal is ever formed. */
+static inline vec_f vload_fp8(const uint8_t *p)
+{
+    vec_u8 b;
+    __builtin_memcpy(&b, p, sizeof b);
+    const vec_u32 w = __builtin_convertvector(b, vec_u32);
+    const vec_u32 sign = (w & 0x80u) << 24;
+    const vec_u32 sub = (vec_u32)((w & 0x78u) == 0); /* all ones where the exponent is 0 */
+    const vec_u32 bits = (((w & 0x7fu) << 20) + (120u << 23) + (sub & (1u << 23))) | sign;
+    const vec_u32 corr = sub & (0x3c800000u | sign); /* +-2^-6 on subnormal lanes, +0 elsewhere */
+    vec_f v, c;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    __builtin_memcpy(&c, &corr, sizeof c);
+    return v - c;
 }
 /* a * b + c, rounded once where the CPU has FMA. */
 static inline vec_f vfma(vec_f a, vec_f b, vec_f c)
@@ -127,21 +176,22 @@ static inline float vsum(vec_f v)
  * constant at each call (always inlined), so a row's accumulators stay in registers. Scores of
  * the group's query heads for every context token, their softmax, then per query head the
  * weighted sum of V rows accumulated in registers over the whole context. */
-#define DEFINE_UNIT_VECTOR(NAME, KV_T, VLOAD)                                                       \
+#define DEFINE_UNIT_VECTOR(NAME, KV_T, VLOAD, SCALE_OF)                                             \
 static inline __attribute__((always_inline)) void NAME(                                             \
     const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t ctx,    \
-    int64_t g, int64_t row, int group, int block_size, float scale, float *scores, float *o, int NV) \
+    int64_t g, int64_t row, int64_t hrow, int group, int block_size, float scale, float *scores,     \
+    float *o, int NV)                                                                               \
 {                                                                                                   \
     const int head_dim = NV * VEC;                                                                  \
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
-        const int64_t offset = table[t0 / block_size] * block_size * row + g * head_dim;            \
+        const int64_t offset = table[t0 / block_size] * block_size * row + g * hrow;                \
         const KV_T *kb = k_cache + offset;                                                          \
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
         /* This unit's rows are a third (a 1 / num_kv_heads) of each token's and its blocks sit     \
          * anywhere: ask for the next block's K rows and this block's V rows (read by the second    \
          * pass, from L2 then) ahead of their use. */                                               \
         if (t0 + block_size < ctx)                                                                  \
-            prefetch_rows(k_cache + table[t0 / block_size + 1] * block_size * row + g * head_dim,   \
+            prefetch_rows(k_cache + table[t0 / block_size + 1] * block_size * row + g * hrow,       \
                           ctx - t0 - block_size < block_size ? ctx - t0 - block_size : block_size,  \
                           row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T));           \
         prefetch_rows(v_cache + offset, n, row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T)); \
@@ -149,6 +199,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             const KV_T *k = kb + i * row;                                                           \
             vec_f kr[MAX_NV]; /* the K row, read (and widened) once for the whole group */          \
             _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);       \
+            const float ks = SCALE_OF(k, head_dim) * scale;                                         \
             for (int j = 0; j < group; ++j) {                                                       \
                 const float *qj = q + (int64_t)j * head_dim;                                        \
                 /* two chains of multiply-adds: half the dependent FMA latency of one */            \
@@ -157,7 +208,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                     a0 = vfma(vload_f32(qj + c * VEC), kr[c], a0);                                  \
                     a1 = vfma(vload_f32(qj + (c + 1) * VEC), kr[c + 1], a1);                        \
                 }                                                                                   \
-                scores[(int64_t)j * ctx + t0 + i] = vsum(a0 + a1) * scale;                          \
+                scores[(int64_t)j * ctx + t0 + i] = vsum(a0 + a1) * ks;                             \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
@@ -170,14 +221,15 @@ static inline __attribute__((always_inline)) void NAME(                         
         vec_f acc[ACC_VECS > MAX_NV ? ACC_VECS : MAX_NV];                                           \
         _Pragma("GCC unroll 16") for (int a = 0; a < chunk * NV; ++a) acc[a] = (vec_f){0};          \
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                          \
-            const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim;    \
+            const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * hrow;        \
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                        \
             for (int64_t i = 0; i < n; ++i) {                                                       \
                 const KV_T *v = vb + i * row;                                                       \
-                vec_f p[ACC_VECS]; /* the chunk's weights of this token, broadcast */               \
+                const float vs = SCALE_OF(v, head_dim);                                             \
+                vec_f p[ACC_VECS]; /* the chunk's weights of this token (x its V scale), broadcast */\
                 _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                       \
                     if (jj >= nj) break;                                                            \
-                    p[jj] = vbroadcast(scores[(int64_t)(j0 + jj) * ctx + t0 + i]);                  \
+                    p[jj] = vbroadcast(scores[(int64_t)(j0 + jj) * ctx + t0 + i] * vs);             \
                 }                                                                                   \
                 /* Each V vector read (and widened) once. Constant trip counts, unrolled in full:   \
                  * acc and p stay in registers. */                                                  \
@@ -261,8 +313,9 @@ static void softmax_rows(float *scores, int rows, int64_t ctx)
 }
 
 /* One kernel per K/V element type: KV_T the cache's element, LOAD(row, d) its d-th value as float,
- * UNIT the vector path of one unit (DEFINE_UNIT_VECTOR). */
-#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD, UNIT)                                        \
+ * SCALE_OF(row, head_dim) the row's scale, EXTRA the elements after a row's values (4 for the
+ * scale of an 8-bit row, else 0), UNIT the vector path of one unit (DEFINE_UNIT_VECTOR). */
+#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD, SCALE_OF, EXTRA, UNIT)                      \
 void NAME(                                                                                          \
     const float *query,          /* [num_seqs, num_heads, head_dim], float32 */                     \
     const KV_T *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */             \
@@ -275,7 +328,8 @@ void NAME(                                                                      
     float scale, int num_threads)                                                                   \
 {                                                                                                   \
     const int group = num_heads / num_kv_heads;                                                     \
-    const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per token in one block */     \
+    const int64_t hrow = (int64_t)head_dim + (EXTRA); /* elements per (token, head) row */          \
+    const int64_t row = (int64_t)num_kv_heads * hrow; /* elements per token in one block */         \
     const int64_t units = (int64_t)num_seqs * num_kv_heads;                                         \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                       \
     for (int64_t u = 0; u < units; ++u) {                                                           \
@@ -287,21 +341,22 @@ void NAME(                                                                      
         float *o = out + (s * num_heads + g * group) * head_dim;                                    \
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));        \
         if (head_dim == 64) {                                                                       \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 64 / VEC); \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 64 / VEC); \
         } else if (head_dim == 128) {                                                               \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, group, block_size, scale, scores, o, 128 / VEC); \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 128 / VEC); \
         } else {                                                                                    \
             /* scores[j * ctx + t] = scale * q_j . k_t */                                           \
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \
-                const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row + g * head_dim; \
+                const KV_T *kb = k_cache + table[t0 / block_size] * block_size * row + g * hrow;    \
                 const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                    \
                 for (int64_t i = 0; i < n; ++i) {                                                   \
                     const KV_T *k = kb + i * row;                                                   \
+                    const float ks = SCALE_OF(k, head_dim) * scale;                                 \
                     for (int j = 0; j < group; ++j) {                                               \
                         const float *qj = q + (int64_t)j * head_dim;                                \
                         float acc = 0.0f;                                                           \
                         for (int d = 0; d < head_dim; ++d) acc += qj[d] * LOAD(k, d);               \
-                        scores[(int64_t)j * ctx + t0 + i] = acc * scale;                            \
+                        scores[(int64_t)j * ctx + t0 + i] = acc * ks;                               \
                     }                                                                               \
                 }                                                                                   \
             }                                                                                       \
@@ -309,12 +364,13 @@ void NAME(                                                                      
             for (int64_t i = 0; i < (int64_t)group * head_dim; ++i) o[i] = 0.0f;                    \
             /* o_j = sum_t p_jt v_t */                                                              \
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \
-                const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * head_dim; \
+                const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row + g * hrow;    \
                 const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                    \
                 for (int64_t i = 0; i < n; ++i) {                                                   \
                     const KV_T *v = vb + i * row;                                                   \
+                    const float vs = SCALE_OF(v, head_dim);                                         \
                     for (int j = 0; j < group; ++j) {                                               \
-                        const float p = scores[(int64_t)j * ctx + t0 + i];                          \
+                        const float p = scores[(int64_t)j * ctx + t0 + i] * vs;                     \
                         float *oj = o + (int64_t)j * head_dim;                                      \
                         for (int d = 0; d < head_dim; ++d) oj[d] += p * LOAD(v, d);                 \
                     }                                                                               \
@@ -325,12 +381,16 @@ void NAME(                                                                      
     }                                                                                               \
 }
 
-DEFINE_UNIT_VECTOR(unit_vector_f32, float, vload_f32)
-DEFINE_UNIT_VECTOR(unit_vector_bf16, uint16_t, vload_bf16)
+DEFINE_UNIT_VECTOR(unit_vector_f32, float, vload_f32, SCALE_ONE)
+DEFINE_UNIT_VECTOR(unit_vector_bf16, uint16_t, vload_bf16, SCALE_ONE)
+DEFINE_UNIT_VECTOR(unit_vector_i8, int8_t, vload_i8, SCALE_ROW)
+DEFINE_UNIT_VECTOR(unit_vector_fp8, uint8_t, vload_fp8, SCALE_ROW)
 
 /* Token p of a sequence lives in block block_table[p / block_size], row p % block_size. */
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32, unit_vector_f32)
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16, unit_vector_bf16)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32, SCALE_ONE, 0, unit_vector_f32)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16, SCALE_ONE, 0, unit_vector_bf16)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_i8, int8_t, LOAD_I8, SCALE_ROW, 4, unit_vector_i8)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_fp8, uint8_t, LOAD_FP8, SCALE_ROW, 4, unit_vector_fp8)
 
 /* Writes a step's new K and V rows into the paged cache: token t's row (num_kv_heads x head_dim
  * values, row_bytes bytes, at key + t * key_stride bytes) goes to slot slots[t] of the layer's K
@@ -348,6 +408,62 @@ int64_t paged_kv_write(const char *key, int64_t key_stride, const char *value, i
         if (s < 0 || s >= num_slots) { ++bad; continue; }
         __builtin_memcpy(k_cache + s * row_bytes, key + t * key_stride, (size_t)row_bytes);
         __builtin_memcpy(v_cache + s * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return bad;
+}
+
+/* float32 -> float8 e4m3fn, |x| <= 448 and finite: round to nearest, ties to even, as torch's
+ * conversion. Below 2^-6 the result is subnormal: m x 2^-9, m = round(|x| x 2^9) (exact scaling;
+ * m = 8 is the smallest normal's bits). Above, the float32 mantissa rounded at its bit 20 and the
+ * exponent re-biased from 127 to 7. */
+static inline uint8_t f32_to_fp8(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint8_t sign = (uint8_t)((b >> 24) & 0x80);
+    b &= 0x7fffffffu;
+    float ax;
+    memcpy(&ax, &b, sizeof ax);
+    if (ax < 0.015625f) return sign | (uint8_t)nearbyintf(ax * 512.0f);
+    b += 0x7ffffu + ((b >> 20) & 1u);
+    int v = (int)(b >> 20) - (120 << 3);
+    return sign | (uint8_t)(v > 0x7e ? 0x7e : v);
+}
+
+/* One (token, head) row of head_dim floats -> head_dim 8-bit values and their float32 scale, as
+ * engine/kv_cache/kv_quant.py quantize_rows: scale = max |x| / qmax (1 for an all-zero row),
+ * q = x / scale clamped to [-qmax, qmax], rounded to nearest even (int8) or to e4m3 (fp8). */
+static inline void quantize_row(const float *x, uint8_t *dst, int head_dim, int fp8)
+{
+    const float qmax = fp8 ? 448.0f : 127.0f;
+    float amax = 0.0f;
+    for (int d = 0; d < head_dim; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float scale = amax > 0.0f ? amax / qmax : 1.0f;
+    for (int d = 0; d < head_dim; ++d) {
+        float y = x[d] / scale;
+        y = y > qmax ? qmax : (y < -qmax ? -qmax : y);
+        dst[d] = fp8 ? f32_to_fp8(y) : (uint8_t)(int8_t)nearbyintf(y);
+    }
+    memcpy(dst + head_dim, &scale, sizeof scale);
+}
+
+/* paged_kv_write for an 8-bit cache: token t's float32 K and V rows (num_kv_heads x head_dim,
+ * at key + t * key_stride floats, heads contiguous) quantised into slot slots[t] (rows of
+ * head_dim + 4 bytes). fp8: 1 for float8 e4m3fn, 0 for int8. Returns the number of slots outside
+ * [0, num_slots) (not written). */
+int64_t paged_kv_write_q8(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                          uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, int64_t num_tokens,
+                          int num_kv_heads, int head_dim, int64_t num_slots, int fp8)
+{
+    const int64_t hrow = (int64_t)head_dim + 4, row = num_kv_heads * hrow;
+    int64_t bad = 0;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0 || s >= num_slots) { ++bad; continue; }
+        for (int h = 0; h < num_kv_heads; ++h) {
+            quantize_row(key + t * key_stride + (int64_t)h * head_dim, k_cache + s * row + h * hrow, head_dim, fp8);
+            quantize_row(value + t * value_stride + (int64_t)h * head_dim, v_cache + s * row + h * hrow, head_dim, fp8);
+        }
     }
     return bad;
 }

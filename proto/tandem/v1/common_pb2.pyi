@@ -99,13 +99,15 @@ class BlockKey(_message.Message):
     def __init__(self, spec_fingerprint: _Optional[str] = ..., block_hash: _Optional[int] = ..., scoped: _Optional[_Union[ScopedBlockId, _Mapping]] = ...) -> None: ...
 
 class KVManifest(_message.Message):
-    __slots__ = ("spec_fingerprint", "pool_address", "blocks", "num_tokens")
+    __slots__ = ("spec_fingerprint", "pool_address", "blocks", "num_tokens", "kv_dtype")
     SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     spec_fingerprint: str
     pool_address: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockKey]
     num_tokens: int
-    def __init__(self, spec_fingerprint: _Optional[str] = ..., pool_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockKey, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, spec_fingerprint: _Optional[str] = ..., pool_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockKey, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...

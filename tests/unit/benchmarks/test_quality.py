@@ -51,3 +51,11 @@ def test_unknown_variants_and_a_missing_path_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quality.main([])
     assert "--path" in capsys.readouterr().err
+
+
+def test_every_variant_is_an_engine_config_and_the_kv_variants_keep_float32_weights():
+    from engine.config import EngineConfig
+
+    configs = {name: EngineConfig(**fields) for name, fields in quality.VARIANTS.items()}
+    assert {n: (c.dtype, c.kv_cache_dtype) for n, c in configs.items() if n.startswith("kv-")} == {
+        "kv-fp8": ("float32", "fp8"), "kv-int8": ("float32", "int8")}

@@ -23,6 +23,25 @@ def test_spec_fingerprint_and_block_bytes():
     assert spec.fingerprint != other.fingerprint and len(spec.fingerprint) == 16
 
 
+def test_8bit_kv_specs_count_their_scales_and_get_their_own_namespace():
+    """SmolLM2-135M's blocks (30 layers, 3 KV heads, head_dim 64, 16 tokens): an 8-bit row is 64
+    values and a 4-byte float32 scale. float32 keeps the fingerprint it had before the KV dtype
+    existed (pools already hold blocks under it)."""
+    def spec(dtype="float32", kv="auto"):
+        return KVCacheSpec("SmolLM2-135M-Instruct", "r1", dtype, 30, 3, 64, 16, kv_cache_dtype=kv)
+
+    assert spec().fingerprint == "a91614d808b74df6"
+    sizes = {(d, kv): spec(d, kv).block_bytes for d, kv in
+             [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("float32", "int8"), ("bfloat16", "fp8")]}
+    assert sizes == {("float32", "auto"): 737280, ("bfloat16", "auto"): 368640, ("float32", "fp8"): 195840,
+                     ("float32", "int8"): 195840, ("bfloat16", "fp8"): 195840}
+    prints = {spec(d, kv).fingerprint for d, kv in sizes} | {spec("float16").fingerprint}
+    assert len(prints) == 6  # every KV dtype (and model dtype) its own namespace
+    assert spec(kv="fp8").kv_dtype_name == "fp8" and spec("bfloat16").kv_dtype_name == "bfloat16"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'int8'\), got 'fp16'"):
+        spec(kv="fp16")
+
+
 def test_spec_kv_layout_is_all_heads_only():
     spec = KVCacheSpec("m", "r", "float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
     assert spec.kv_layout == "all_heads"  # any TP degree writes and reads this one layout

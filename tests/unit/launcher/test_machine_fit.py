@@ -47,6 +47,15 @@ def ports() -> list[str]:
 def test_the_shape_gives_weights_and_block_bytes() -> None:
     assert SMOLLM2.weight_bytes("float32") == 538_060_032 and SMOLLM2.weight_bytes("bfloat16") == 269_030_016
     assert SMOLLM2.kv_block_bytes(16, "float32") == BLOCK_BYTES == 720 * 1024
+    # 8-bit KV: one byte per value and a float32 scale per (token, head) row, as KVCacheSpec counts it
+    assert SMOLLM2.kv_block_bytes(16, "float32", "fp8") == SMOLLM2.kv_block_bytes(16, "bfloat16", "int8") == 195_840
+
+
+def test_an_8bit_kv_cache_is_counted_at_its_own_block_size() -> None:
+    config = ClusterConfig.from_options(model="m", num_kv_blocks=1024, kv_cache_dtype="fp8")
+    needs = {n.name: n for n in cluster_needs(config, SMOLLM2)}
+    assert dict(needs["decode workers"].parts)["KV cache (1024 blocks x 191.2 KiB)"] == 1024 * 195_840
+    assert "--kv-cache-dtype fp8" in needs["decode workers"].flags
 
 
 def test_each_process_is_counted_with_weights_kv_arena_and_its_own_memory() -> None:

@@ -64,3 +64,24 @@ def test_wrong_sizes_are_refused_and_the_guard_still_runs():
         unpack_blocks(torch.zeros(SHAPE), [0], [b"x" * 10])
     unpack_blocks(torch.zeros(SHAPE), [0], [block])
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_8bit_blocks_move_with_their_scales(dtype):
+    """An 8-bit cache's block is its packed rows, scales included: the spec's block_bytes per
+    payload, loaded back byte for byte, and a copy-on-write copy carries the scales too."""
+    from core.kv_cache_spec import KVCacheSpec
+    from engine.kv_cache.kv_quant import dequantize_rows, quantize_rows
+
+    floats = torch.randn(3, 2, 6, 4, 2, 8)
+    source = quantize_rows(floats, dtype)  # [3, 2, 6, 4, 2, 8 + 4]
+    spec = KVCacheSpec("m", "r", "float32", 3, 2, 8, 4, kv_cache_dtype="fp8" if dtype == torch.float8_e4m3fn else "int8")
+    payloads = pack_blocks(source, [4, 0])
+    assert [len(p) for p in payloads] == [spec.block_bytes] * 2 == [3 * 2 * 4 * 2 * (8 + 4)] * 2
+    cache = torch.zeros_like(source)
+    unpack_blocks(cache, [1, 3], payloads)
+    assert torch.equal(cache[:, :, [1, 3]].view(torch.uint8), source[:, :, [4, 0]].view(torch.uint8))
+    cache[:, :, 5] = cache[:, :, 1]  # the model runner's copy-on-write copy
+    assert torch.equal(dequantize_rows(cache[:, :, 5]), dequantize_rows(source[:, :, 4]))
+    with pytest.raises(ValueError, match=f"payload of {spec.block_bytes - 1} bytes, a block is {spec.block_bytes}"):
+        unpack_blocks(cache, [0], [payloads[0][1:]])

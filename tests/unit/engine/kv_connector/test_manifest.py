@@ -29,3 +29,18 @@ def test_a_manifest_covering_the_prompt_in_its_blocks_is_accepted():
 def test_a_mismatched_manifest_is_refused(m, num_prompt_tokens, fragment):
     with pytest.raises(ValueError, match=fragment):
         m.validate(SPEC, num_prompt_tokens)
+
+
+def test_a_manifest_of_another_kv_dtype_is_refused_naming_both():
+    fp8 = KVCacheSpec("m", "r", "float32", 2, 2, 8, 16, kv_cache_dtype="fp8")
+    m = Manifest(fp8.fingerprint, "", [BlockKey.content(fp8.fingerprint, 1)], 16, fp8.kv_dtype_name)
+    m.validate(fp8, 16)
+    with pytest.raises(ValueError, match=r"^manifest KV blocks are fp8, this worker's KV cache is float32: prefill and "
+                                         r"decode workers need the same --kv-cache-dtype \(and --dtype\)$"):
+        m.validate(SPEC, 16)
+    int8 = KVCacheSpec("m", "r", "float32", 2, 2, 8, 16, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="manifest KV blocks are fp8, this worker's KV cache is int8"):
+        m.validate(int8, 16)
+    unnamed = Manifest(fp8.fingerprint, "", m.keys, 16)  # a sender that does not name its dtype: the fingerprint
+    with pytest.raises(ValueError, match=f"manifest KV spec '{fp8.fingerprint}' != this worker's '{SPEC.fingerprint}'"):
+        unnamed.validate(SPEC, 16)

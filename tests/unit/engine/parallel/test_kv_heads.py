@@ -48,3 +48,20 @@ def test_replicated_heads_are_taken_from_their_first_holder():
     assert join_heads(parts, layouts[0], block_shape(2)) == pack_blocks(full, [1])
     [block] = pack_blocks(full, [1])
     assert head_slice(block, layouts[0], block_shape(2), 1) == pack_blocks(caches[0], [1])[0]
+
+
+def test_8bit_blocks_are_cut_by_heads_with_their_scales():
+    """An int8 block's head rows are HEAD_DIM values and a 4-byte scale: each rank's cut holds its
+    heads' rows whole, and joining them gives the TP=1 block."""
+    from engine.kv_cache.kv_quant import quantize_rows
+
+    full = quantize_rows(torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, 3, HEAD_DIM), torch.int8)
+    shape = (NUM_LAYERS, 2, BLOCK_SIZE, 3, full.shape[-1] * full.element_size())  # as TensorParallelRunner
+    assert shape[-1] == HEAD_DIM + 4
+    layouts = [ShardLayout(r, 2, 9, 3, 16, 32) for r in range(2)]
+    [block] = pack_blocks(full, [3])
+    for rank, heads in ((0, [0, 1]), (1, [2])):
+        assert head_slice(block, layouts[rank], shape, rank) == pack_blocks(full[..., heads, :].contiguous(), [3])[0]
+    caches = rank_caches(full, lambda r: layouts[r])
+    parts = [pack_blocks(cache, [4, 0, 2]) for cache in caches]
+    assert join_heads(parts, layouts[0], shape) == pack_blocks(full, [4, 0, 2])
