@@ -76,7 +76,9 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     qmax = QMAX[dtype]
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))  # [..., 1], float32
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, one ulp
+    # off IEEE division at times; the kernels (C, Triton) divide exactly.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))  # [..., 1], float32
     scaled = (x / scale).clamp(-qmax, qmax)
     q = scaled.round().to(torch.int8) if dtype == torch.int8 else scaled.to(dtype)
     rows = torch.empty((*x.shape[:-1], x.shape[-1] + SCALE_ELEMS), dtype=torch.uint8, device=x.device)
