@@ -51,6 +51,11 @@ WORKER_FAILURE_CODES = frozenset({
 })
 
 
+# Seconds a replaced channel (TRANSIENT_FAILURE: nothing new connects) keeps the calls still
+# running on it before they are cancelled: longer than a draining worker's grace period.
+REPLACED_CHANNEL_GRACE_S = 600.0
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     first_token_id: int
@@ -142,7 +147,7 @@ class WorkerClients:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Task] = set()  # replaced channels being closed
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}  # replaced channels being closed
         self._dropping: set[asyncio.Task] = set()  # DropManifest calls in flight
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -152,9 +157,12 @@ class WorkerClients:
         on its port): a fresh channel connects now, or fails as fast if nothing listens."""
         channel = self._channels.get(address)
         if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            task = asyncio.create_task(channel.close())  # no call runs on a channel in that state
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            # New calls fail on it, but streams may still run on its open connection: a draining
+            # worker (SIGTERM, a rolling update) refuses new connections while it finishes them.
+            # They end on the old channel; closing it at once would cancel them mid-stream.
+            task = asyncio.create_task(channel.close(grace=REPLACED_CHANNEL_GRACE_S))
+            self._closing[task] = channel
+            task.add_done_callback(lambda done: self._closing.pop(done, None))
             channel = None
         if channel is None:
             channel = self._channels[address] = cluster_aio_channel(address, options=_CHANNEL_OPTIONS)
@@ -254,7 +262,7 @@ class WorkerClients:
     async def close(self) -> None:
         for task in self._dropping:  # the pool's lease deadline releases what they were dropping
             task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
+        for channel in [*self._channels.values(), *self._closing.values()]:
+            await channel.close()  # cancels what still runs on them: the router is stopping
         self._channels.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
