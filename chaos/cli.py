@@ -27,7 +27,7 @@ from chaos.campaign import CampaignRunner, ScenarioResult, result_json
 from chaos.link_proxy import LinkProxies
 from chaos.sampler import plot
 from chaos.reference import references
-from chaos.schedule import LINK_FAULTS, Campaign, load_campaign
+from chaos.schedule import LINK_FAULTS, Campaign, Fault, load_campaign
 from core.fault_injection import ENV_VAR
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.config import ClusterConfig
@@ -94,11 +94,9 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
     expected = {"decode": config.num_decode_workers, "pool": 1,
                 **({} if config.colocated else {"prefill": config.num_prefill_workers})}
     results: list[ScenarioResult] = []
-    linked = sorted({f.service for s in scenarios for f in s.faults if f.do in LINK_FAULTS})
+    linked = {f.link: f for s in scenarios for f in s.faults if f.do in LINK_FAULTS}
     with _fault_injection(fault_file), LocalCluster(config) as cluster, LinkProxies() as links:
-        for name in linked:  # the routers dial these workers through a proxy that link faults drive
-            cluster.addresses[name] = f"{config.host}:{free_port()}"
-            cluster.advertised[name] = links.add(name, cluster.addresses[name])
+        _put_link_proxies(cluster, links, sorted(linked.values(), key=lambda f: f.link), campaign.seed)
         cluster.start(on_progress=console.print)
         client = ClientConfig(cluster.http_url, resolve_model(model).name, timeout_s=campaign.deadline_s)
         runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected, links)
@@ -108,6 +106,27 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
             results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31), results[-1] if results else None)))
             _write(out_dir, campaign, results, with_reference)
     return results
+
+
+def _put_link_proxies(cluster: LocalCluster, links: LinkProxies, faults: list[Fault], seed: int) -> None:
+    """One proxy per link that ``faults`` name, before the cluster starts: a worker's or pool
+    node's is the address it advertises (the routers, and for a pool node the workers, dial it);
+    a Redis link is the Redis URL its client service is started with (Redis started first, so
+    its address is known). Mutates ``cluster``'s addresses, advertised addresses and Redis URLs.
+
+    Raises:
+        RuntimeError / FileNotFoundError: Redis did not start (LocalCluster.start_redis).
+    """
+    config = cluster.config
+    for i, fault in enumerate(faults):
+        if fault.client:
+            if not cluster.redis_url:
+                cluster.start_redis(on_progress=console.print)
+            redis_address = cluster.redis_url.removeprefix("redis://").split("/", 1)[0]
+            cluster.redis_urls[fault.client] = f"redis://{links.add(fault.link, redis_address, seed + i)}/0"
+        else:  # the routers dial this worker (or the workers this pool node) through the proxy
+            cluster.addresses[fault.link] = f"{config.host}:{free_port()}"
+            cluster.advertised[fault.link] = links.add(fault.link, cluster.addresses[fault.link], seed + i)
 
 
 @contextlib.contextmanager
