@@ -22,7 +22,7 @@ from rich.console import Console
 from bench.client import ClientConfig
 from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
-from chaos import report
+from chaos import netfilter, report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
 from chaos.link_proxy import LinkProxies
 from chaos.sampler import plot
@@ -161,15 +161,32 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
 
 
 @click.command()
-@click.argument("campaign_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("campaign_path", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out_dir", default=".cache/chaos", show_default=True, type=click.Path(path_type=Path),
               help="Results (results.md, results.json), reference cache and service logs.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--scenario", "only", multiple=True, help="Run only this scenario (repeatable).")
 @click.option("--reference/--no-reference", default=True, show_default=True,
               help="Compare greedy answers with Hugging Face transformers (computed once, cached).")
-def chaos(campaign_path: Path, out_dir: Path, model: str, only: tuple[str, ...], reference: bool) -> None:
-    """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster."""
+@click.option("--partition", "partition", metavar="CLIENT_IP,SERVER_IP", default=None,
+              help="Instead of a campaign: drop the packets between two IP addresses (pods) with iptables "
+                   f"rules in the {netfilter.CHAIN} chain for --for-s seconds, then heal (needs root).")
+@click.option("--for-s", "for_s", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="How long --partition lasts.")
+@click.option("--direction", type=click.Choice(netfilter.DIRECTIONS), default="both", show_default=True,
+              help="Which packets --partition drops (to_server: CLIENT_IP -> SERVER_IP only).")
+@click.option("--cleanup", is_flag=True,
+              help=f"Remove every rule and jump of the {netfilter.CHAIN} chain a killed run left, then exit.")
+@click.option("--netns", default="", help="Run iptables in this network namespace (ip netns exec) instead of here.")
+def chaos(campaign_path: Path | None, out_dir: Path, model: str, only: tuple[str, ...], reference: bool,
+          partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+    """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster,
+    or partition two pod addresses (--partition), or remove what a killed partition left (--cleanup)."""
+    if cleanup or partition:
+        _netfilter(partition, for_s, direction, cleanup, netns)
+        return
+    if campaign_path is None:
+        raise click.UsageError("give a CAMPAIGN_PATH, --partition or --cleanup")
     try:
         campaign = load_campaign(campaign_path)
         results = run_campaign(campaign, out_dir, model, reference, only)
@@ -181,3 +198,19 @@ def chaos(campaign_path: Path, out_dir: Path, model: str, only: tuple[str, ...],
         console.print(f"[red]target missed[/]: {line}")
     if misses:
         raise click.exceptions.Exit(1)
+
+
+def _netfilter(partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+    """``--cleanup`` or ``--partition`` (chaos.netfilter). Raises ClickException naming what failed."""
+    rules = netfilter.Netfilter(["ip", "netns", "exec", netns] if netns else [])
+    try:
+        if cleanup:
+            console.print(f"removed {rules.cleanup()} rule(s) and the {netfilter.CHAIN} chain")
+            return
+        client, _, server = partition.partition(",")
+        netfilter.hold_partition(rules, client.strip(), server.strip(), for_s, direction, on_progress=console.print)
+    except (ValueError, RuntimeError, OSError) as err:
+        raise click.ClickException(str(err)) from None
+    except (KeyboardInterrupt, netfilter.Interrupted) as err:
+        console.print(f"interrupted ({err or 'SIGINT'}): rules removed")
+        raise click.exceptions.Exit(130) from None
