@@ -85,16 +85,17 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
     scenarios = [s for s in campaign.scenarios if not only or s.name in only]
     if only and len(scenarios) != len(only):
         raise ValueError(f"unknown scenario(s) {sorted(set(only) - {s.name for s in scenarios})}")
+    linked = {f.link: f for s in scenarios for f in s.faults if f.do in LINK_FAULTS}
+    check_link_services(cluster_config(campaign, model, out_dir / "logs"), list(linked.values()))  # before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     requests = load_workload(workload(campaign))
     refs = references(requests, model, out_dir / "references.json") if with_reference else None
     fault_file = str((out_dir / "faults.json").resolve())
     (out_dir / "faults.json").write_text('{"rules": []}')
-    config = cluster_config(campaign, model, out_dir / "logs")
+    config = cluster_config(campaign, model, out_dir / "logs")  # its free ports just before the cluster starts
     expected = {"decode": config.num_decode_workers, "pool": 1,
                 **({} if config.colocated else {"prefill": config.num_prefill_workers})}
     results: list[ScenarioResult] = []
-    linked = {f.link: f for s in scenarios for f in s.faults if f.do in LINK_FAULTS}
     with _fault_injection(fault_file), LocalCluster(config) as cluster, LinkProxies() as links:
         _put_link_proxies(cluster, links, sorted(linked.values(), key=lambda f: f.link), campaign.seed)
         cluster.start(on_progress=console.print)
@@ -106,6 +107,19 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
             results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31), results[-1] if results else None)))
             _write(out_dir, campaign, results, with_reference)
     return results
+
+
+def check_link_services(config: ClusterConfig, faults: list[Fault]) -> None:
+    """Raises ValueError naming a link fault whose service (or Redis client) ``config`` does not
+    start: its proxy would sit on no one's path and the fault would do nothing."""
+    workers = [name for name, _ in config.worker_names]
+    for fault in faults:
+        if fault.client:
+            known, name = [*config.router_names, *workers, *config.pool_names], fault.client
+        else:
+            known, name = [*workers, *config.pool_names], fault.service
+        if name not in known:
+            raise ValueError(f"{fault.label}: the cluster runs no {name!r} (its services: {', '.join(known)})")
 
 
 def _put_link_proxies(cluster: LocalCluster, links: LinkProxies, faults: list[Fault], seed: int) -> None:

@@ -153,3 +153,21 @@ def test_a_campaigns_relative_trace_path_is_read_from_the_data_folder(tmp_path, 
     own = dict(yaml.safe_load(yaml.safe_dump(CAMPAIGN)), workload={"kind": "mooncake", "path": str(tmp_path / "t.jsonl")})
     (tmp_path / "t.jsonl").write_text("")
     assert workload(parse_campaign(own)).path == tmp_path / "t.jsonl"  # an absolute path is itself
+
+
+def test_a_link_fault_on_a_service_the_cluster_does_not_run_is_refused():
+    """A proxy in front of a worker that is never started sits on no one's path: the fault would
+    silently do nothing (a prefill-1 partition on a cluster of one prefill worker)."""
+    from chaos.cli import check_link_services
+    from launcher.config import ClusterConfig
+
+    config = ClusterConfig.from_options(num_prefill_workers=1, num_decode_workers=2)
+    fine = [Fault("partition", at_s=1, service="prefill", duration_s=5),
+            Fault("partition", at_s=1, service="redis", client="decode-1", duration_s=5),
+            Fault("throttle_link", at_s=1, service="kv_pool", bytes_per_s=10, duration_s=5)]
+    check_link_services(config, fine)
+    with pytest.raises(ValueError, match="partition prefill-1 @ 1 s for 5 s: the cluster runs no 'prefill-1' "
+                                         "\\(its services: prefill, decode, decode-1, kv_pool\\)"):
+        check_link_services(config, [Fault("partition", at_s=1, service="prefill-1", duration_s=5)])
+    with pytest.raises(ValueError, match="the cluster runs no 'router-1'"):
+        check_link_services(config, [Fault("partition", at_s=1, service="redis", client="router-1", duration_s=5)])
