@@ -131,6 +131,7 @@ class WorkerView:
             self._wiped_at_s = time.monotonic()
         wiped = time.monotonic() - self._wiped_at_s < WIPE_GRACE_S
         listed = {w.address for ws in fresh.values() for w in ws}
+        down_before = set(self._down)  # a worker down when it goes missing is never kept
         # A kept worker marked down stays down (not forgotten) until its heartbeats return
         present = by_address.keys() if wiped else listed | (self._kept_missing & by_address.keys())
         for address in [a for a in self._down if a not in present]:
@@ -144,7 +145,8 @@ class WorkerView:
         if wiped:
             self._workers = known  # the workers re-register with their next heartbeats
         else:  # a worker gone from the registry leaves the view at once, unless it still serves
-            kept = await self._keep_missing([w for ws in known.values() for w in ws if w.address not in listed])
+            kept = await self._keep_missing([w for ws in known.values() for w in ws if w.address not in listed],
+                                            down_before)
             self._workers = {role: sorted([w for w in fresh[role] if w.address in by_address]
                                           + [w for w in known[role] if w.address in kept], key=lambda w: w.worker_id)
                              for role in ROLES}
@@ -164,10 +166,11 @@ class WorkerView:
                      reason, WIPE_GRACE_S)
         return bool(reason)
 
-    async def _keep_missing(self, missing: list[WorkerInfo]) -> set[str]:
+    async def _keep_missing(self, missing: list[WorkerInfo], down: set[str]) -> set[str]:
         """Which of ``missing`` (known, not lost, gone from a readable registry) stay in the view:
         a worker of a probed role that answered SERVING when it first went missing (asked once
-        per absence; one marked down since stays kept, and down, until its heartbeats return).
+        per absence; never one in ``down``, marked down before this read; one marked down since
+        stays kept, and down, until its heartbeats return).
         Needs a health probe (without one: none). Mutates: the kept and asked sets (a worker
         listed again or lost leaves them)."""
         candidates = {w.address for w in missing if w.role in PROBED_ROLES}
@@ -175,7 +178,8 @@ class WorkerView:
         self._asked_missing &= candidates
         if self.probe is None:
             return set()
-        new = sorted(candidates - self._asked_missing - self._down.keys())
+        self._asked_missing |= candidates & (down | self._down.keys())  # not kept in this absence
+        new = sorted(candidates - self._asked_missing)
         self._asked_missing.update(new)
         for address, health in zip(new, await asyncio.gather(*(self._probe(a) for a in new))):
             if health is Health.SERVING:
