@@ -171,3 +171,14 @@ def test_a_link_fault_on_a_service_the_cluster_does_not_run_is_refused():
         check_link_services(config, [Fault("partition", at_s=1, service="prefill-1", duration_s=5)])
     with pytest.raises(ValueError, match="the cluster runs no 'router-1'"):
         check_link_services(config, [Fault("partition", at_s=1, service="redis", client="router-1", duration_s=5)])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[3] / "chaos" / "campaigns").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_campaign_parses_and_its_link_faults_name_services_it_runs(path):
+    from chaos.cli import check_link_services, cluster_config
+    from chaos.schedule import LINK_FAULTS, load_campaign
+
+    campaign = load_campaign(path)
+    config = cluster_config(campaign, "SmolLM2-135M-Instruct", Path("logs"))
+    check_link_services(config, [f for s in campaign.scenarios for f in s.faults if f.do in LINK_FAULTS])
