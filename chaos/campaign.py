@@ -182,8 +182,8 @@ class CampaignRunner:
         probe.close()
         triggered = [f for f in logs if f.note != "not triggered"]
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_s(driver.progress, triggered), duration_s, _examples(outcomes), events,
-                              sampler.samples, rate, self._detected(triggered))
+                              rss_growth, recovery_s(driver.progress, triggered), duration_s, _examples(outcomes),
+                              events, sampler.samples, rate, self._detected(triggered))
 
     def _detected(self, triggered: list[FaultLog]) -> float | None:
         """Seconds from the scenario's first partition until a router showed it noticed (None: no

@@ -138,8 +138,9 @@ class LocalCluster:
                           for name in [*c.pool_names, *(name for name, _ in c.worker_names)]}
         metrics_ports = {name: free_port() for name in self.addresses}
         self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
-        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]), self.redis_url_of(name),
-                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c)
+        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]),
+                                                self.redis_url_of(name), metrics_port=metrics_ports[name])
+                             + pool_node_args(name, c)
                              + (["--advertise-address", self.advertised[name]] if name in self.advertised else []),
                              grpc_ready(self.addresses[name])) for name in c.pool_names]
         for pool in pools:
@@ -153,8 +154,8 @@ class LocalCluster:
         # The routers start beside the workers (they load only a tokenizer) and are ready once
         # they see every worker in the registry.
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
-        routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1], self.redis_url_of(r.name),
-                                                    http_port=c.router_ports(r.name)[0]),
+        routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1],
+                                                    self.redis_url_of(r.name), http_port=c.router_ports(r.name)[0]),
                                http_ready(f"{r.http_url}/health")) for r in self.routers]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)

@@ -89,11 +89,13 @@ def pods() -> Iterator[Pods]:
         if names.exec(names.node, "cat", "/proc/sys/net/bridge/bridge-nf-call-iptables").stdout.strip() != "1":
             pytest.skip("bridged packets do not cross iptables here (br_netfilter off)")
         server = subprocess.Popen(["ip", "netns", "exec", names.b, sys.executable, "-c",
-                                   "import socket,time\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                                   "import socket\ns=socket.socket()\n"
+                                   "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
                                    f"s.bind(('0.0.0.0', {PORT})); s.listen(16)\n"
                                    "while True: s.accept()[0].close()\n"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        poll_until(lambda: names.connect() == "connected", timeout_s=30, interval_s=0.2, message="pod b's server to accept from pod a")
+        poll_until(lambda: names.connect() == "connected", timeout_s=30, interval_s=0.2,
+                   message="pod b's server to accept from pod a")
         yield names
     finally:
         if server is not None:
@@ -104,9 +106,9 @@ def pods() -> Iterator[Pods]:
 
 
 def _partition_process(pods: Pods, for_s: float = 600) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tandem_cli.main", "chaos", "--partition", f"{pods.ip_a},{pods.ip_b}",
-                             "--for-s", str(for_s), "--netns", pods.node], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    argv = [sys.executable, "-m", "tandem_cli.main", "chaos", "--partition", f"{pods.ip_a},{pods.ip_b}",
+            "--for-s", str(for_s), "--netns", pods.node]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_a_partition_drops_silently_and_heals(pods):
@@ -136,7 +138,8 @@ def test_a_partition_run_stopped_mid_partition_removes_its_rules(pods, sig):
     netfilter = pods.netfilter()
     process = _partition_process(pods)
     try:
-        poll_until(lambda: len(netfilter.rules()) == 2, timeout_s=60, interval_s=0.2, message="the partition's two rules")
+        poll_until(lambda: len(netfilter.rules()) == 2, timeout_s=60, interval_s=0.2,
+                   message="the partition's two rules")
         assert pods.connect() == "timeout"
         process.send_signal(sig)
         output, _ = process.communicate(timeout=60)
@@ -155,7 +158,8 @@ def test_a_killed_partition_run_leaves_rules_that_cleanup_removes(pods):
     netfilter = pods.netfilter()
     process = _partition_process(pods)
     try:
-        poll_until(lambda: len(netfilter.rules()) == 2, timeout_s=60, interval_s=0.2, message="the partition's two rules")
+        poll_until(lambda: len(netfilter.rules()) == 2, timeout_s=60, interval_s=0.2,
+                   message="the partition's two rules")
         process.kill()  # SIGKILL: no handler runs
         process.wait(timeout=10)
         assert len(netfilter.rules()) == 2 and netfilter.jumps() == ["FORWARD", "OUTPUT"]

@@ -86,7 +86,8 @@ def test_a_decode_pod_the_routers_cannot_reach(baseline, references, record, net
         before = served(node, victim)
         pairs = [(router.ip, victim.ip) for router in node.pods("router")]
         numbers = asyncio.run(partitioned_run(node, netfilter, pairs, lambda: served(node, victim) > before))
-        numbers["detected_s"] = detect_s(router_logs(node, tmp_path), ("marked down", victim.ip), numbers.pop("started_s"))
+        numbers["detected_s"] = detect_s(router_logs(node, tmp_path), ("marked down", victim.ip),
+                                         numbers.pop("started_s"))
         record("partition: routers <-> decode pod (1 of 2), a split view", **numbers)
         assert (numbers["lost"], numbers["wrong"]) == (0, 0), numbers["errors"]
         assert numbers["detected_s"] is not None and numbers["detected_s"] <= 10.0
