@@ -29,7 +29,9 @@ class Probe:
 async def view_with_probe(num_decode: int = 2) -> tuple[WorkerView, FakeRegistry, Probe]:
     registry = FakeRegistry(workers(1, num_decode))
     probe = Probe()
-    view = WorkerView(registry, probe=probe, health_interval_s=3600.0, loss=LossWatch(5.0, Clock()))
+    # No periodic sweep (its clock is time.monotonic(), which the fake clock does not move): only the
+    # checks of the rules under test are counted
+    view = WorkerView(registry, probe=probe, health_interval_s=float("inf"), loss=LossWatch(5.0, Clock()))
     await view.refresh()
     return view, registry, probe
 
