@@ -45,10 +45,11 @@ def served(node, pod) -> int:
     return node.worker_stats("decode", pod).num_generated_tokens
 
 
-async def partitioned_run(node, netfilter: Netfilter, pairs: list[tuple[str, str]], until_serving=None) -> dict:
+async def partitioned_run(node, netfilter: Netfilter, pairs: list[tuple[str, str]], served_by=None) -> dict:
     """Continuous load; once it streams, drops the packets between each (client, server) address
-    pair for PARTITION_S, heals, then runs until ``until_serving()`` (if given) holds; returns
-    the load's tally and when the partition started and ended (time.time())."""
+    pair for PARTITION_S, heals, then (with ``served_by``, a count of what the partitioned pod
+    served) runs until that count grows past its value at the heal; returns the load's tally, when
+    the partition started (time.time()) and how long after the heal the pod served again."""
     async with Load(node.url, concurrency=CONCURRENCY, continuous=True) as load:
         await load.wait_for(lambda: load.first_tokens >= 2 * CONCURRENCY, "a steady load")
         started_s = time.time()
@@ -60,8 +61,9 @@ async def partitioned_run(node, netfilter: Netfilter, pairs: list[tuple[str, str
                 await asyncio.to_thread(netfilter.heal, partition)
         healed_s = time.time()
         back_s = None
-        if until_serving is not None:
-            await load.wait_for(until_serving, "the healed pod serving again", timeout_s=120)
+        if served_by is not None:
+            at_heal = await asyncio.to_thread(served_by)
+            await load.wait_for(lambda: served_by() > at_heal, "the healed pod serving again", timeout_s=120)
             back_s = round(time.time() - healed_s, 1)
         load.stop()
         tally = await load.finish()
@@ -83,9 +85,8 @@ def test_a_decode_pod_the_routers_cannot_reach(baseline, references, record, net
     try:
         node.wait_serving(prefill=1, decode=2)
         victim = node.pods("decode")[0]
-        before = served(node, victim)
         pairs = [(router.ip, victim.ip) for router in node.pods("router")]
-        numbers = asyncio.run(partitioned_run(node, netfilter, pairs, lambda: served(node, victim) > before))
+        numbers = asyncio.run(partitioned_run(node, netfilter, pairs, lambda: served(node, victim)))
         numbers["detected_s"] = detect_s(router_logs(node, tmp_path), ("marked down", victim.ip),
                                          numbers.pop("started_s"))
         record("partition: routers <-> decode pod (1 of 2), a split view", **numbers)
