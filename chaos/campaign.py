@@ -61,9 +61,9 @@ class ScenarioResult:
         return self.counts["completed"] / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def detect_s(router_logs: list[Path], address: str, started_at: float) -> float | None:
+def detect_s(router_logs: list[Path], needles: tuple[str, ...], started_at: float) -> float | None:
     """Seconds from ``started_at`` (wall clock) until the first router log line (JSON lines with
-    ``ts``) after it that marks the worker at ``address`` down; None: none does."""
+    ``ts``) after it that holds every one of ``needles``; None: none does."""
     first = None
     for path in router_logs:
         try:
@@ -71,7 +71,7 @@ def detect_s(router_logs: list[Path], address: str, started_at: float) -> float 
         except OSError:
             continue
         for line in lines:
-            if "marked down" not in line or address not in line:
+            if not all(needle in line for needle in needles):
                 continue
             try:
                 ts = json.loads(line)["ts"]
@@ -180,15 +180,34 @@ class CampaignRunner:
             await asyncio.gather(supervisor, return_exceptions=True)
         rss_growth = probe.rss_bytes() - rss_before
         probe.close()
-        detected = None
-        link_faults = [f for f in logs if f.fault.do == "partition" and f.note != "not triggered"]
-        if link_faults and self.links is not None:
-            first = link_faults[0]
-            detected = detect_s([self.cluster.config.log_dir / f"{r.name}.log" for r in self.cluster.routers],
-                                self.links.proxies[first.fault.service].address, first.started_at)
+        triggered = [f for f in logs if f.note != "not triggered"]
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_s(driver.progress, [f for f in logs if f.note != "not triggered"]), duration_s, _examples(outcomes), events,
-                              sampler.samples, rate, detected)
+                              rss_growth, recovery_s(driver.progress, triggered), duration_s, _examples(outcomes),
+                              events, sampler.samples, rate, self._detected(triggered))
+
+    def _detected(self, triggered: list[FaultLog]) -> float | None:
+        """Seconds from the scenario's first partition until a router showed it noticed (None: no
+        partition, or none did; a pool node's has no such sign):
+
+        - a worker's link: a router marked it down (``marked down``, its advertised address);
+        - a router's Redis: that router could not read the registry;
+        - a worker's Redis: a router saw its heartbeat stop (``heartbeat``, its address: kept as
+          it answers SERVING, or lost).
+        """
+        partitions = [f for f in triggered if f.fault.do == "partition"]
+        if not partitions or self.links is None:
+            return None
+        first, log_dir = partitions[0], self.cluster.config.log_dir
+        fault = first.fault
+        routers = [log_dir / f"{r.name}.log" for r in self.cluster.routers]
+        if fault.client.startswith("router"):
+            return detect_s([log_dir / f"{fault.client}.log"], ("cannot read the worker registry",), first.started_at)
+        if fault.client.startswith(("prefill", "decode")):
+            address = self.cluster.advertised.get(fault.client) or self.cluster.addresses[fault.client]
+            return detect_s(routers, ("heartbeat", address), first.started_at)
+        if fault.client or fault.service.startswith("kv_pool"):
+            return None
+        return detect_s(routers, ("marked down", self.links.proxies[fault.link].address), first.started_at)
 
     async def _supervise(self, ctx: FaultContext, events: list[str]) -> None:
         while True:

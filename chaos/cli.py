@@ -22,12 +22,12 @@ from rich.console import Console
 from bench.client import ClientConfig
 from bench.synthesis import SynthesisConfig
 from bench.workloads import WorkloadConfig, load_workload
-from chaos import report
+from chaos import netfilter, report
 from chaos.campaign import CampaignRunner, ScenarioResult, result_json
 from chaos.link_proxy import LinkProxies
 from chaos.sampler import plot
 from chaos.reference import references
-from chaos.schedule import LINK_FAULTS, Campaign, load_campaign
+from chaos.schedule import LINK_FAULTS, Campaign, Fault, load_campaign
 from core.fault_injection import ENV_VAR
 from core.model_source import DEFAULT_MODEL, resolve_model
 from launcher.config import ClusterConfig
@@ -85,20 +85,19 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
     scenarios = [s for s in campaign.scenarios if not only or s.name in only]
     if only and len(scenarios) != len(only):
         raise ValueError(f"unknown scenario(s) {sorted(set(only) - {s.name for s in scenarios})}")
+    linked = {f.link: f for s in scenarios for f in s.faults if f.do in LINK_FAULTS}
+    check_link_services(cluster_config(campaign, model, out_dir / "logs"), list(linked.values()))  # before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     requests = load_workload(workload(campaign))
     refs = references(requests, model, out_dir / "references.json") if with_reference else None
     fault_file = str((out_dir / "faults.json").resolve())
     (out_dir / "faults.json").write_text('{"rules": []}')
-    config = cluster_config(campaign, model, out_dir / "logs")
+    config = cluster_config(campaign, model, out_dir / "logs")  # its free ports just before the cluster starts
     expected = {"decode": config.num_decode_workers, "pool": 1,
                 **({} if config.colocated else {"prefill": config.num_prefill_workers})}
     results: list[ScenarioResult] = []
-    linked = sorted({f.service for s in scenarios for f in s.faults if f.do in LINK_FAULTS})
     with _fault_injection(fault_file), LocalCluster(config) as cluster, LinkProxies() as links:
-        for name in linked:  # the routers dial these workers through a proxy that link faults drive
-            cluster.addresses[name] = f"{config.host}:{free_port()}"
-            cluster.advertised[name] = links.add(name, cluster.addresses[name])
+        _put_link_proxies(cluster, links, sorted(linked.values(), key=lambda f: f.link), campaign.seed)
         cluster.start(on_progress=console.print)
         client = ClientConfig(cluster.http_url, resolve_model(model).name, timeout_s=campaign.deadline_s)
         runner = CampaignRunner(cluster, campaign, requests, client, refs, fault_file, expected, links)
@@ -108,6 +107,40 @@ def run_campaign(campaign: Campaign, out_dir: Path, model: str = DEFAULT_MODEL, 
             results.append(asyncio.run(runner.run(scenario, rng.randrange(2**31), results[-1] if results else None)))
             _write(out_dir, campaign, results, with_reference)
     return results
+
+
+def check_link_services(config: ClusterConfig, faults: list[Fault]) -> None:
+    """Raises ValueError naming a link fault whose service (or Redis client) ``config`` does not
+    start: its proxy would sit on no one's path and the fault would do nothing."""
+    workers = [name for name, _ in config.worker_names]
+    for fault in faults:
+        if fault.client:
+            known, name = [*config.router_names, *workers, *config.pool_names], fault.client
+        else:
+            known, name = [*workers, *config.pool_names], fault.service
+        if name not in known:
+            raise ValueError(f"{fault.label}: the cluster runs no {name!r} (its services: {', '.join(known)})")
+
+
+def _put_link_proxies(cluster: LocalCluster, links: LinkProxies, faults: list[Fault], seed: int) -> None:
+    """One proxy per link that ``faults`` name, before the cluster starts: a worker's or pool
+    node's is the address it advertises (the routers, and for a pool node the workers, dial it);
+    a Redis link is the Redis URL its client service is started with (Redis started first, so
+    its address is known). Mutates ``cluster``'s addresses, advertised addresses and Redis URLs.
+
+    Raises:
+        RuntimeError / FileNotFoundError: Redis did not start (LocalCluster.start_redis).
+    """
+    config = cluster.config
+    for i, fault in enumerate(faults):
+        if fault.client:
+            if not cluster.redis_url:
+                cluster.start_redis(on_progress=console.print)
+            redis_address = cluster.redis_url.removeprefix("redis://").split("/", 1)[0]
+            cluster.redis_urls[fault.client] = f"redis://{links.add(fault.link, redis_address, seed + i)}/0"
+        else:  # the routers dial this worker (or the workers this pool node) through the proxy
+            cluster.addresses[fault.link] = f"{config.host}:{free_port()}"
+            cluster.advertised[fault.link] = links.add(fault.link, cluster.addresses[fault.link], seed + i)
 
 
 @contextlib.contextmanager
@@ -142,15 +175,32 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
 
 
 @click.command()
-@click.argument("campaign_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("campaign_path", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out_dir", default=".cache/chaos", show_default=True, type=click.Path(path_type=Path),
               help="Results (results.md, results.json), reference cache and service logs.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--scenario", "only", multiple=True, help="Run only this scenario (repeatable).")
 @click.option("--reference/--no-reference", default=True, show_default=True,
               help="Compare greedy answers with Hugging Face transformers (computed once, cached).")
-def chaos(campaign_path: Path, out_dir: Path, model: str, only: tuple[str, ...], reference: bool) -> None:
-    """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster."""
+@click.option("--partition", "partition", metavar="CLIENT_IP,SERVER_IP", default=None,
+              help="Instead of a campaign: drop the packets between two IP addresses (pods) with iptables "
+                   f"rules in the {netfilter.CHAIN} chain for --for-s seconds, then heal (needs root).")
+@click.option("--for-s", "for_s", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="How long --partition lasts.")
+@click.option("--direction", type=click.Choice(netfilter.DIRECTIONS), default="both", show_default=True,
+              help="Which packets --partition drops (to_server: CLIENT_IP -> SERVER_IP only).")
+@click.option("--cleanup", is_flag=True,
+              help=f"Remove every rule and jump of the {netfilter.CHAIN} chain a killed run left, then exit.")
+@click.option("--netns", default="", help="Run iptables in this network namespace (ip netns exec) instead of here.")
+def chaos(campaign_path: Path | None, out_dir: Path, model: str, only: tuple[str, ...], reference: bool,
+          partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+    """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster,
+    or partition two pod addresses (--partition), or remove what a killed partition left (--cleanup)."""
+    if cleanup or partition:
+        _netfilter(partition, for_s, direction, cleanup, netns)
+        return
+    if campaign_path is None:
+        raise click.UsageError("give a CAMPAIGN_PATH, --partition or --cleanup")
     try:
         campaign = load_campaign(campaign_path)
         results = run_campaign(campaign, out_dir, model, reference, only)
@@ -162,3 +212,19 @@ def chaos(campaign_path: Path, out_dir: Path, model: str, only: tuple[str, ...],
         console.print(f"[red]target missed[/]: {line}")
     if misses:
         raise click.exceptions.Exit(1)
+
+
+def _netfilter(partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+    """``--cleanup`` or ``--partition`` (chaos.netfilter). Raises ClickException naming what failed."""
+    rules = netfilter.Netfilter(["ip", "netns", "exec", netns] if netns else [])
+    try:
+        if cleanup:
+            console.print(f"removed {rules.cleanup()} rule(s) and the {netfilter.CHAIN} chain")
+            return
+        client, _, server = partition.partition(",")
+        netfilter.hold_partition(rules, client.strip(), server.strip(), for_s, direction, on_progress=console.print)
+    except (ValueError, RuntimeError, OSError) as err:
+        raise click.ClickException(str(err)) from None
+    except (KeyboardInterrupt, netfilter.Interrupted) as err:
+        console.print(f"interrupted ({err or 'SIGINT'}): rules removed")
+        raise click.exceptions.Exit(130) from None

@@ -22,7 +22,13 @@
   pool node's is every gRPC call of the workers and routers to it (its Redis index stays).
   Played by a chaos.link_proxy proxy that the campaign puts in front of ``service`` (the address
   it advertises, and for a pool node the workers' ``--pool-address``).
+  On ``service: redis`` the link is ``client``'s connection to Redis (a router that cannot read
+  the registry, a worker or pool node whose heartbeats do not arrive); the other services keep
+  theirs.
 - ``slow_link``: for ``duration_s`` that link holds each chunk ``delay_s`` seconds.
+- ``throttle_link``: for ``duration_s`` that link carries at most ``bytes_per_s`` each way.
+- ``drop_connections``: the link's open connections are reset (each with ``probability``), and
+  for ``duration_s`` each new one too.
 """
 
 from __future__ import annotations
@@ -172,31 +178,43 @@ async def _hold_link(fault: Fault, ctx: FaultContext, link_fault: LinkFault) -> 
     Raises:
         ValueError: the service has no link proxy.
     """
-    if ctx.links is None or fault.service not in ctx.links.proxies:
-        raise ValueError(f"{fault.service} has no link proxy (the campaign puts one in front of each service a "
-                         "link fault names)")
-    ctx.links.set_fault(fault.service, link_fault)
+    if ctx.links is None or fault.link not in ctx.links.proxies:
+        raise ValueError(f"{fault.link} has no link proxy (the campaign puts one on each link a fault names)")
+    ctx.links.set_fault(fault.link, link_fault)
     try:
         await asyncio.sleep(fault.duration_s)  # the fault's duration, not a wait for an event
     finally:
-        ctx.links.set_fault(fault.service, LinkFault())
+        ctx.links.set_fault(fault.link, LinkFault())
 
 
 async def _partition(fault: Fault, ctx: FaultContext) -> str:
     await _hold_link(fault, ctx, LinkFault("blackhole", direction=fault.direction))
-    return f"packets to/from {fault.service} dropped ({fault.direction}) for {fault.duration_s:g} s, then healed"
+    return f"packets on {fault.link} dropped ({fault.direction}) for {fault.duration_s:g} s, then healed"
 
 
 async def _slow_link(fault: Fault, ctx: FaultContext) -> str:
     await _hold_link(fault, ctx, LinkFault("delay", delay_s=fault.delay_s))
-    return f"{fault.service}'s link +{fault.delay_s:g} s per chunk for {fault.duration_s:g} s"
+    return f"{fault.link} +{fault.delay_s:g} s per chunk for {fault.duration_s:g} s"
+
+
+async def _throttle_link(fault: Fault, ctx: FaultContext) -> str:
+    await _hold_link(fault, ctx, LinkFault("bandwidth", bytes_per_s=fault.bytes_per_s))
+    return f"{fault.link} capped at {fault.bytes_per_s} B/s each way for {fault.duration_s:g} s"
+
+
+async def _drop_connections(fault: Fault, ctx: FaultContext) -> str:
+    proxy = ctx.links.proxies.get(fault.link) if ctx.links is not None else None
+    before = proxy.num_reset if proxy is not None else 0
+    await _hold_link(fault, ctx, LinkFault("reset", probability=fault.probability))
+    reset = proxy.num_reset - before if proxy is not None else 0
+    return f"{reset} connections of {fault.link} reset (p={fault.probability:g}) over {fault.duration_s:g} s"
 
 
 _APPLY = {
     "sigkill": _sigkill, "sigstop": _sigstop, "redis_restart": _redis_restart, "redis_down": _redis_down,
     "redis_pause": _redis_pause, "pool_dram_full": _pool_dram_full, "transfer": _transfer,
     "disconnect": _disconnect, "abort_storm": _abort_storm, "burst": _burst, "partition": _partition,
-    "slow_link": _slow_link,
+    "slow_link": _slow_link, "throttle_link": _throttle_link, "drop_connections": _drop_connections,
 }
 
 

@@ -10,9 +10,12 @@ server) and set its :class:`LinkFault` while traffic flows:
   nothing. What was sent meanwhile is delivered when the partition heals, as TCP's
   retransmissions would deliver it, unless an end gave up on the connection first;
 - ``delay``: each chunk is held ``delay_s`` seconds before it is forwarded (added latency);
-- ``bandwidth``: each direction of each connection carries at most ``bytes_per_s``;
-- ``reset``: every open connection is closed at once and new ones are closed on accept
-  (connections refused or dropped);
+- ``bandwidth``: each direction of each connection carries at most ``bytes_per_s``: a chunk is
+  forwarded in slices of at most ``bytes_per_s / SLICES_PER_S`` bytes, each followed by the pause
+  that keeps the rate (a congested or capped link: bytes arrive late and in pieces, all of them);
+- ``reset``: open connections are closed at once (an RST, as a restarted middlebox or a NAT that
+  forgot its entries does), each with ``probability``; so is each new connection on accept
+  (connections refused or dropped); the others carry bytes untouched.
 
 ``one_way`` (``"to_server"`` or ``"to_client"``) applies ``blackhole`` to one direction only.
 
@@ -26,7 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import socket
+import struct
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 MODES = ("pass", "blackhole", "delay", "bandwidth", "reset")
 DIRECTIONS = ("both", "to_server", "to_client")
 CHUNK_BYTES = 64 * 1024
+SLICES_PER_S = 10  # a bandwidth cap forwards at most a tenth of a second's bytes at once
 
 
 @dataclass(frozen=True)
@@ -41,13 +49,15 @@ class LinkFault:
     """What the link does now (see the module docstring).
 
     Raises:
-        ValueError: an unknown mode or direction, or a delay/bandwidth fault without its amount.
+        ValueError: an unknown mode or direction, a delay/bandwidth fault without its amount, or a
+            probability outside [0, 1].
     """
 
     mode: str = "pass"
     delay_s: float = 0.0
     bytes_per_s: int = 0
     direction: str = "both"
+    probability: float = 1.0  # reset: share of connections closed (open ones when set, new ones on accept)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -58,25 +68,57 @@ class LinkFault:
             raise ValueError(f"a delay fault needs delay_s > 0, got {self.delay_s}")
         if self.mode == "bandwidth" and self.bytes_per_s <= 0:
             raise ValueError(f"a bandwidth fault needs bytes_per_s > 0, got {self.bytes_per_s}")
+        if not 0 <= self.probability <= 1:
+            raise ValueError(f"a link fault's probability must be in [0, 1], got {self.probability}")
 
     def stops(self, direction: str) -> bool:
         """Whether bytes going ``direction`` ("to_server" / "to_client") are dropped."""
         return self.mode == "blackhole" and self.direction in ("both", direction)
 
 
+def bandwidth_slices(data: bytes, bytes_per_s: int) -> list[bytes]:
+    """``data`` cut into the slices a ``bytes_per_s`` cap forwards one at a time: each at most
+    ``max(1, bytes_per_s // SLICES_PER_S)`` bytes, in order, together exactly ``data``.
+
+    Raises:
+        ValueError: ``bytes_per_s`` < 1.
+    """
+    if bytes_per_s < 1:
+        raise ValueError(f"bytes_per_s must be >= 1, got {bytes_per_s}")
+    size = max(1, bytes_per_s // SLICES_PER_S)
+    return [data[i:i + size] for i in range(0, len(data), size)]
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Closes the connection with an RST, not a FIN (SO_LINGER 0): the peer's next read or write
+    fails ``ECONNRESET``, as when a middlebox drops its state."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 class LinkProxy:
     """Listens on ``listen_host:listen_port`` (0: any free port) and forwards to ``target``
     ("host:port"). Runs in the caller's event loop: ``await start()``, ``set_fault(...)``,
-    ``await stop()``; :attr:`address` is what clients dial."""
+    ``await stop()``; :attr:`address` is what clients dial. ``seed`` drives which connections a
+    ``reset`` with probability < 1 closes; ``sleep`` is how the proxy waits out a delay or a
+    bandwidth pause (seconds; tests pass one that records them)."""
 
-    def __init__(self, target: str, listen_host: str = "127.0.0.1", listen_port: int = 0):
+    def __init__(self, target: str, listen_host: str = "127.0.0.1", listen_port: int = 0, seed: int = 0,
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep):
         host, _, port = target.rpartition(":")
         self.target_host, self.target_port = host or "127.0.0.1", int(port)
         self.listen_host, self.listen_port = listen_host, listen_port
         self.fault = LinkFault()
+        self.rng = random.Random(seed)
+        self.sleep = sleep
+        self.num_reset = 0  # connections a reset fault closed (open ones and new ones)
         self._fault_changed = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._links: dict[asyncio.StreamWriter, asyncio.StreamWriter] = {}  # open connections: client -> server side
         self._tasks: set[asyncio.Task] = set()
         self.num_connections = 0
 
@@ -91,13 +133,17 @@ class LinkProxy:
         return self.address
 
     def set_fault(self, fault: LinkFault) -> None:
-        """Applies ``fault`` to open and new connections (``reset`` closes the open ones now)."""
+        """Applies ``fault`` to open and new connections (``reset`` closes open ones now, each
+        with its probability). Mutates: the fault, the open connections, :attr:`num_reset`."""
         self.fault = fault
         self._fault_changed.set()
         self._fault_changed = asyncio.Event()
         if fault.mode == "reset":
-            for writer in list(self._writers):
-                writer.transport.abort()
+            for client_writer, server_writer in list(self._links.items()):
+                if self.rng.random() < fault.probability:
+                    self.num_reset += 1
+                    _reset(client_writer)
+                    _reset(server_writer)
 
     async def stop(self) -> None:
         """Closes the listener and every connection."""
@@ -113,8 +159,9 @@ class LinkProxy:
                 await self._server.wait_closed()
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        if self.fault.mode == "reset":
-            client_writer.transport.abort()
+        if self.fault.mode == "reset" and self.rng.random() < self.fault.probability:
+            self.num_reset += 1
+            _reset(client_writer)
             return
         self.num_connections += 1
         self._writers.add(client_writer)
@@ -125,6 +172,7 @@ class LinkProxy:
             self._writers.discard(client_writer)
             return
         self._writers.add(server_writer)
+        self._links[client_writer] = server_writer
         pumps = [asyncio.create_task(self._pump(client_reader, server_writer, "to_server")),
                  asyncio.create_task(self._pump(server_reader, client_writer, "to_client"))]
         self._tasks.update(pumps)
@@ -137,6 +185,7 @@ class LinkProxy:
             for writer in (client_writer, server_writer):
                 writer.transport.abort()
                 self._writers.discard(writer)
+            self._links.pop(client_writer, None)
             self._tasks.difference_update(pumps)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
@@ -149,13 +198,15 @@ class LinkProxy:
                 await self._fault_changed.wait()
             fault = self.fault
             if fault.mode == "delay":
-                await asyncio.sleep(fault.delay_s)  # the link's latency, not a wait for an event
-            elif fault.mode == "bandwidth":
-                await asyncio.sleep(len(data) / fault.bytes_per_s)
-            elif fault.mode == "reset":
-                return
-            writer.write(data)
-            await writer.drain()
+                await self.sleep(fault.delay_s)  # the link's latency, not a wait for an event
+            if fault.mode != "bandwidth":
+                writer.write(data)
+                await writer.drain()
+                continue
+            for piece in bandwidth_slices(data, fault.bytes_per_s):
+                writer.write(piece)
+                await writer.drain()
+                await self.sleep(len(piece) / fault.bytes_per_s)  # the cap's pace
 
 
 class LinkProxies:
@@ -168,9 +219,10 @@ class LinkProxies:
         self._thread.start()
         self.proxies: dict[str, LinkProxy] = {}  # by the name given to add()
 
-    def add(self, name: str, target: str) -> str:
-        """Starts a proxy named ``name`` in front of ``target``; returns the address to dial."""
-        proxy = LinkProxy(target)
+    def add(self, name: str, target: str, seed: int = 0) -> str:
+        """Starts a proxy named ``name`` in front of ``target``; returns the address to dial.
+        ``seed``: its connection choices (LinkProxy)."""
+        proxy = LinkProxy(target, seed=seed)
         address = asyncio.run_coroutine_threadsafe(proxy.start(), self._loop).result(timeout=10)
         self.proxies[name] = proxy
         return address
@@ -206,4 +258,4 @@ class LinkProxies:
         self.close()
 
 
-__all__ = ["DIRECTIONS", "MODES", "LinkFault", "LinkProxies", "LinkProxy"]
+__all__ = ["DIRECTIONS", "MODES", "SLICES_PER_S", "LinkFault", "LinkProxies", "LinkProxy", "bandwidth_slices"]

@@ -32,11 +32,12 @@ import yaml
 
 FAULT_KINDS = (
     "sigkill", "sigstop", "redis_restart", "redis_down", "redis_pause", "pool_dram_full", "transfer",
-    "disconnect", "abort_storm", "burst", "partition", "slow_link",
+    "disconnect", "abort_storm", "burst", "partition", "slow_link", "throttle_link", "drop_connections",
 )
-SERVICE_FAULTS = ("sigkill", "sigstop", "partition", "slow_link")  # need ``service``
-# On the link to a worker (from the routers) or to a pool node (from the workers and routers): chaos.link_proxy
-LINK_FAULTS = ("partition", "slow_link")
+# On the link to a worker (from the routers), to a pool node (from the workers and routers) or to
+# Redis from one service (``client``): chaos.link_proxy
+LINK_FAULTS = ("partition", "slow_link", "throttle_link", "drop_connections")
+SERVICE_FAULTS = ("sigkill", "sigstop", *LINK_FAULTS)  # need ``service``
 LINK_DIRECTIONS = ("both", "to_server", "to_client")
 DISCONNECT_STAGES = ("before_first_token", "mid_transfer", "mid_decode")
 TRANSFER_MODES = ("delay", "error", "truncate", "corrupt")
@@ -61,6 +62,10 @@ class Fault:
     # partition: which way packets are dropped between the routers and ``service``: both, to_server
     # (the routers' requests), to_client (the worker's answers)
     direction: str = "both"
+    # a link fault on ``service: redis``: the service whose Redis connection it hits (router,
+    # router-0, decode-1, kv_pool, ...); the others keep theirs
+    client: str = ""
+    bytes_per_s: int = 0  # throttle_link: the link's cap, each way
 
     def __post_init__(self) -> None:
         if self.do not in FAULT_KINDS:
@@ -84,16 +89,29 @@ class Fault:
             raise ValueError(f"direction must be one of {LINK_DIRECTIONS}, got {self.direction!r}")
         if self.do in LINK_FAULTS and self.duration_s <= 0:
             raise ValueError(f"{self.do} needs duration_s > 0 (the link heals after it)")
-        if self.do in LINK_FAULTS and not self.service.startswith(("prefill", "decode", "kv_pool")):
-            raise ValueError(f"{self.do} needs a worker or pool node service (prefill, decode-1, kv_pool, ...), "
-                             f"got {self.service!r}")
+        if self.do in LINK_FAULTS and not self.service.startswith(("prefill", "decode", "kv_pool", "redis")):
+            raise ValueError(f"{self.do} needs a worker, pool node or redis service (prefill, decode-1, kv_pool, "
+                             f"redis, ...), got {self.service!r}")
+        if self.do in LINK_FAULTS and (self.service == "redis") != bool(self.client):
+            raise ValueError(f"{self.do}: client (whose Redis connection: router, decode-1, kv_pool, ...) goes with "
+                             f"service redis and only with it, got service={self.service!r}, client={self.client!r}")
+        if self.client and not self.client.startswith(("router", "prefill", "decode", "kv_pool")):
+            raise ValueError(f"client must be a router, worker or pool node service, got {self.client!r}")
+        if self.do == "throttle_link" and self.bytes_per_s < 1:
+            raise ValueError(f"throttle_link needs bytes_per_s >= 1, got {self.bytes_per_s!r}")
         if self.multiplier < 1:
             raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
 
     @property
+    def link(self) -> str:
+        """The link proxy a link fault drives: the service's own (``decode-1``), or for Redis the
+        connection of its client (``redis/router``)."""
+        return f"redis/{self.client}" if self.client else self.service
+
+    @property
     def label(self) -> str:
         when = f"{self.at_s:g} s" if self.at_s is not None else f"{self.at_tokens} tokens"
-        what = f"{self.do} {self.service}".strip()
+        what = f"{self.do} {self.service}".strip() + (f" from {self.client}" if self.client else "")
         if self.do == "transfer":
             what += f" {self.mode}"
         if self.do == "disconnect":
@@ -102,6 +120,10 @@ class Fault:
             what += f" {self.direction}"
         if self.do == "slow_link":
             what += f" +{self.delay_s:g} s"
+        if self.do == "throttle_link":
+            what += f" {self.bytes_per_s} B/s"
+        if self.do == "drop_connections" and self.probability < 1:
+            what += f" p={self.probability:g}"
         return f"{what} @ {when}" + (f" for {self.duration_s:g} s" if self.duration_s else "")
 
 

@@ -152,10 +152,14 @@ class GrpcService:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.bound_port
 
-    async def stop(self) -> None:
-        """Reports NOT_SERVING, then stops after in-flight RPCs finish or ``grace_s`` passes."""
+    async def report_not_serving(self) -> None:
+        """Every health check answers NOT_SERVING from now on (a draining server); RPCs still run."""
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self) -> None:
+        """Reports NOT_SERVING, then stops after in-flight RPCs finish or ``grace_s`` passes."""
+        await self.report_not_serving()
         await self.server.stop(self.grace_s)
 
 

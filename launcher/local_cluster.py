@@ -85,6 +85,9 @@ class LocalCluster:
         # the workers are given), by name, when not its own (a chaos campaign puts a link proxy
         # there: chaos.link_proxy); set before start().
         self.advertised: dict[str, str] = {}
+        # The Redis URL a service dials, by name, when not :attr:`redis_url` (a chaos campaign puts
+        # a link proxy in front of Redis for one service: chaos.link_proxy); set before start().
+        self.redis_urls: dict[str, str] = {}
         # Where each service serves Prometheus metrics, by name; a router's has the cluster view.
         self.metrics_urls: dict[str, str] = {r.name: f"{r.http_url}/metrics" for r in self.routers}
         # A lone router is critical (nothing serves without it); one of several is restarted like a worker.
@@ -135,8 +138,9 @@ class LocalCluster:
                           for name in [*c.pool_names, *(name for name, _ in c.worker_names)]}
         metrics_ports = {name: free_port() for name in self.addresses}
         self.metrics_urls.update({name: f"http://{c.host}:{p}/metrics" for name, p in metrics_ports.items()})
-        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]), self.redis_url,
-                                                metrics_port=metrics_ports[name]) + pool_node_args(name, c)
+        pools = [self._spawn(name, service_argv(c, "kv_pool", py, c.host, _port(self.addresses[name]),
+                                                self.redis_url_of(name), metrics_port=metrics_ports[name])
+                             + pool_node_args(name, c)
                              + (["--advertise-address", self.advertised[name]] if name in self.advertised else []),
                              grpc_ready(self.addresses[name])) for name in c.pool_names]
         for pool in pools:
@@ -150,8 +154,8 @@ class LocalCluster:
         # The routers start beside the workers (they load only a tokenizer) and are ready once
         # they see every worker in the registry.
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
-        routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1], self.redis_url,
-                                                    http_port=c.router_ports(r.name)[0]),
+        routers = [self._spawn(r.name, service_argv(c, "router", py, c.host, c.router_ports(r.name)[1],
+                                                    self.redis_url_of(r.name), http_port=c.router_ports(r.name)[0]),
                                http_ready(f"{r.http_url}/health")) for r in self.routers]
         for worker in workers:
             self._wait(worker, on_progress, timeout_s)
@@ -160,12 +164,17 @@ class LocalCluster:
             self._wait(router, on_progress, timeout_s,
                        ready=router_sees(f"{r.http_url}/health", roles.count("prefill"), roles.count("decode")))
 
+    def redis_url_of(self, name: str) -> str:
+        """The Redis URL service ``name`` is started with: its own from :attr:`redis_urls`, else
+        the cluster's."""
+        return self.redis_urls.get(name, self.redis_url)
+
     def _spawn_worker(self, name: str, role: str) -> Service:
         c, threads = self.config, self._threads[role]
         self.addresses.setdefault(name, f"{c.host}:{free_port()}")
         metrics_port = self._metrics_ports.setdefault(name, free_port())
         self.metrics_urls[name] = f"http://{c.host}:{metrics_port}/metrics"
-        argv = service_argv(c, role, sys.executable, c.host, _port(self.addresses[name]), self.redis_url,
+        argv = service_argv(c, role, sys.executable, c.host, _port(self.addresses[name]), self.redis_url_of(name),
                             pool_address=self._pool_address, num_threads=threads, metrics_port=metrics_port)
         if name in self.advertised:
             argv += ["--advertise-address", self.advertised[name]]

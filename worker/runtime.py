@@ -92,6 +92,9 @@ def serve_worker(
             log.info("serving %s on %s", service_name, address)
 
         async def stop() -> None:
+            # NOT_SERVING before the registry entry goes: a router that finds the entry gone asks
+            # the worker whether it still serves (its heartbeats may only be cut off from Redis)
+            await service.report_not_serving()
             if heartbeat is not None:
                 await heartbeat.stop()  # no new traffic
             await service.stop()  # drain in-flight RPCs

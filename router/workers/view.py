@@ -86,6 +86,10 @@ class WorkerView:
         self._read_failed = False  # the last registry read failed
         self._server_id = ""  # the Redis run_id of the last good read ("" unknown)
         self._down: dict[str, _Down] = {}  # by address
+        # Workers missing from a readable registry that answered SERVING: kept in the view
+        # (_keep_missing), by address
+        self._kept_missing: set[str] = set()
+        self._asked_missing: set[str] = set()  # missing workers probed once already (not asked again while missing)
         self._task: asyncio.Task | None = None
 
     def workers(self, role: str) -> list[WorkerInfo]:
@@ -126,7 +130,10 @@ class WorkerView:
         if self._registry_reset(fresh, server_id) and any(self._workers.values()):
             self._wiped_at_s = time.monotonic()
         wiped = time.monotonic() - self._wiped_at_s < WIPE_GRACE_S
-        present = by_address.keys() if wiped else {w.address for ws in fresh.values() for w in ws}
+        listed = {w.address for ws in fresh.values() for w in ws}
+        down_before = set(self._down)  # a worker down when it goes missing is never kept
+        # A kept worker marked down stays down (not forgotten) until its heartbeats return
+        present = by_address.keys() if wiped else listed | (self._kept_missing & by_address.keys())
         for address in [a for a in self._down if a not in present]:
             log.info("worker %s left the registry; forgotten", address)
             del self._down[address]
@@ -137,8 +144,12 @@ class WorkerView:
                 log.info("worker %s is healthy again (was down: %s)", address, down.reason)
         if wiped:
             self._workers = known  # the workers re-register with their next heartbeats
-        else:  # a worker gone from the registry (deregistered, expired) leaves the view at once
-            self._workers = {role: [w for w in fresh[role] if w.address in by_address] for role in ROLES}
+        else:  # a worker gone from the registry leaves the view at once, unless it still serves
+            kept = await self._keep_missing([w for ws in known.values() for w in ws if w.address not in listed],
+                                            down_before)
+            self._workers = {role: sorted([w for w in fresh[role] if w.address in by_address]
+                                          + [w for w in known[role] if w.address in kept], key=lambda w: w.worker_id)
+                             for role in ROLES}
         await self._sweep_due()
         self._refreshed_at_s = time.monotonic()
 
@@ -154,6 +165,28 @@ class WorkerView:
             log.info("the registry may have lost entries (%s); keeping the known workers %g s while they re-register",
                      reason, WIPE_GRACE_S)
         return bool(reason)
+
+    async def _keep_missing(self, missing: list[WorkerInfo], down: set[str]) -> set[str]:
+        """Which of ``missing`` (known, not lost, gone from a readable registry) stay in the view:
+        a worker of a probed role that answered SERVING when it first went missing (asked once
+        per absence; never one in ``down``, marked down before this read; one marked down since
+        stays kept, and down, until its heartbeats return).
+        Needs a health probe (without one: none). Mutates: the kept and asked sets (a worker
+        listed again or lost leaves them)."""
+        candidates = {w.address for w in missing if w.role in PROBED_ROLES}
+        self._kept_missing &= candidates
+        self._asked_missing &= candidates
+        if self.probe is None:
+            return set()
+        self._asked_missing |= candidates & (down | self._down.keys())  # not kept in this absence
+        new = sorted(candidates - self._asked_missing)
+        self._asked_missing.update(new)
+        for address, health in zip(new, await asyncio.gather(*(self._probe(a) for a in new))):
+            if health is Health.SERVING:
+                self._kept_missing.add(address)
+                log.warning("worker %s left the registry (its heartbeats do not reach Redis) but answers SERVING; "
+                            "kept with its last load", address)
+        return set(self._kept_missing)
 
     async def _lose_unless_serving(self, info: WorkerInfo) -> None:
         """A worker whose heartbeat stood still past its bound: lost, unless it answers a health

@@ -48,11 +48,31 @@ def test_a_campaign_parses_into_checked_values():
     ({"at_s": 1, "do": "burst", "when": 3}, "unknown fault field\\(s\\) \\['when'\\]"),
     ({"at_s": 1, "do": "partition", "service": "decode", "duration_s": 5, "direction": "up"}, "direction must be one of"),
     ({"at_s": 1, "do": "partition", "service": "decode"}, "partition needs duration_s > 0"),
-    ({"at_s": 1, "do": "slow_link", "service": "redis", "duration_s": 5}, "slow_link needs a worker or pool node service"),
+    ({"at_s": 1, "do": "slow_link", "service": "router", "duration_s": 5},
+     "slow_link needs a worker, pool node or redis"),
+    ({"at_s": 1, "do": "partition", "service": "redis", "duration_s": 5},
+     "partition: client .* goes with service redis"),
+    ({"at_s": 1, "do": "partition", "service": "decode", "client": "router", "duration_s": 5},
+     "partition: client .* goes with service redis and only with it"),
+    ({"at_s": 1, "do": "partition", "service": "redis", "client": "redis", "duration_s": 5},
+     "client must be a router, worker or pool node service, got 'redis'"),
+    ({"at_s": 1, "do": "throttle_link", "service": "decode", "duration_s": 5}, "throttle_link needs bytes_per_s >= 1"),
+    ({"at_s": 1, "do": "drop_connections", "service": "decode", "duration_s": 5, "probability": 1.5},
+     "fraction and probability must be in \\[0, 1\\]"),
+    ({"at_s": 1, "do": "drop_connections", "service": "decode"}, "drop_connections needs duration_s > 0"),
 ])
 def test_bad_faults_are_refused_naming_the_field(fault, message):
     with pytest.raises(ValueError, match=message):
         parse_campaign({"scenarios": [{"name": "x", "faults": [fault]}]})
+
+
+def test_link_faults_name_their_proxy_and_label():
+    redis = Fault("partition", at_s=2, service="redis", client="decode-1", duration_s=8)
+    assert (redis.link, redis.label) == ("redis/decode-1", "partition redis from decode-1 @ 2 s for 8 s")
+    throttle = Fault("throttle_link", at_tokens=5, service="kv_pool", bytes_per_s=65536, duration_s=4)
+    assert (throttle.link, throttle.label) == ("kv_pool", "throttle_link kv_pool 65536 B/s @ 5 tokens for 4 s")
+    drop = Fault("drop_connections", at_s=1, service="redis", client="router", probability=0.25, duration_s=3)
+    assert (drop.link, drop.label) == ("redis/router", "drop_connections redis from router p=0.25 @ 1 s for 3 s")
 
 
 def test_a_campaign_without_scenarios_or_with_unknown_keys_is_refused():
@@ -110,8 +130,9 @@ def test_detection_is_the_first_marked_down_line_of_the_worker_after_the_fault(t
     (tmp_path / "router-0.log").write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
     (tmp_path / "router-1.log").write_text(json.dumps({"ts": 108.0, "msg": "worker 127.0.0.1:7 marked down"}) + "\n")
     logs = [tmp_path / "router-0.log", tmp_path / "router-1.log", tmp_path / "missing.log"]
-    assert detect_s(logs, "127.0.0.1:7", 100.0) == 7.25
-    assert detect_s(logs, "127.0.0.1:9", 100.0) is None
+    assert detect_s(logs, ("marked down", "127.0.0.1:7"), 100.0) == 7.25
+    assert detect_s(logs, ("marked down", "127.0.0.1:9"), 100.0) is None
+    assert detect_s(logs, ("127.0.0.1:7", "failed"), 100.0) == 6.0
 
 
 def test_a_campaigns_relative_trace_path_is_read_from_the_data_folder(tmp_path, monkeypatch):
@@ -134,3 +155,32 @@ def test_a_campaigns_relative_trace_path_is_read_from_the_data_folder(tmp_path, 
     own = dict(yaml.safe_load(yaml.safe_dump(CAMPAIGN)), workload={"kind": "mooncake", "path": str(tmp_path / "t.jsonl")})
     (tmp_path / "t.jsonl").write_text("")
     assert workload(parse_campaign(own)).path == tmp_path / "t.jsonl"  # an absolute path is itself
+
+
+def test_a_link_fault_on_a_service_the_cluster_does_not_run_is_refused():
+    """A proxy in front of a worker that is never started sits on no one's path: the fault would
+    silently do nothing (a prefill-1 partition on a cluster of one prefill worker)."""
+    from chaos.cli import check_link_services
+    from launcher.config import ClusterConfig
+
+    config = ClusterConfig.from_options(num_prefill_workers=1, num_decode_workers=2)
+    fine = [Fault("partition", at_s=1, service="prefill", duration_s=5),
+            Fault("partition", at_s=1, service="redis", client="decode-1", duration_s=5),
+            Fault("throttle_link", at_s=1, service="kv_pool", bytes_per_s=10, duration_s=5)]
+    check_link_services(config, fine)
+    with pytest.raises(ValueError, match="partition prefill-1 @ 1 s for 5 s: the cluster runs no 'prefill-1' "
+                                         "\\(its services: prefill, decode, decode-1, kv_pool\\)"):
+        check_link_services(config, [Fault("partition", at_s=1, service="prefill-1", duration_s=5)])
+    with pytest.raises(ValueError, match="the cluster runs no 'router-1'"):
+        check_link_services(config, [Fault("partition", at_s=1, service="redis", client="router-1", duration_s=5)])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[3] / "chaos" / "campaigns").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_campaign_parses_and_its_link_faults_name_services_it_runs(path):
+    from chaos.cli import check_link_services, cluster_config
+    from chaos.schedule import LINK_FAULTS, load_campaign
+
+    campaign = load_campaign(path)
+    config = cluster_config(campaign, "SmolLM2-135M-Instruct", Path("logs"))
+    check_link_services(config, [f for s in campaign.scenarios for f in s.faults if f.do in LINK_FAULTS])

@@ -66,3 +66,43 @@ def test_local_cache_lru_per_worker() -> None:
     assert (cache.num_cached_blocks("w1", a), cache.num_cached_blocks("w1", b)) == (0, 3)
     with pytest.raises(ValueError, match="capacity_blocks must be >= 1, got 0"):
         LocalPrefixCache(0)
+
+
+class _SilentRedis:
+    """HMGET behind a silent partition (never answers) until ``heal``; counts the reads."""
+
+    def __init__(self) -> None:
+        self.healed = asyncio.Event()
+        self.num_reads = 0
+
+    async def hmget(self, key: str, fields: list[str]) -> list[str | None]:
+        self.num_reads += 1
+        await self.healed.wait()
+        return ["node-a:dram", None][: len(fields)]
+
+
+async def test_a_silent_index_costs_one_short_wait_then_is_skipped_until_the_retry_time() -> None:
+    """A router cut off from Redis: before, every request waited for the Redis client's 5 s
+    timeout in its placement. Now the first read gives up after ``timeout_s`` and the next ones
+    within ``retry_after_s`` do not ask Redis at all."""
+    now_s = [100.0]
+    redis = _SilentRedis()
+    index = PoolPrefixIndex(redis, timeout_s=0.05, retry_after_s=2.0, clock=lambda: now_s[0])
+    never_s = 20.0  # a read still waiting this long was not bounded
+    assert await asyncio.wait_for(index.num_cached_blocks("fp", [1, 2]), never_s) == 0
+    assert redis.num_reads == 1
+    now_s[0] += 1.5
+    assert await asyncio.wait_for(index.num_cached_blocks("fp", [1, 2]), never_s) == 0
+    assert redis.num_reads == 1  # inside the pause: not asked
+    redis.healed.set()
+    now_s[0] += 1.0
+    assert await index.num_cached_blocks("fp", [1, 2]) == 1
+    assert await index.num_cached_blocks("fp", [1, 2]) == 1
+    assert redis.num_reads == 3
+
+
+async def test_a_refused_index_read_is_a_zero_hint_not_an_error() -> None:
+    index = PoolPrefixIndex(aioredis.from_url("redis://127.0.0.1:1/0", decode_responses=True,
+                                              socket_connect_timeout=5))
+    assert await index.num_cached_blocks("fp", [1, 2, 3]) == 0
+    await index.redis.aclose()
