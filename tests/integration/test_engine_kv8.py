@@ -60,8 +60,10 @@ def test_chunked_prefill_and_swap_preemption_keep_the_8bit_tokens(engines):
     got = run_all(tight, requests("a"))
     assert tight.stats().num_preemptions > before and tight.num_swapped_out > 0
     equal = [rid for rid in expected if got[rid] == expected[rid]]
+    # One prompt may leave the other run's tokens anywhere, its first tokens too: 8-bit KV brings
+    # near-ties that the float32 rounding of another batch shape (the tight engine preempts)
+    # flips; a CI run under load saw one at token 3 of an int8 run.
     assert len(equal) >= len(expected) - 1, sorted(set(expected) - set(equal))
-    assert all(got[rid][:4] == expected[rid][:4] for rid in expected)
 
 
 def test_8bit_kv_saved_by_one_engine_decodes_on_another(engines):

@@ -67,6 +67,7 @@ class Fakes:
     def __init__(self) -> None:
         self.script = Script()
         self.pool_address = ""
+        self.health: dict[str, health.aio.HealthServicer] = {}  # by role: each fake role's own health answer
         self.prefill_requests: list[prefill_worker_pb2.PrefillRequest] = []
         self.decode_requests: list[decode_worker_pb2.DecodeRequest] = []
         self.prefill_cancelled = asyncio.Event()
@@ -185,12 +186,16 @@ class Cluster:
     async def register(self, roles=("prefill", "decode", "pool")) -> None:
         for info in self.workers:
             if info.role in roles:
+                await self.fakes.health[info.role].set("", health_pb2.HealthCheckResponse.SERVING)
                 await self.registry.heartbeat(info, ttl_s=600)
         await self.router.view.refresh()
 
     async def deregister(self, roles) -> None:
+        """The workers of ``roles`` stop as real ones do: NOT_SERVING, then out of the registry (a
+        worker gone from the registry that still answers SERVING is kept: a split view)."""
         for info in self.workers:
             if info.role in roles:
+                await self.fakes.health[info.role].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
                 await self.registry.deregister(info.role, info.worker_id)
         await self.router.view.refresh()
 
@@ -216,19 +221,34 @@ class Cluster:
 
 async def start_fake_workers(fakes: Fakes, decode: decode_worker_pb2_grpc.DecodeWorkerServicer | None = None,
                              ) -> tuple[grpc.aio.Server, list[WorkerInfo]]:
-    """The fake prefill, decode (``decode``, default a FakeDecode) and pool servicers on one
-    started gRPC server, health SERVING, one port per role (so a role's worker can be marked down
-    without the others); returns the server (stop it) and each role's WorkerInfo."""
-    server = grpc.aio.server()
-    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(FakePrefill(fakes), server)
-    decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode or FakeDecode(fakes), server)
-    kv_pool_pb2_grpc.add_KVPoolServicer_to_server(FakePool(fakes), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    roles = ("prefill", "decode", "pool")
-    addresses = {role: f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for role in roles}
-    await server.start()
+    """The fake prefill, decode (``decode``, default a FakeDecode) and pool servicers, one started
+    gRPC server per role with its own health service (``fakes.health[role]``, SERVING), so a
+    role's worker can be marked down or stopped without the others; returns the servers (stop
+    them) and each role's WorkerInfo."""
+    servicers = {"prefill": (prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server, FakePrefill(fakes)),
+                 "decode": (decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server, decode or FakeDecode(fakes)),
+                 "pool": (kv_pool_pb2_grpc.add_KVPoolServicer_to_server, FakePool(fakes))}
+    servers, addresses = [], {}
+    for role, (add, servicer) in servicers.items():
+        server = grpc.aio.server()
+        add(servicer, server)
+        fakes.health[role] = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(fakes.health[role], server)
+        addresses[role] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        servers.append(server)
     fakes.pool_address = addresses["pool"]
-    return server, [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in roles]
+    return FakeServers(servers), [WorkerInfo(f"fake-{role}", role, addresses[role]) for role in servicers]
+
+
+class FakeServers:
+    """The fake roles' gRPC servers, stopped together."""
+
+    def __init__(self, servers: list[grpc.aio.Server]):
+        self.servers = servers
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.gather(*(server.stop(grace) for server in self.servers))
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
