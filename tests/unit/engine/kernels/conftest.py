@@ -1,4 +1,4 @@
-"""Kernel tests: each Triton kernel against its readable torch reference, on small random data.
+"""Kernel tests: each Triton or C kernel against its readable torch reference, on small random data.
 
 Without CUDA the kernels run under Triton's interpreter, which must be on before any kernel
 module is imported (``triton.jit`` decides at decoration time): this conftest is loaded before
@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from engine.attention import AttentionMetadata  # noqa: E402
+from engine.kernels.cpu_decode_attention import load_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -73,6 +74,16 @@ def cached_kv(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     k = batch.kv_cache[0].reshape(-1, num_kv_heads, head_dim)[batch.meta.slot_mapping]
     v = batch.kv_cache[1].reshape(-1, num_kv_heads, head_dim)[batch.meta.slot_mapping]
     return k, v
+
+
+@pytest.fixture(scope="session")
+def decode_kernel():
+    """The compiled C paged decode kernel (``engine/kernels/cpu/paged_decode_attention.c``), for
+    its float and 8-bit tests; they skip where it does not compile."""
+    lib = load_kernel()
+    if lib is None:
+        pytest.skip("the CPU decode kernel does not compile on this machine (no working cc)")
+    return lib
 
 
 @pytest.fixture

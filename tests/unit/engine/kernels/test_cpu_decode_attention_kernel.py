@@ -26,14 +26,6 @@ NUM_KV_HEADS = 2
 GARBAGE = 1e3
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    lib = load_kernel()
-    if lib is None:
-        pytest.skip("the CPU decode kernel does not compile on this machine (no working cc)")
-    return lib
-
-
 def contexts(block_size: int, batch: int, gen: torch.Generator) -> list[int]:
     """Edge lengths first (1 token, exactly one and two blocks, one past a block, ragged), then
     random lengths up to ~5 blocks; ``batch`` of them."""
@@ -84,27 +76,27 @@ def reference(query, kv_cache, meta, scale):
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("group", [1, 3, 8])
 
-def test_kernel_matches_torch_decode(kernel, group, head_dim, block_size, batch):
+def test_kernel_matches_torch_decode(decode_kernel, group, head_dim, block_size, batch):
     gen = torch.Generator().manual_seed(batch * 1000 + block_size)
     ctx = contexts(block_size, batch, gen)
     query, kv_cache, meta = decode_batch(ctx, group, head_dim, block_size, seed=group + head_dim + block_size)
     scale = head_dim**-0.5
-    out = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    out = paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
     assert out.shape == query.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, reference(query, kv_cache, meta, scale), **FP32_TOL)
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
-def test_padded_table_columns_are_not_read(kernel, block_size):
+def test_padded_table_columns_are_not_read(decode_kernel, block_size):
     """Tables wider than any context (as the model runner pads them), padding on garbage blocks."""
     ctx = [1, block_size + 1, 2 * block_size, 3]
     query, kv_cache, meta = decode_batch(ctx, 3, 64, block_size, pad_columns=4, seed=7)
-    out = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
 
 
 @pytest.mark.parametrize("spread", [1.0, 10.0, 30.0])
-def test_softmax_over_scores_far_apart(kernel, spread):
+def test_softmax_over_scores_far_apart(decode_kernel, spread):
     """The kernel's vector exp (Cephes' polynomial, clamped below at -87.3) against the
     reference's softmax when scores differ by hundreds (scores of standard deviation ~30 at spread 30): near-one-hot rows, rows where most
     terms underflow, and contexts whose length is not a multiple of the vector width (the tail).
@@ -116,13 +108,13 @@ def test_softmax_over_scores_far_apart(kernel, spread):
     ctx = [1, 15, 16, 17, 47, 130]
     query, kv_cache, meta = decode_batch(ctx, 3, 64, 16, seed=11)
     query = query * spread
-    out = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     grow = max(1.0, spread / 10.0)
     tol = dict(atol=FP32_TOL["atol"] * grow, rtol=FP32_TOL["rtol"] * grow)
     torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **tol)
 
 
-def test_table_rows_sliced_from_a_wider_table(kernel):
+def test_table_rows_sliced_from_a_wider_table(decode_kernel):
     """Rows contiguous but ``stride(0)`` larger than the width: a column slice of a wider table,
     starting at column 2 (what ``tables[:, 2:2 + w]`` gives)."""
     ctx = [17, 1, 40, 33]
@@ -132,11 +124,11 @@ def test_table_rows_sliced_from_a_wider_table(kernel):
     wide[:, 2 : 2 + width] = meta.block_tables
     sliced = wide[:, 2 : 2 + width]
     assert not sliced.is_contiguous() and sliced.stride() == (width + 5, 1)
-    out = paged_decode_attention_cpu(kernel, query, kv_cache, sliced, meta.seq_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, query, kv_cache, sliced, meta.seq_lens, 0.125)
     torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
 
 
-def test_non_contiguous_query_and_seq_lens(kernel):
+def test_non_contiguous_query_and_seq_lens(decode_kernel):
     """The wrapper makes query and seq_lens contiguous itself."""
     ctx = [5, 16, 20]
     query, kv_cache, meta = decode_batch(ctx, 1, 64, 16, seed=4)
@@ -144,13 +136,13 @@ def test_non_contiguous_query_and_seq_lens(kernel):
     strided_query.copy_(query)
     strided_lens = torch.tensor([[c, 0] for c in ctx]).t()[0]
     assert not strided_query.is_contiguous() and not strided_lens.is_contiguous()
-    out = paged_decode_attention_cpu(kernel, strided_query, kv_cache, meta.block_tables, strided_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, strided_query, kv_cache, meta.block_tables, strided_lens, 0.125)
     torch.testing.assert_close(out, reference(query, kv_cache, meta, 0.125), **FP32_TOL)
 
 
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_bfloat16_kv_matches_the_reference_on_the_same_blocks(kernel, group, batch):
+def test_bfloat16_kv_matches_the_reference_on_the_same_blocks(decode_kernel, group, batch):
     """bfloat16 K/V widened exactly as read, float32 accumulation: against the reference run in
     float32 over the very same (bfloat16-rounded) blocks, the float32 tolerance holds; with a
     bfloat16 query the output is rounded once, so bfloat16's 2^-8 relative step bounds it."""
@@ -159,55 +151,55 @@ def test_bfloat16_kv_matches_the_reference_on_the_same_blocks(kernel, group, bat
     query, kv_cache, meta = decode_batch(ctx, group, 64, 16, pad_columns=2, seed=group)
     kv_bf16 = kv_cache.to(torch.bfloat16)
     expected = reference(query, kv_bf16.float(), meta, 0.125)
-    out = paged_decode_attention_cpu(kernel, query, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, query, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, **FP32_TOL)
     q_bf16 = query.to(torch.bfloat16)
-    out = paged_decode_attention_cpu(kernel, q_bf16, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention_cpu(decode_kernel, q_bf16, kv_bf16, meta.block_tables, meta.seq_lens, 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference(q_bf16.float(), kv_bf16.float(), meta, 0.125),
                                atol=1e-2, rtol=2**-8)
 
 
-def test_rejects_float16(kernel):
+def test_rejects_float16(decode_kernel):
     query, kv_cache, meta = decode_batch([4], 1, 64, 16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        paged_decode_attention_cpu(kernel, query.half(), kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query.half(), kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        paged_decode_attention_cpu(kernel, query, kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache.half(), meta.block_tables, meta.seq_lens, 0.1)
 
 
-def test_rejects_bad_layouts(kernel):
+def test_rejects_bad_layouts(decode_kernel):
     query, kv_cache, meta = decode_batch([4, 20], 1, 64, 16)
     strided_cache = torch.empty(2, kv_cache.shape[1], 16, 64, NUM_KV_HEADS).transpose(-1, -2)
     strided_cache.copy_(kv_cache)
     assert strided_cache.shape == kv_cache.shape and not strided_cache.is_contiguous()
     with pytest.raises(ValueError, match="contiguous"):
-        paged_decode_attention_cpu(kernel, query, strided_cache, meta.block_tables, meta.seq_lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, strided_cache, meta.block_tables, meta.seq_lens, 0.1)
     with pytest.raises(ValueError, match="int64"):
-        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables.int(), meta.seq_lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables.int(), meta.seq_lens, 0.1)
     with pytest.raises(ValueError, match="int64"):
-        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens.int(), 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables, meta.seq_lens.int(), 0.1)
     with pytest.raises(ValueError, match="contiguous rows"):  # column-major table
-        paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables.t().contiguous().t(), meta.seq_lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables.t().contiguous().t(), meta.seq_lens, 0.1)
 
 
-def test_rejects_shapes_that_would_read_past_a_tensor(kernel):
+def test_rejects_shapes_that_would_read_past_a_tensor(decode_kernel):
     """The C code indexes by the shapes it is given: each of these read out of bounds (silently,
     or crashing on a huge garbage length) before the wrapper checked them."""
     query, kv_cache, meta = decode_batch([4, 20], 1, 64, 16)
     tables, lens = meta.block_tables, meta.seq_lens
     with pytest.raises(ValueError, match="does not fit"):  # 3 query heads over 2 KV heads
-        paged_decode_attention_cpu(kernel, torch.zeros(2, 3, 64), kv_cache, tables, lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, torch.zeros(2, 3, 64), kv_cache, tables, lens, 0.1)
     with pytest.raises(ValueError, match="does not fit"):  # head_dim 32 against a 64 cache
-        paged_decode_attention_cpu(kernel, query[..., :32].contiguous(), kv_cache, tables, lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query[..., :32].contiguous(), kv_cache, tables, lens, 0.1)
     with pytest.raises(ValueError, match="one row per query"):
-        paged_decode_attention_cpu(kernel, query, kv_cache, tables, lens[:1], 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache, tables, lens[:1], 0.1)
     with pytest.raises(ValueError, match="one row per query"):
-        paged_decode_attention_cpu(kernel, query, kv_cache, tables[:1], lens, 0.1)
+        paged_decode_attention_cpu(decode_kernel, query, kv_cache, tables[:1], lens, 0.1)
 
 
-def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
+def test_compiles_into_the_cache_dir_once(decode_kernel, tmp_path, monkeypatch):
     """A fresh cache dir: compiled there on first use; a later start (no compiler at all) loads
     the same file instead of compiling again."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
@@ -223,7 +215,7 @@ def test_compiles_into_the_cache_dir_once(kernel, tmp_path, monkeypatch):
     assert load_kernel() is not None
 
 
-def test_without_a_compiler_returns_none_and_the_backend_falls_back(kernel, tmp_path, monkeypatch, caplog):
+def test_without_a_compiler_returns_none_and_the_backend_falls_back(decode_kernel, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # empty: nothing compiled here yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     fresh_kernel(monkeypatch)
@@ -245,7 +237,7 @@ def test_without_a_compiler_returns_none_and_the_backend_falls_back(kernel, tmp_
     got = fallback.forward(query, key, value, kv_cache.clone(), meta, 0.125)
     expected = reference(query, kv_cache, meta, 0.125)
     torch.testing.assert_close(got, expected, **FP32_TOL)
-    with_kernel = paged_decode_attention_cpu(kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    with_kernel = paged_decode_attention_cpu(decode_kernel, query, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     torch.testing.assert_close(got, with_kernel, **FP32_TOL)
 
 
@@ -270,7 +262,7 @@ def fresh_kernel(monkeypatch, source=None) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_write_equals_write_kv_on_strided_views_of_the_fused_qkv(kernel, dtype):
+def test_kv_write_equals_write_kv_on_strided_views_of_the_fused_qkv(decode_kernel, dtype):
     """Keys and values as the model hands them over (views into the fused QKV output, token stride
     past the row); every other slot of the cache keeps its value."""
     from engine.attention import write_kv
@@ -285,19 +277,19 @@ def test_kv_write_equals_write_kv_on_strided_views_of_the_fused_qkv(kernel, dtyp
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     expected = cache.clone()
     write_kv(key, value, expected, slots)
-    paged_kv_write_cpu(kernel, key, value, cache, slots)
+    paged_kv_write_cpu(decode_kernel, key, value, cache, slots)
     assert torch.equal(cache, expected)
 
 
-def test_kv_write_refuses_slots_outside_the_cache_and_mismatched_rows(kernel):
+def test_kv_write_refuses_slots_outside_the_cache_and_mismatched_rows(decode_kernel):
     from engine.kernels.cpu_decode_attention import paged_kv_write_cpu
 
     cache = torch.zeros(2, 2, 4, NUM_KV_HEADS, 8)
     key = torch.ones(2, NUM_KV_HEADS, 8)
     with pytest.raises(ValueError, match="1 of 2 slots lie outside the cache's 8"):
-        paged_kv_write_cpu(kernel, key, key, cache, torch.tensor([3, 8]))
+        paged_kv_write_cpu(decode_kernel, key, key, cache, torch.tensor([3, 8]))
     assert cache[0].view(-1, NUM_KV_HEADS, 8)[3].eq(1).all()  # the valid slot was written
     with pytest.raises(ValueError, match="does not fit rows"):
-        paged_kv_write_cpu(kernel, key.double(), key, cache, torch.tensor([0, 1]))
+        paged_kv_write_cpu(decode_kernel, key.double(), key, cache, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="does not fit rows"):
-        paged_kv_write_cpu(kernel, torch.ones(2, NUM_KV_HEADS, 4), key, cache, torch.tensor([0, 1]))
+        paged_kv_write_cpu(decode_kernel, torch.ones(2, NUM_KV_HEADS, 4), key, cache, torch.tensor([0, 1]))

@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import TorchAttentionBackend, write_kv
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu, paged_kv_write_q8_cpu
+from engine.kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_kv_write_q8_cpu
 from engine.kv_cache.kv_quant import allocate_kv_cache, quantize_rows
 from tests.unit.engine.kernels.test_cpu_decode_attention_kernel import contexts, decode_batch
 from tests.unit.engine.test_cpu_attention_backend import make_step
@@ -20,21 +20,8 @@ FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 Q8 = [torch.float8_e4m3fn, torch.int8]
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    lib = load_kernel()
-    if lib is None:
-        pytest.skip("the CPU decode kernel does not compile on this machine (no working cc)")
-    return lib
-
-
-def quantized(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float cache ``[2, blocks, bs, H, D]`` as packed 8-bit rows ``[2, blocks, bs, H, D + 4]``."""
-    return quantize_rows(kv_cache, dtype)
-
-
 @pytest.mark.parametrize("dtype", Q8, ids=["fp8", "int8"])
-def test_quantising_write_equals_the_reference_bytes(kernel, dtype):
+def test_quantising_write_equals_the_reference_bytes(decode_kernel, dtype):
     """Strided K/V (views of a fused QKV output), values over 6 orders of magnitude (e4m3
     subnormals included), a zero row, a skipped (negative) slot."""
     gen = torch.Generator().manual_seed(3)
@@ -46,41 +33,41 @@ def test_quantising_write_equals_the_reference_bytes(kernel, dtype):
     expected = allocate_kv_cache(1, 8, 4, 2, 64, dtype, "cpu")[0]
     got = expected.clone()
     write_kv(key, value, expected, slots)
-    paged_kv_write_q8_cpu(kernel, key, value, got, slots)
+    paged_kv_write_q8_cpu(decode_kernel, key, value, got, slots)
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
-def test_quantising_write_refuses_a_float_cache_and_slots_outside(kernel):
+def test_quantising_write_refuses_a_float_cache_and_slots_outside(decode_kernel):
     key = torch.randn(2, 2, 64)
     with pytest.raises(ValueError, match="kv_cache must be a contiguous float8_e4m3fn or int8 cache"):
-        paged_kv_write_q8_cpu(kernel, key, key, torch.zeros(2, 4, 4, 2, 64), torch.tensor([0, 1]))
+        paged_kv_write_q8_cpu(decode_kernel, key, key, torch.zeros(2, 4, 4, 2, 64), torch.tensor([0, 1]))
     cache = allocate_kv_cache(1, 4, 4, 2, 64, torch.int8, "cpu")[0]
     with pytest.raises(ValueError, match="1 of 2 slots lie outside the cache's 16"):
-        paged_kv_write_q8_cpu(kernel, key, key, cache, torch.tensor([0, 16]))
+        paged_kv_write_q8_cpu(decode_kernel, key, key, cache, torch.tensor([0, 16]))
 
 
 @pytest.mark.parametrize("dtype", Q8, ids=["fp8", "int8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("block_size,batch", [(16, 16), (1, 4), (32, 1)])
-def test_decode_kernel_on_8bit_blocks_matches_the_reference(kernel, dtype, head_dim, block_size, batch):
+def test_decode_kernel_on_8bit_blocks_matches_the_reference(decode_kernel, dtype, head_dim, block_size, batch):
     """Same 8-bit blocks for both sides; garbage (|x| ~ 1e3) everywhere a sequence may not read."""
     gen = torch.Generator().manual_seed(batch + block_size)
     ctx = contexts(block_size, batch, gen)
     query, kv_cache, meta = decode_batch(ctx, 3, head_dim, block_size, seed=head_dim + block_size)
-    cache = quantized(kv_cache, dtype)
+    cache = quantize_rows(kv_cache, dtype)
     scale = head_dim**-0.5
-    out = paged_decode_attention_cpu(kernel, query, cache, meta.block_tables, meta.seq_lens, scale)
+    out = paged_decode_attention_cpu(decode_kernel, query, cache, meta.block_tables, meta.seq_lens, scale)
     expected = TorchAttentionBackend._decode(query, cache, meta, scale)
     torch.testing.assert_close(out, expected, **FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", Q8, ids=["fp8", "int8"])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sdpa"])
-def test_cpu_backend_mixed_step_on_8bit_cache_matches_the_torch_backend(kernel, dtype, use_kernel):
+def test_cpu_backend_mixed_step_on_8bit_cache_matches_the_torch_backend(decode_kernel, dtype, use_kernel):
     """Decode rows, a first prompt chunk (nothing cached) and a chunk after cached context in one
     step; both backends write the same quantised rows (bitwise equal caches afterwards)."""
     step = make_step([1, 5, 1, 3], [9, 5, 14, 11], seed=4)
-    cache = quantized(step.kv_cache, dtype)
+    cache = quantize_rows(step.kv_cache, dtype)
     ours, theirs = cache.clone(), cache.clone()
     out = CpuAttentionBackend(use_kernel).forward(step.query, step.key, step.value, ours, step.meta, 0.125)
     expected = TorchAttentionBackend().forward(step.query, step.key, step.value, theirs, step.meta, 0.125)
