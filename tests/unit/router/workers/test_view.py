@@ -8,6 +8,7 @@ Fakes: the registry of test_generation.py, a health probe by address, a fake los
 
 from __future__ import annotations
 
+from core.registry import WorkerInfo
 from router.workers.loss import LossWatch
 from router.workers.view import Health, WorkerView
 from tests.unit.router.test_generation import FakeRegistry, addresses, workers
@@ -44,6 +45,16 @@ def cut_from_redis(registry: FakeRegistry, cut: set[str]) -> None:
         beat(registry, w.address)
 
 
+async def heal(view: WorkerView, registry: FakeRegistry, listed: list[WorkerInfo], elapsed_s: float) -> None:
+    """The partition ends: every worker of ``listed`` is in the registry again and beats; the view
+    refreshes ``elapsed_s`` later."""
+    registry.workers = listed
+    for w in listed:
+        beat(registry, w.address)
+    view.loss.clock.now_s += elapsed_s
+    await view.refresh()
+
+
 async def test_every_decode_worker_cut_from_redis_stays_routable_while_it_serves():
     """The campaign's "decode workers cut from Redis": both decode keys expired, the prefill
     worker and the pool still beat. Before, both decode workers left the view (503 no_worker)."""
@@ -60,11 +71,7 @@ async def test_every_decode_worker_cut_from_redis_stays_routable_while_it_serves
         await view.refresh()
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
     assert not view.loss.lost_event("decode:0").is_set()
-    registry.workers = listed  # healed: they beat again
-    for w in listed:
-        beat(registry, w.address)
-    view.loss.clock.now_s += 1.0
-    await view.refresh()
+    await heal(view, registry, listed, elapsed_s=1.0)
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
 
 
@@ -111,11 +118,7 @@ async def test_a_kept_worker_that_fails_stays_down_until_its_heartbeats_return()
         view.loss.clock.now_s += 0.5
         await view.refresh()
         assert addresses(view, "decode") == ["decode:1"]
-    registry.workers = listed
-    for w in listed:
-        beat(registry, w.address)
-    view.loss.clock.now_s += 0.5
-    await view.refresh()
+    await heal(view, registry, listed, elapsed_s=0.5)
     assert addresses(view, "decode") == ["decode:0", "decode:1"]
 
 
