@@ -78,7 +78,7 @@ class RouterServer:
         self.validator = Validator(self.tokenizer, source.name, config.max_model_len, config.default_max_tokens,
                                    config.tool_call_parser)
         self.registry = WorkerRegistry(config.redis_url)
-        self.clients = WorkerClients()
+        self.clients = WorkerClients(replaced_channel_grace_s=config.request_timeout_s)
         # A worker marked down after a failure comes back only once it answers health checks.
         self.view = WorkerView(self.registry, config.worker_refresh_interval_s, probe=self.clients.health)
         self.generation = Generation(

@@ -51,11 +51,6 @@ WORKER_FAILURE_CODES = frozenset({
 })
 
 
-# Seconds a replaced channel (TRANSIENT_FAILURE: nothing new connects) keeps the calls still
-# running on it before they are cancelled: longer than a draining worker's grace period.
-REPLACED_CHANNEL_GRACE_S = 600.0
-
-
 @dataclass(frozen=True)
 class PrefillResult:
     first_token_id: int
@@ -143,9 +138,17 @@ class DecodeStream:
 
 
 class WorkerClients:
-    """One channel per worker address, opened on first use and closed by :meth:`close`."""
+    """One channel per worker address, opened on first use and closed by :meth:`close`.
 
-    def __init__(self) -> None:
+    Args:
+        replaced_channel_grace_s: how long a replaced channel (TRANSIENT_FAILURE: nothing new
+            connects) keeps the calls still running on it before they are cancelled. The router
+            passes its ``request_timeout_s``: every call's deadline falls within that of its
+            request's arrival, so each ends by itself first (a draining worker's streams finish).
+    """
+
+    def __init__(self, replaced_channel_grace_s: float) -> None:
+        self._replaced_channel_grace_s = replaced_channel_grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}  # replaced channels being closed
         self._dropping: set[asyncio.Task] = set()  # DropManifest calls in flight
@@ -160,7 +163,7 @@ class WorkerClients:
             # New calls fail on it, but streams may still run on its open connection: a draining
             # worker (SIGTERM, a rolling update) refuses new connections while it finishes them.
             # They end on the old channel; closing it at once would cancel them mid-stream.
-            task = asyncio.create_task(channel.close(grace=REPLACED_CHANNEL_GRACE_S))
+            task = asyncio.create_task(channel.close(grace=self._replaced_channel_grace_s))
             self._closing[task] = channel
             task.add_done_callback(lambda done: self._closing.pop(done, None))
             channel = None

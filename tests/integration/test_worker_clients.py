@@ -30,7 +30,7 @@ async def _health_server(port: int) -> grpc.aio.Server:
 async def test_a_worker_restarted_on_its_port_is_reached_at_once() -> None:
     port = find_free_port()
     address = f"127.0.0.1:{port}"
-    clients = WorkerClients()
+    clients = WorkerClients(replaced_channel_grace_s=WAIT_S)
     server = await _health_server(port)
     try:
         assert await clients.health(address) is Health.SERVING
@@ -83,7 +83,7 @@ async def test_a_draining_workers_stream_outlives_the_replacement_of_its_channel
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     assert server.add_insecure_port(address) == port
     await server.start()
-    clients = WorkerClients()
+    clients = WorkerClients(replaced_channel_grace_s=WAIT_S)
     request = ValidatedRequest([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True), ())
     stopping = None
     try:
