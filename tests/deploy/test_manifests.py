@@ -288,6 +288,26 @@ def test_gpu_count_that_is_not_the_tensor_parallel_size_is_refused(tools):
     assert "decode.gpus (2) must equal decode.tensorParallelSize (1)" in proc.stderr
 
 
+def test_the_router_serves_through_its_pre_stop_sleep(tools, renderings):
+    """A deleted router pod keeps serving while kube-proxy drops it from the Service (after
+    SIGTERM it refuses new requests); the chart's default and the kustomize base agree, and a
+    grace period too short for the sleep and the router's own drain is refused."""
+    for name in ("helm-default", "kustomize-dev"):
+        router = find(renderings[name], "Deployment", "-router")
+        assert main_container(router)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"], name
+        assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60, name
+    objects = helm_template(tools, "--set", "router.preStopSleepSeconds=30",
+                            "--set", "router.terminationGracePeriodSeconds=40")
+    assert main_container(find(objects, "Deployment", "-router"))["lifecycle"]["preStop"]["exec"]["command"] == \
+        ["sleep", "30"]
+    proc = subprocess.run(
+        [str(tools / "helm"), "template", "tandem", str(CHART), "--set", "router.preStopSleepSeconds=55"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode != 0
+    assert "router.terminationGracePeriodSeconds (60) must be >= router.preStopSleepSeconds (55) + 10" in proc.stderr
+
+
 def test_cpu_workers_use_the_cpu_image_and_no_gpu(tools):
     objects = helm_template(tools, "--set", "prefill.device=cpu", "--set", "prefill.gpus=0")
     prefill = main_container(find(objects, "Deployment", "-prefill"))

@@ -327,6 +327,10 @@ unset. (dict "root" $ "key" "ttftMs"|"tbtMs") */}}
 {{- fail (printf "%s.numKvBlocks (%d) x engine.blockSize (%v) = %d tokens cannot hold one model.maxModelLen (%v) sequence" $role $blocks $.Values.engine.blockSize $tokens $.Values.model.maxModelLen) }}
 {{- end }}
 {{- end }}
+{{- $router := .Values.router }}
+{{- if lt (int $router.terminationGracePeriodSeconds) (add (int $router.preStopSleepSeconds) 10) }}
+{{- fail (printf "router.terminationGracePeriodSeconds (%v) must be >= router.preStopSleepSeconds (%v) + 10: after the preStop the router's SIGTERM lets in-flight requests run 5 s, ends the rest and stops" $router.terminationGracePeriodSeconds $router.preStopSleepSeconds) }}
+{{- end }}
 {{- if and (eq .Values.transfer.backend "shm") (gt (int .Values.kvPool.replicas) 1) }}
 {{- fail "transfer.backend shm shares the node's /dev/shm: it needs a single node and kvPool.replicas 1" }}
 {{- end }}
