@@ -22,6 +22,12 @@ SOURCE = Path(__file__).parent / "cpu" / "int8_linear.c"
 def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_linear_f32.restype = None
     lib.int8_linear_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.int8_linear_panel_width.restype = ctypes.c_int
+    lib.int8_linear_panel_width.argtypes = []
+    lib.int8_linear_pack.restype = None
+    lib.int8_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.int8_linear_packed.restype = ctypes.c_int
+    lib.int8_linear_packed.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU int8 linear kernel", "int8 layers use the torch backends", _declare)
@@ -66,4 +72,70 @@ def int8_linear_cpu(
     kernel.int8_linear_f32(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
                            None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
                            torch.get_num_threads())
+    return out
+
+
+def packed_path(kernel: ctypes.CDLL) -> bool:
+    """Whether this machine's build has the packed VNNI path (:func:`pack_weight`,
+    :func:`int8_linear_packed_cpu`): built where the CPU has AVX512-VNNI and AVX512-BW."""
+    return kernel.int8_linear_panel_width() > 0
+
+
+def pack_weight(kernel: ctypes.CDLL, qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int8 [N, K] -> its panels for :func:`int8_linear_packed_cpu`: int8
+    ``[ceil(N / P), ceil(K / 2), P, 2]`` (P the build's panel width, pairs of k side by side, zeros
+    past N and K). A new tensor; ``qweight`` is not changed.
+
+    Raises:
+        ValueError: not a contiguous 2-D int8 CPU tensor, or no packed path on this build.
+    """
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.device.type != "cpu" \
+            or not qweight.is_contiguous():
+        raise ValueError(f"a contiguous 2-D int8 CPU weight only, got {qweight.dtype} {tuple(qweight.shape)}")
+    width = kernel.int8_linear_panel_width()
+    if width <= 0:
+        raise ValueError("this build has no packed int8 path (the CPU lacks AVX512-VNNI)")
+    n, k = qweight.shape
+    packed = torch.empty(-(-n // width), (k + 1) // 2, width, 2, dtype=torch.int8)
+    kernel.int8_linear_pack(qweight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def int8_linear_packed_cpu(
+    kernel: ctypes.CDLL,
+    x: torch.Tensor,  # [M, K], float32
+    packed: torch.Tensor,  # pack_weight()'s panels of an int8 [N, K] weight
+    num_out: int,  # N
+    scale: torch.Tensor,  # [N], float32, contiguous
+    bias: torch.Tensor | None,  # [N], float32, contiguous
+) -> torch.Tensor:  # [M, N], float32
+    """``x @ (qweight * scale[:, None]).T + bias`` with VPDPWSSD: each row of ``x`` quantised to
+    int16 on the fly (symmetric per row; error at most ``max|x[m]| / (2 qmax)``, qmax 32767 down to
+    11010 at K = 1536: see ``cpu/int8_linear.c``), int32 sums, float32 scaling.
+
+    Raises:
+        ValueError: a tensor with another dtype, device, layout or shape than the above.
+        MemoryError: the kernel could not allocate its scratch.
+    """
+    if x.dtype != torch.float32 or packed.dtype != torch.int8 or scale.dtype != torch.float32 \
+            or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError(f"float32 x, scale and bias with packed int8 panels only, got x {x.dtype}, panels "
+                         f"{packed.dtype}, scale {scale.dtype}, bias {None if bias is None else bias.dtype}")
+    if x.device.type != "cpu" or packed.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError("CPU tensors only")
+    width = kernel.int8_linear_panel_width()
+    if x.dim() != 2 or packed.dim() != 4 or packed.shape[2:] != (width, 2) or packed.shape[1] != (x.shape[1] + 1) // 2 \
+            or packed.shape[0] != -(-num_out // width) or scale.shape != (num_out,) \
+            or (bias is not None and bias.shape != (num_out,)):
+        raise ValueError(f"x {tuple(x.shape)}, panels {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, K] weight")
+    if not (packed.is_contiguous() and scale.is_contiguous() and (bias is None or bias.is_contiguous())):
+        raise ValueError("panels, scale and bias must be contiguous")
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, num_out, dtype=torch.float32)
+    if kernel.int8_linear_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
+                                 torch.get_num_threads()):
+        raise MemoryError(f"int8 linear: no scratch for x {tuple(x.shape)}")
     return out

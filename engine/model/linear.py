@@ -20,8 +20,12 @@ the layout it reads fastest:
 A layer quantised to int8 (:meth:`Linear.quantize_int8`, ``--quantization int8``) keeps an int8
 weight [out, in] and one float32 scale per output channel, and runs through one of:
 
-- ``int8_cpu``: Tandem's C kernel (engine.kernels.cpu_int8_linear), float32 activations, the int8
-  weight widened to float32 as it is read: a quarter of the bytes of a float32 weight.
+- ``int8_cpu``: Tandem's C kernel (engine.kernels.cpu_int8_linear): a quarter of the bytes of a
+  float32 weight. Where the CPU has AVX512-VNNI the weight is packed once in panels and each
+  activation row is quantised to int16 on the fly for VPDPWSSD (int32 sums, twice an FMA's
+  multiply-adds per instruction; the row's error at most 1/(2 qmax) of its largest value, qmax
+  32767 to 11010 at K <= 1536); elsewhere float32 activations, the int8 weight widened to float32
+  as it is read.
 - ``int8_dequant``: ``F.linear`` on the weight dequantised to float32 at every call (the readable
   reference; fastest only where M is large enough to amortise the dequantisation).
 - ``int8pack``: ``torch._weight_int8pack_mm`` (gpt-fast's weight-only int8 route), run with
@@ -47,15 +51,16 @@ from torch import nn
 from engine.config import LINEAR_BACKEND_CHOICES
 from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
-from engine.kernels.cpu_int8_linear import int8_linear_cpu
+from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, packed_path
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
+from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
 BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
 FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu")  # float32 / bfloat16 / float16 weights
 INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack")  # int8 weights with float32 scales
 assert BACKENDS == FLOAT_BACKENDS + INT8_BACKENDS
 # The backends with a prepared weight copy, by their index in BACKENDS (planned_linear's arguments).
-_ONEDNN, _MKL, _FP32_CPU = (BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu"))
+_ONEDNN, _MKL, _FP32_CPU, _INT8_CPU = (BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu", "int8_cpu"))
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
 _MKL_BATCH_HINT = 16
 
@@ -116,6 +121,8 @@ def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     if backend == "fp32_cpu":
         return pack_weight(load_fp32_kernel(), weight)
+    if backend == "int8_cpu" and packed_path(load_int8_kernel()):
+        return pack_int8_weight(load_int8_kernel(), weight)
     return None
 
 
@@ -124,7 +131,7 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
     """``x`` [M, in] through ``backend`` with its prepared weight -> [M, out], x's dtype. An int8
     backend's ``weight`` is int8 [out, in] and ``scale`` its float32 [out] per-channel scales."""
     if backend in INT8_BACKENDS:
-        return _run_int8(backend, x, weight, scale, bias)
+        return _run_int8(backend, x, prepared, weight, scale, bias)
     if backend == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
     if backend == "mkl":
@@ -134,8 +141,10 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
     return F.linear(x, weight, bias)
 
 
-def _run_int8(backend: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qweight: torch.Tensor,
+              scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if backend == "int8_cpu" and prepared is not None:
+        return int8_linear_packed_cpu(load_int8_kernel(), x, prepared, qweight.shape[0], scale, bias)
     if backend == "int8_cpu":
         return int8_linear_cpu(load_int8_kernel(), x, qweight, scale, bias)
     if backend == "int8pack":
@@ -253,10 +262,11 @@ class Linear(nn.Module):
         if self.plan is None:
             out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale)
         elif torch.compiler.is_compiling():
-            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, None, list(self.plan))
+            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, self.prepared[_INT8_CPU],
+                                 list(self.plan))
         else:
             code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
-            out = run_backend(BACKENDS[code], x, None, self.qweight, self.bias, self.weight_scale)
+            out = run_backend(BACKENDS[code], x, self.prepared[code], self.qweight, self.bias, self.weight_scale)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -271,9 +281,9 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cpu_weight: torch.Tensor | None, plan: list[int]) -> torch.Tensor:
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
     (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
-    onednn, mkl and fp32_cpu)."""
+    onednn, mkl and, in ``cpu_weight``, fp32_cpu's (a float layer's) or int8_cpu's (a quantised one's))."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
-    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight}.get(code)
+    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _INT8_CPU: cpu_weight}.get(code)
     return run_backend(BACKENDS[code], x, prepared, weight, bias, scale)
 
 
