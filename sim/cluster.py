@@ -113,7 +113,7 @@ class CoreSharing:
 
 
 # The pool's capacity when none is given, whatever a block's size: more blocks than the full
-# Mooncake conversation trace stores at block size 64 or more (93.6M distinct prompt tokens).
+# Mooncake conversation trace stores at block size 32 or more (93.6M distinct prompt tokens).
 DEFAULT_POOL_BLOCKS = 1 << 22
 
 
