@@ -16,6 +16,34 @@ KV_SCALE_BYTES = 4
 KV_SCALE_LAYOUT = "per_token_head_f32_after_row"
 
 
+def kv_head_row_bytes(head_dim: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one (token, KV head) row of K or of V: ``head_dim`` values of ``dtype_bytes``
+    bytes each (``auto``), or with an 8-bit ``kv_cache_dtype`` (fp8, int8) ``head_dim`` one-byte
+    values followed by their float32 scale (``head_dim + KV_SCALE_BYTES``).
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto":
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * dtype_bytes
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's K and V in every layer and KV head (scales included when 8-bit):
+    ``2 * num_layers * num_kv_heads * kv_head_row_bytes(...)``. A block of ``block_size`` tokens
+    is ``block_size`` times this (:attr:`KVCacheSpec.block_bytes`). For head_dim 128: a 256-byte
+    row in bfloat16, a 132-byte one in fp8 / int8.
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
+    """
+    return 2 * num_layers * num_kv_heads * kv_head_row_bytes(head_dim, dtype_bytes, kv_cache_dtype)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Layout of one KV block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` of ``dtype``,
@@ -71,14 +99,13 @@ class KVCacheSpec:
     @property
     def head_row_bytes(self) -> int:
         """Bytes of one (token, KV head) row: values, plus the scale when quantized."""
-        if self.quantized:
-            return self.head_dim + KV_SCALE_BYTES
-        return self.head_dim * DTYPE_BYTES[self.dtype]
+        return kv_head_row_bytes(self.head_dim, DTYPE_BYTES[self.dtype], self.kv_cache_dtype)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (all layers, K and V, and their scales when quantized)."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_row_bytes
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                                    DTYPE_BYTES[self.dtype], self.kv_cache_dtype)
 
     @property
     def fingerprint(self) -> str:

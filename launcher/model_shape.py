@@ -11,11 +11,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.kv_cache_spec import KV_SCALE_BYTES
+from core.kv_cache_spec import DTYPE_BYTES, kv_bytes_per_token
 from core.model_source import ModelSource
 from launcher.preflight import PreflightError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -37,9 +36,10 @@ class ModelShape:
     def kv_block_bytes(self, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
         """Bytes of one paged-KV block: K and V of every layer for ``block_size`` tokens, in
         ``dtype``, or with an 8-bit ``kv_cache_dtype`` (fp8, int8) one byte per value plus a
-        4-byte scale per (token, head) row (core.kv_cache_spec.KVCacheSpec.block_bytes)."""
-        row = self.head_dim + KV_SCALE_BYTES if kv_cache_dtype != "auto" else self.head_dim * DTYPE_BYTES[dtype]
-        return block_size * 2 * self.num_layers * self.num_kv_heads * row
+        4-byte scale per (token, head) row: core.kv_cache_spec.kv_bytes_per_token, as
+        KVCacheSpec.block_bytes counts it."""
+        return block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, DTYPE_BYTES[dtype],
+                                               kv_cache_dtype)
 
     @classmethod
     def from_hf_dir(cls, folder: Path) -> ModelShape:

@@ -15,9 +15,12 @@ from bench.cli import workload_path
 from bench.metrics import SLO
 from bench.report import summary_table
 from bench.workloads import PROMPT_SET_KINDS, TRACE_KINDS
+from core.kv_cache_spec import KV_CACHE_DTYPES
+from core.settings import ByteSize
 from sim.hardware import GPUS, MODELS
 from sim.output import result_json, save
-from sim.setup import ClusterChoice, WorkloadChoice, build_cluster, load_requests, router_spec
+from sim.setup import (ClusterChoice, WorkloadChoice, build_cluster, build_worker, kv_footprint, load_requests,
+                       router_spec)
 from sim.simulator import Simulation
 
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -47,6 +50,13 @@ def workload_options(f, block_size: int = 16, max_candidates: int = 8):
                           "instead of the GPU roofline."),
         click.option("--block-size", default=block_size, show_default=True, type=int),
         click.option("--num-kv-blocks", default=0, show_default=True, type=int, help="0: what fits the GPU."),
+        click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(KV_CACHE_DTYPES),
+                     help="The workers' KV cache dtype: auto keeps K/V in the model's (bf16); fp8 and int8 store "
+                          "head_dim bytes + a float32 scale per token and KV head (transfers, pool and GPU blocks, "
+                          "attention reads)."),
+        click.option("--pool-capacity-bytes", default=0, show_default=True, type=ByteSize(),
+                     help="The KV pool's DRAM, all nodes together (bytes or a size such as 4TiB); it holds this "
+                          "over a block's bytes. 0: 4,194,304 blocks, whatever their size."),
         click.option("--max-num-seqs", default=256, show_default=True, type=int),
         click.option("--max-num-batched-tokens", default=8192, show_default=True, type=int),
         click.option("--max-model-len", default=0, show_default=True, type=int, help="0: the model's."),
@@ -80,8 +90,24 @@ def choices(kw: dict, num_prefill: int, num_decode: int, tp: int) -> tuple[Workl
                          kw["max_candidates"])
     cluster = ClusterChoice(num_prefill, num_decode, kw["gpu"], kw["model"], tp, kw["cost_model"], kw["block_size"],
                             kw["num_kv_blocks"], kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"],
-                            router)
+                            router, kw["pool_capacity_bytes"], kw["kv_cache_dtype"])
     return workload, cluster
+
+
+def kv_line(kv: dict) -> str:
+    """One line of :func:`sim.setup.kv_footprint`: what the KV cache dtype sets."""
+    dtype = "auto (the model's dtype)" if kv["kv_cache_dtype"] == "auto" else kv["kv_cache_dtype"]
+    pool = f"pool {kv['pool_capacity_blocks']:,} blocks"
+    pool += (f" ({kv['pool_capacity_bytes'] / 2**40:.2f} TiB)" if kv["pool_capacity_bytes"]
+             else " (no --pool-capacity-bytes)")
+    return (f"KV {dtype}: {kv['kv_bytes_per_token']:,.0f} B per token, {kv['block_bytes'] / 2**20:.2f} MiB per "
+            f"block; {kv['num_kv_blocks']:,} blocks per worker; {pool}; a mean prompt "
+            f"({kv['mean_prompt_tokens']:,.0f} tokens) is {kv['mean_prompt_kv_bytes'] / 1e9:.2f} GB of KV, "
+            f"{kv['mean_prompt_transfer_s'] * 1000:.1f} ms per hop on a worker's NIC")
+
+
+def mean_prompt_tokens(requests) -> float:
+    return sum(len(r.prompt) for r in requests) / len(requests) if requests else 0.0
 
 
 @click.command()
@@ -99,13 +125,15 @@ def sim(num_prefill: int, num_decode: int, tp: int, out_dir: Path, plots: bool, 
         cluster = build_cluster(cluster_choice)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+    kv = kv_footprint(cluster_choice, cluster.decode, mean_prompt_tokens(requests))
+    console.print(kv_line(kv))
     started = time.perf_counter()
     result = Simulation(cluster).run(requests)
     wall_s = time.perf_counter() - started
     slo = SLO(kw["slo_ttft_ms"], kw["slo_tbt_ms"])
     workload_settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(workload).items()}
     settings = {"workload": workload_settings, "cluster": cluster.label, "gpu": kw["gpu"],
-                "model": kw["model"], "tp": tp, "cost_model": str(kw["cost_model"] or ""), "wall_s": wall_s}
+                "model": kw["model"], "tp": tp, "cost_model": str(kw["cost_model"] or ""), "kv": kv, "wall_s": wall_s}
     data = result_json(f"sim {cluster.label}", {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
                        result, slo)
     paths = save(data, out_dir, plots)
@@ -152,6 +180,8 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
     started = time.perf_counter()
     try:
         requests = load_requests(workload)
+        kv = kv_footprint(base, build_worker(base, tp_list[0]), mean_prompt_tokens(requests))
+        console.print(kv_line(kv))
         points = planner.search(requests, base, counts, tp_list, slo, target, jobs=jobs, all_sizes=all_sizes,
                                 progress=lambda p: console.print(
                                     f"  {p.num_gpus:4d} GPUs {p.label:28s} goodput "
@@ -162,16 +192,16 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
         raise click.BadParameter(str(err)) from None
     wall_s = time.perf_counter() - started
     cpu_s = sum(p.cpu_s for p in points)  # the simulations' own, across the --jobs processes
-    console.print(_plan_table(points, len(requests), slo, target))
+    console.print(_plan_table(points, len(requests), slo, target, kv["kv_cache_dtype"]))
     skipped = planner.not_evaluated(counts, tp_list, points, target)
     if skipped is not None:
         console.print(skipped, soft_wrap=True)
     best = planner.recommend(points, target)
     out = {"settings": {"gpus": counts, "tp": tp_list, "target": target, "slo": dataclasses.asdict(slo),
-                        "gpu": kw["gpu"], "model": kw["model"], "wall_s": wall_s, "cpu_s": cpu_s},
+                        "gpu": kw["gpu"], "model": kw["model"], "kv": kv, "wall_s": wall_s, "cpu_s": cpu_s},
            "points": planner.as_rows(points), "recommendation": planner.as_rows([best])[0] if best else None}
     save_json(out, out_dir / "plan.json")
-    planner.plot(points, out_dir / "goodput_vs_gpus.png", f"{kw['model']} on {kw['gpu']}")
+    planner.plot(points, out_dir / "goodput_vs_gpus.png", f"{kw['model']} on {kw['gpu']}, KV {kw['kv_cache_dtype']}")
     if best is None:
         console.print(f"no configuration reaches {target:.0%} SLO attainment; try more GPUs or a looser SLO "
                       f"({wall_s:.0f} s, {cpu_s:.0f} CPU-s in {len(points)} simulations)")
@@ -190,15 +220,15 @@ def plan(gpu_counts: str, tps: str, target: float, out_dir: Path, helm_values: P
         _write_helm_values(helm_values, best, base, slo)
 
 
-def _plan_table(points, num_requests: int, slo: SLO, target: float):
+def _plan_table(points, num_requests: int, slo: SLO, target: float, kv_cache_dtype: str):
     """Best disaggregated vs colocated configuration per fleet size, and their goodput ratio."""
     from rich.table import Table
 
     from sim import plan as planner
 
     table = Table("GPUs", "best disaggregated", "goodput req/s", "attainment", "colocated goodput", "attainment",
-                  "disagg / colocated", title=f"plan: {num_requests} requests, SLO TTFT {slo.ttft_ms:g} ms, "
-                                                  f"TBT {slo.tbt_ms:g} ms, target {target:.0%}")
+                  "disagg / colocated", title=f"plan: {num_requests} requests, KV {kv_cache_dtype}, SLO TTFT "
+                                                  f"{slo.ttft_ms:g} ms, TBT {slo.tbt_ms:g} ms, target {target:.0%}")
     disagg, coloc = planner.best_per_size(points, False), planner.best_per_size(points, True)
     for n in sorted(set(disagg) | set(coloc)):
         d, c = disagg.get(n), coloc.get(n)
@@ -220,7 +250,6 @@ def _write_helm_values(path: Path, best, base, slo: SLO) -> None:
     import yaml
 
     from sim import plan as planner
-    from sim.setup import build_worker
 
     worker = build_worker(base, best.tp)
     overrides = planner.helm_values(best, base, worker.engine.num_kv_blocks, worker.engine.max_model_len, slo)

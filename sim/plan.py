@@ -21,7 +21,7 @@ import yaml
 from bench.metrics import SLO, summarize
 from sim.cluster import ClusterSpec
 from sim.hardware import MODELS, ModelSpec, lookup
-from sim.setup import ClusterChoice, build_worker
+from sim.setup import ClusterChoice, build_worker, pool_capacity_blocks
 from sim.simulator import Simulation
 from sim.workload import SimRequest
 
@@ -46,6 +46,7 @@ class PlanPoint:
     # the SLO: slo_attainment for a whole run, an optimistic estimate for one stopped early.
     arrived_attainment: float = float("nan")
     cpu_s: float = 0.0  # CPU seconds the simulation took
+    pool_hit_rate: float = float("nan")  # of the prompt blocks looked up in the pool, the share it held
 
     @property
     def label(self) -> str:
@@ -88,7 +89,8 @@ def evaluate(requests: list[SimRequest], cluster: ClusterSpec, slo: SLO, target:
     arrived = 1 - result.num_misses / result.num_arrived if result.num_arrived else float("nan")
     return PlanPoint(cluster.num_gpus, tp, cluster.num_prefill, cluster.num_decode,
                      s["slo_attainment"] * offered_rps(requests), s["slo_attainment"], s["ttft_ms"]["p90"],
-                     s["tbt_ms"]["p90"], result.aborted, arrived, time.process_time() - started_s)
+                     s["tbt_ms"]["p90"], result.aborted, arrived, time.process_time() - started_s,
+                     result.pool_hit_rate)
 
 
 _JOB: dict = {}  # what forked evaluation processes read (set before the pool forks)
@@ -97,7 +99,7 @@ _JOB: dict = {}  # what forked evaluation processes read (set before the pool fo
 def _evaluate_job(args: tuple[int, int, int, int | None]) -> PlanPoint:
     tp, num_prefill, num_decode, max_misses = args
     worker = _JOB["workers"][tp]
-    cluster = ClusterSpec(num_prefill, num_decode, worker, worker, _JOB["base"].pool_capacity_blocks, _JOB["base"].router)
+    cluster = ClusterSpec(num_prefill, num_decode, worker, worker, _JOB["pool_blocks"], _JOB["base"].router)
     return evaluate(_JOB["requests"], cluster, _JOB["slo"], _JOB["target"], tp, max_misses)
 
 
@@ -110,8 +112,10 @@ class Search:
 
     def __init__(self, requests: list[SimRequest], base: ClusterChoice, tps: list[int], slo: SLO, target: float,
                  jobs: int = 1, progress=None):
-        _JOB.update(requests=requests, base=base, slo=slo, target=target,
-                    workers={tp: build_worker(base, tp) for tp in tps})
+        workers = {tp: build_worker(base, tp) for tp in tps}
+        # a block's bytes do not depend on the TP degree (every KV head in one block)
+        _JOB.update(requests=requests, base=base, slo=slo, target=target, workers=workers,
+                    pool_blocks=pool_capacity_blocks(base, workers[tps[0]]))
         self.num_requests, self.tps, self.target, self.jobs, self.progress = len(requests), tps, target, jobs, progress
         self.points: dict[tuple[int, int, int], PlanPoint] = {}
         self.best_share = 0.5  # prefill share of the best split so far: likeliest to run longest
@@ -353,7 +357,8 @@ def model_values(model: ModelSpec, max_model_len: int) -> dict:
 
 def helm_values(point: PlanPoint, base: ClusterChoice, num_kv_blocks: int, max_model_len: int, slo: SLO) -> dict:
     """Overrides of deploy/k8s/helm/tandem/values.yaml for ``point`` (colocated: no prefill pods):
-    the model (``base.model``, :func:`model_values`), engine, routing and worker counts.
+    the model (``base.model``, :func:`model_values`), engine (its KV cache dtype too: the KV
+    blocks per pod were counted at its block bytes), routing and worker counts.
 
     Raises:
         ValueError: ``max_model_len`` beyond the model's.
@@ -361,7 +366,7 @@ def helm_values(point: PlanPoint, base: ClusterChoice, num_kv_blocks: int, max_m
     return {
         "model": model_values(lookup(MODELS, base.model, "model"), max_model_len),
         "engine": {"blockSize": base.block_size, "maxNumBatchedTokens": base.max_num_batched_tokens,
-                   "maxNumSeqs": base.max_num_seqs},
+                   "maxNumSeqs": base.max_num_seqs, "kvCacheDtype": base.kv_cache_dtype},
         "routing": {"policy": base.router.policy,  # the chart takes the router's policy names
                     "slo": {"ttftMs": int(slo.ttft_ms), "tbtMs": int(slo.tbt_ms)}},
         "prefill": {"replicas": point.num_prefill, "gpus": point.tp, "numKvBlocks": num_kv_blocks},

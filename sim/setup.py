@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from core.cost_model import CostModel
 from core.worker_load import WorkerLoad
 from engine.config import EngineConfig
 from router.placement.prediction import SLO
-from sim.cluster import ClusterSpec, RouterSpec, WorkerSpec, fitted_worker, roofline_worker
+from sim.cluster import DEFAULT_POOL_BLOCKS, ClusterSpec, RouterSpec, WorkerSpec, fitted_worker, roofline_worker
 from sim.hardware import GPUS, MODELS, Roofline, lookup
 from sim.workload import SimRequest, from_bench, load_trace
 
@@ -71,7 +72,10 @@ class ClusterChoice:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 0  # 0: the model's
     router: RouterSpec = RouterSpec()
-    pool_capacity_blocks: int = 1 << 22
+    # The pool's DRAM, all nodes together; in blocks: this over a block's bytes (at the KV cache
+    # dtype). 0: DEFAULT_POOL_BLOCKS blocks, whatever their size.
+    pool_capacity_bytes: int = 0
+    kv_cache_dtype: str = "auto"  # the workers' --kv-cache-dtype: auto (the model's dtype), fp8, int8
 
 
 def read_cost_model(path: Path) -> CostModel:
@@ -94,14 +98,28 @@ def read_cost_model(path: Path) -> CostModel:
 
 
 def build_worker(c: ClusterChoice, tp: int) -> WorkerSpec:
+    """A worker of ``tp`` GPUs: timed by the fitted cost model of ``c.cost_model`` (its KV bytes
+    per token are the measured worker's), else by the roofline of ``c.gpu`` and ``c.model`` with
+    KV at ``c.kv_cache_dtype`` (its KV blocks: what fits the GPUs unless ``c.num_kv_blocks``).
+
+    Raises:
+        ValueError: a fitted cost model without --num-kv-blocks and --max-model-len, or with an
+            8-bit --kv-cache-dtype (fit one on a worker run with it); an unknown GPU, model or KV
+            cache dtype; a context beyond the model's; a model the GPUs cannot hold.
+    """
     if c.cost_model is not None:
         cost = read_cost_model(c.cost_model)
         if not c.num_kv_blocks or not c.max_model_len:
             raise ValueError("a fitted cost model needs --num-kv-blocks and --max-model-len (the worker's)")
+        if c.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {c.kv_cache_dtype} times roofline workers; a fitted cost model "
+                             "carries its worker's own KV bytes per token (fit it on a worker run with "
+                             f"--kv-cache-dtype {c.kv_cache_dtype})")
         engine = EngineConfig(block_size=c.block_size, num_kv_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
                               max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len)
         return fitted_worker(cost, engine, cost.kv_bytes_per_token)
-    roofline = Roofline(lookup(GPUS, c.gpu, "GPU"), lookup(MODELS, c.model, "model"), tp)
+    model = dataclasses.replace(lookup(MODELS, c.model, "model"), kv_cache_dtype=c.kv_cache_dtype)
+    roofline = Roofline(lookup(GPUS, c.gpu, "GPU"), model, tp)
     if c.max_model_len > roofline.model.max_model_len:
         raise ValueError(f"--max-model-len {c.max_model_len} exceeds {c.model}'s max_position_embeddings "
                          f"({roofline.model.max_model_len})")
@@ -111,9 +129,49 @@ def build_worker(c: ClusterChoice, tp: int) -> WorkerSpec:
     return roofline_worker(roofline, engine)
 
 
+def pool_capacity_blocks(c: ClusterChoice, worker: WorkerSpec) -> int:
+    """Blocks the pool holds: ``c.pool_capacity_bytes`` // one block's bytes (``block_size`` x
+    the worker's KV bytes per token: an 8-bit KV cache's rows with their scales);
+    DEFAULT_POOL_BLOCKS when ``c.pool_capacity_bytes`` is 0.
+
+    Raises:
+        ValueError: a negative capacity, one below one block, or a worker whose KV bytes per
+            token are unknown (a fitted cost model that measured none).
+    """
+    if c.pool_capacity_bytes < 0:
+        raise ValueError(f"--pool-capacity-bytes must be >= 0, got {c.pool_capacity_bytes}")
+    if c.pool_capacity_bytes == 0:
+        return DEFAULT_POOL_BLOCKS
+    block_bytes = c.block_size * worker.kv_bytes_per_token
+    if block_bytes <= 0:
+        raise ValueError("--pool-capacity-bytes needs the workers' KV bytes per token; the cost model has none")
+    blocks = int(c.pool_capacity_bytes // block_bytes)
+    if blocks < 1:
+        raise ValueError(f"--pool-capacity-bytes {c.pool_capacity_bytes} holds no block of {block_bytes:.0f} bytes")
+    return blocks
+
+
 def build_cluster(c: ClusterChoice) -> ClusterSpec:
+    """The cluster of ``c``: its worker counts of one :func:`build_worker` kind, its pool and router.
+
+    Raises:
+        ValueError: as :func:`build_worker` and :func:`pool_capacity_blocks`.
+    """
     worker = build_worker(c, c.tp)
-    return ClusterSpec(c.num_prefill, c.num_decode, worker, worker, c.pool_capacity_blocks, c.router)
+    return ClusterSpec(c.num_prefill, c.num_decode, worker, worker, pool_capacity_blocks(c, worker), c.router)
+
+
+def kv_footprint(c: ClusterChoice, worker: WorkerSpec, mean_prompt_tokens: float) -> dict:
+    """What the KV cache dtype changes, for the command's output and JSON: KV bytes per token and
+    per block, blocks per worker and in the pool, and one KV hop of a mean prompt (bytes, seconds
+    on the worker's NIC: prefill -> pool and pool -> decode each take one)."""
+    block_bytes = c.block_size * worker.kv_bytes_per_token
+    return {"kv_cache_dtype": c.kv_cache_dtype, "kv_bytes_per_token": worker.kv_bytes_per_token,
+            "block_bytes": block_bytes, "num_kv_blocks": worker.engine.num_kv_blocks,
+            "pool_capacity_bytes": c.pool_capacity_bytes, "pool_capacity_blocks": pool_capacity_blocks(c, worker),
+            "mean_prompt_tokens": mean_prompt_tokens,
+            "mean_prompt_kv_bytes": mean_prompt_tokens * worker.kv_bytes_per_token,
+            "mean_prompt_transfer_s": worker.transfer_s(round(mean_prompt_tokens))}
 
 
 def router_spec(policy: str, disaggregation: str, ttft_slo_s: float, tbt_slo_s: float, max_candidates: int) -> RouterSpec:

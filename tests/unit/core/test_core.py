@@ -2,7 +2,7 @@ import pytest
 
 from core.block_hash import hash_block, hash_block_chain
 from core.block_key import BlockKey
-from core.kv_cache_spec import KVCacheSpec
+from core.kv_cache_spec import KVCacheSpec, kv_bytes_per_token, kv_head_row_bytes
 from core.request import FinishReason, Request
 from core.sampling_params import SamplingParams
 
@@ -40,6 +40,21 @@ def test_8bit_kv_specs_count_their_scales_and_get_their_own_namespace():
     assert spec(kv="fp8").kv_dtype_name == "fp8" and spec("bfloat16").kv_dtype_name == "bfloat16"
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'int8'\), got 'fp16'"):
         spec(kv="fp16")
+
+
+def test_kv_bytes_per_token_is_the_one_count_of_a_token_s_kv_rows():
+    """The spec, the launcher's memory check and the simulator all count a token's KV here: K and V
+    of every layer and KV head, a row of head_dim values, each 8-bit row followed by its scale."""
+    assert kv_head_row_bytes(128, 2) == 256
+    assert kv_head_row_bytes(128, 2, "fp8") == kv_head_row_bytes(128, 4, "int8") == 132  # whatever the model's dtype
+    assert kv_head_row_bytes(64, 2) == 128 and kv_head_row_bytes(64, 2, "fp8") == 68
+    # Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128) and SmolLM2-135M (30, 3, 64), bf16 vs 8-bit
+    assert (kv_bytes_per_token(32, 8, 128, 2), kv_bytes_per_token(32, 8, 128, 2, "fp8")) == (131_072, 67_584)
+    assert (kv_bytes_per_token(30, 3, 64, 2), kv_bytes_per_token(30, 3, 64, 2, "int8")) == (23_040, 12_240)
+    spec = KVCacheSpec("m", "r", "bfloat16", 32, 8, 128, 16, kv_cache_dtype="fp8")
+    assert spec.block_bytes == 16 * 67_584 and spec.head_row_bytes == 132
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'int8'\), got 'fp16'"):
+        kv_bytes_per_token(32, 8, 128, 2, "fp16")
 
 
 def test_spec_kv_layout_is_all_heads_only():
