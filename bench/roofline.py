@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from core.kv_cache_spec import kv_bytes_per_token
+
 
 @dataclass(frozen=True)
 class ModelFootprint:
@@ -25,9 +27,10 @@ class ModelFootprint:
     kv_bytes_per_token: int  # K and V of every layer for one token
 
     @classmethod
-    def from_hf_dir(cls, path: Path, kv_dtype_bytes: int = 4) -> ModelFootprint:
+    def from_hf_dir(cls, path: Path, kv_dtype_bytes: int = 4, kv_cache_dtype: str = "auto") -> ModelFootprint:
         """From a Hugging Face folder: weights = the safetensors files' size; KV from config.json
-        (2 x layers x kv_heads x head_dim x ``kv_dtype_bytes``)."""
+        (core.kv_cache_spec.kv_bytes_per_token: 2 x layers x kv_heads x a row of head_dim values
+        of ``kv_dtype_bytes``, or of one byte plus its scale with an 8-bit ``kv_cache_dtype``)."""
         path = Path(path)
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -36,7 +39,7 @@ class ModelFootprint:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         kv_heads = config.get("num_key_value_heads", heads)
-        kv = 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_dtype_bytes
+        kv = kv_bytes_per_token(config["num_hidden_layers"], kv_heads, head_dim, kv_dtype_bytes, kv_cache_dtype)
         return cls(sum(f.stat().st_size for f in files), kv)
 
     def step_bytes(self, batch: float, context_tokens: float) -> float:

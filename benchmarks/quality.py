@@ -45,6 +45,8 @@ VARIANTS: dict[str, dict] = {
     "bfloat16": dict(dtype="bfloat16"),
     "float16": dict(dtype="float16"),
     "int8": dict(dtype="float32", quantization="int8"),
+    # int8 weights through Tandem's kernel alone (with AVX512-VNNI: activations rounded to int16 per row)
+    "int8-cpu": dict(dtype="float32", quantization="int8", linear_backend="int8_cpu"),
     "kv-fp8": dict(dtype="float32", kv_cache_dtype="fp8"),
     "kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
 }

@@ -16,6 +16,8 @@ def test_footprint_of_smollm2_shapes(tmp_path):
     footprint = ModelFootprint.from_hf_dir(tmp_path)
     assert footprint.kv_bytes_per_token == 46_080  # 2 x 30 x 3 x 64 x 4 B
     assert footprint.weight_bytes == 1000
+    fp8 = ModelFootprint.from_hf_dir(tmp_path, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token == 12_240  # 2 x 30 x 3 x (64 one-byte values + a 4-byte scale)
 
 
 def test_bound_adds_kv_of_the_whole_batch():
