@@ -7,8 +7,12 @@ time, so the store needs no metric calls; transfer bytes are counted by the serv
     tandem:pool_leases                                      gauge, requests holding a lease
     tandem:pool_used_bytes / tandem:pool_capacity_bytes      gauges
     tandem:pool_evictions_total                             counter
-    tandem:pool_transfer_bytes_total{direction=put|get}     counter, block bytes received / sent
-                                                            (streamed through gRPC only)
+    tandem:pool_transfer_bytes_total{direction=put|get}     counter, block bytes received / sent over
+                                                            every transport: put as streamed by
+                                                            gRPC or written and committed by a
+                                                            shm / NIXL peer; get as leased to a
+                                                            reader (LocateBlocks, which every
+                                                            transport calls before it copies)
     tandem:pool_tier_blocks{tier=dram|nvme}                 gauge
     tandem:pool_tier_bytes{tier}                            gauge, bytes held
     tandem:pool_tier_capacity_bytes{tier}                   gauge

@@ -85,13 +85,13 @@ class PeerPuts:
             self._store.lease(duplicates, lease_request_id, lease_ttl_s)
         return answers
 
-    def commit(self, reservation_ids: Sequence[int]) -> int:
-        """Commits the peer-written blocks; returns how many became visible.
+    def commit(self, reservation_ids: Sequence[int]) -> list[Reservation]:
+        """Commits the peer-written blocks; returns those that became visible.
 
         Unknown ids (expired, aborted, or released with a scoped block's request) are skipped.
         Mutates: the store (commit, lease), the pending table.
         """
-        num_committed = 0
+        committed = []
         for reservation_id in reservation_ids:
             pending = self._pending.pop(reservation_id, None)
             if pending is None or self._store.block_state(pending.reservation.key) is None:
@@ -101,10 +101,10 @@ class PeerPuts:
                 self._store.commit(pending.reservation)
             except Exception:  # stale: the scoped block's request ended meanwhile
                 continue
-            num_committed += 1
+            committed.append(pending.reservation)
             if pending.lease_request_id:
                 self._store.lease([pending.reservation.key], pending.lease_request_id, pending.lease_ttl_s)
-        return num_committed
+        return committed
 
     def abort(self, reservation_ids: Sequence[int]) -> None:
         """Rolls the reservations back; unknown ids are ignored. Mutates: store, table."""

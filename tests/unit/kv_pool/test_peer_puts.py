@@ -34,7 +34,7 @@ def test_commit_makes_peer_written_bytes_visible_and_leased():
     write(store, a.offset_bytes, b"a" * 10)
     write(store, b.offset_bytes, b"b" * 10)
     assert stored_prefix(store, FP, [1]) == 0  # WRITING: invisible
-    assert puts.commit([a.reservation_id, b.reservation_id]) == 2
+    assert len(puts.commit([a.reservation_id, b.reservation_id])) == 2
     assert store.get(key(1)) == b"a" * 10 and store.checksum(key(2)) == 22
     assert store.stats().num_leased_blocks == 2
     [dup] = puts.reserve([key(1)], 10, [], "req-b", 30)
@@ -53,7 +53,7 @@ def test_aborted_and_expired_reservations_are_never_visible():
     write(store, b.offset_bytes, b"b" * 10)
     clock.now_s = 5.0
     assert puts.expire() == 1
-    assert puts.commit([a.reservation_id, b.reservation_id]) == 0  # too late
+    assert puts.commit([a.reservation_id, b.reservation_id]) == []  # too late
     assert stored_prefix(store, FP, [1]) == 0 and stored_prefix(store, FP, [2]) == 0
     assert (store.stats().used_bytes, store.stats().num_writing_blocks) == (0, 0)
 
