@@ -223,6 +223,33 @@ typedef void (*vnni_fn)(const uint32_t *, int64_t, const int8_t *, const float *
                         float *, int64_t, int64_t, const int8_t *);
 static const vnni_fn VNNI[PMR_MAX + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6, vnni_7, vnni_8};
 
+/* One row of x -> its k pairs of int16 (round to nearest even, as lrintf), written with stride
+ * ``stride`` (the row's place in its block's interleaved [pairs][MT] layout); returns the row's
+ * scale max|x| / qmax (0 for a zero row, whose values quantise to 0). */
+static float quantize_row_pairs(const float *row, int64_t K, float qmax, uint32_t *out, int64_t stride)
+{
+    __m512 vmax = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + PVEC <= K; k += PVEC) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    float amax = _mm512_reduce_max_ps(vmax);
+    for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; amax = a > amax ? a : amax; }
+    float inv = amax > 0.0f ? qmax / amax : 0.0f;
+    __m512 vinv = _mm512_set1_ps(inv);
+    int64_t pairs = (K + 1) / 2, kk = 0;
+    for (; 2 * kk + PVEC <= K; kk += PVEC / 2) {  /* 16 values -> 8 pairs */
+        __m256i q = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + 2 * kk), vinv)));
+        uint32_t w[PVEC / 2];
+        _mm256_storeu_si256((__m256i *)w, q);
+        for (int j = 0; j < PVEC / 2; j++) out[(kk + j) * stride] = w[j];
+    }
+    for (; kk < pairs; kk++) {
+        int32_t lo = (int32_t)__builtin_lrintf(row[2 * kk] * inv);
+        int32_t hi = 2 * kk + 1 < K ? (int32_t)__builtin_lrintf(row[2 * kk + 1] * inv) : 0;
+        out[kk * stride] = (uint32_t)(uint16_t)(int16_t)lo | (uint32_t)(uint16_t)(int16_t)hi << 16;
+    }
+    return amax > 0.0f ? amax / qmax : 0.0f;
+}
+
 /* The largest |x| quantised to: no int32 sum of K' products of it with 127 can overflow. */
 static int32_t int16_qmax(int64_t K)
 {
@@ -242,22 +269,16 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     float *sx = malloc((size_t)M * sizeof(float));
     if (!xp || !sx) { free(xp); free(sx); return -1; }
     float qmax = (float)int16_qmax(K);
+    /* Rows quantised in parallel (at prefill's M a single thread spent as long on them as the
+     * GEMM's threads on the multiply-adds), each into its block's interleaved pairs. */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;
-        for (int64_t i = 0; i < mt; i++) {
-            const float *row = x + (m0 + i) * K;
-            float amax = 0.0f;
-            for (int64_t k = 0; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; amax = a > amax ? a : amax; }
-            float inv = amax > 0.0f ? qmax / amax : 0.0f;
-            sx[m0 + i] = amax > 0.0f ? amax / qmax : 0.0f;
-            for (int64_t kk = 0; kk < pairs; kk++) {
-                int32_t lo = (int32_t)__builtin_lrintf(row[2 * kk] * inv);
-                int32_t hi = 2 * kk + 1 < K ? (int32_t)__builtin_lrintf(row[2 * kk + 1] * inv) : 0;
-                xp[m0 * pairs + kk * mt + i] = (uint32_t)(uint16_t)(int16_t)lo | (uint32_t)(uint16_t)(int16_t)hi << 16;
-            }
-        }
+        int64_t m0 = b * M / blocks, mt = (b + 1) * M / blocks - m0;
+        for (int64_t i = 0; i < mt; i++) sx[m0 + i] = quantize_row_pairs(x + (m0 + i) * K, K, qmax, xp + m0 * pairs + i, mt);
     }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
@@ -265,6 +286,7 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
             VNNI[m1 - m0](xp + m0 * pairs, pairs, packed + p * pairs * PNR * 2, scale, bias, sx + m0, y + m0 * N, N,
                           p * PNR, next);
         }
+    }
     free(xp); free(sx);
     return 0;
 }

@@ -1,6 +1,7 @@
 """engine.kernels.cpu_int8_linear: the C kernel against its reference, F.linear on the dequantised
 weight, on every path of the kernel (M of one, two and three or more rows; channels in whole and
-partial tiles of 4; K a multiple of 8 or not), and its argument checks."""
+partial tiles of 4; K a multiple of 8 or not), and its argument checks; the packed VNNI path's
+layout and checks (its results: tests/unit/engine/model/test_int8_linear.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_int8_linear import int8_linear_cpu, load_kernel
+from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, load_kernel, pack_weight, packed_path
 from engine.model.linear import dequantize_int8, quantize_int8
 
 # Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
@@ -64,3 +65,29 @@ def test_bad_arguments_are_refused_before_the_c_code_reads_them(kernel):
         int8_linear_cpu(kernel, x, qweight, scale, torch.zeros(15))
     with pytest.raises(ValueError, match="contiguous"):
         int8_linear_cpu(kernel, x, torch.zeros(32, 16, dtype=torch.int8).t(), scale, None)
+
+
+# --- the packed VNNI path (AVX512-VNNI builds) ------------------------------------------------
+
+
+def test_packed_path_panels_and_argument_checks(kernel):
+    if not packed_path(kernel):
+        with pytest.raises(ValueError, match="no packed int8 path"):
+            pack_weight(kernel, torch.zeros(4, 4, dtype=torch.int8))
+        return
+    qweight, scale = make(37, 17, seed=3)
+    width = kernel.int8_linear_panel_width()
+    packed = pack_weight(kernel, qweight)
+    assert packed.shape == (2, 9, width, 2) == (-(-37 // width), (17 + 1) // 2, width, 2)
+    # Panel 0, pair 8 (k = 16 and the pad k = 17), channel 5: w[5, 16] then a zero.
+    assert packed[0, 8, 5].tolist() == [qweight[5, 16].item(), 0]
+    assert packed[1, 0, 37 - width - 1].tolist() == qweight[36, :2].tolist() and packed[1, :, 37 - width:].eq(0).all()
+    with pytest.raises(ValueError, match="a contiguous 2-D int8 CPU weight only"):
+        pack_weight(kernel, qweight.float())
+    x = torch.randn(3, 17)
+    with pytest.raises(ValueError, match="do not fit a \\[37, K\\] weight"):
+        int8_linear_packed_cpu(kernel, x, packed, 37, scale[:36], None)
+    with pytest.raises(ValueError, match="do not fit a \\[70, K\\] weight"):  # 3 panels, not 2
+        int8_linear_packed_cpu(kernel, x, packed, 70, torch.ones(70), None)
+    with pytest.raises(ValueError, match="float32 x, scale and bias with packed int8 panels only"):
+        int8_linear_packed_cpu(kernel, x.double(), packed, 37, scale, None)
