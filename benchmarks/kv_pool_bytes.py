@@ -3,19 +3,21 @@ blocks held, read from the pool's own Prometheus metrics (kv_pool/metrics.py).
 
     .venv/bin/python benchmarks/kv_pool_bytes.py --prompts sharegpt_v3_first_turn_500.json \
         [--variants float32/auto,bfloat16/auto,float32/fp8,float32/int8] [--num-prompts 32] \
-        [--pool-capacity-bytes 16777216]
+        [--pool-capacity-bytes 16777216] [--large-pool-bytes 2147483648]
 
-For each variant (``DTYPE/KV_CACHE_DTYPE``) a disaggregated cluster (``tandem up`` defaults, one
-prefill and one decode worker, every request through the pool: ``disaggregation=always``) on the
-real model with a small pool, then the same distinct prompts one after another (``max_tokens`` 1,
-so the prefill worker writes every prompt's blocks and the decode worker reads them back), then
-one scrape of the pool's ``/metrics``:
+For each variant (``DTYPE/KV_CACHE_DTYPE``) two disaggregated clusters (``tandem up`` defaults,
+one prefill and one decode worker, every request through the pool: ``disaggregation=always``) on
+the real model, each sent the same distinct prompts one after another (``max_tokens`` 2: the
+prefill worker writes every prompt's blocks, the decode worker reads them back for its first
+step), then one scrape of the pool's ``/metrics``:
 
-- ``put`` / ``get`` bytes per prompt: ``tandem:pool_transfer_bytes_total{direction=put|get}``
-  over the prompts sent (block bytes received from prefill workers / sent to decode workers);
-- bytes per block: ``tandem:pool_used_bytes`` over ``tandem:pool_blocks{state="stored"}``;
-- blocks held: ``tandem:pool_blocks{state="stored"}`` once the pool is full
-  (``tandem:pool_evictions_total`` > 0 shows it was), in the same ``--pool-capacity-bytes``.
+- with a pool large enough to evict nothing (``--large-pool-bytes``): ``put`` / ``get`` bytes per
+  prompt, ``tandem:pool_transfer_bytes_total{direction=put|get}`` over the prompts sent (every
+  transport: a block already stored, such as the chat template's shared first block, is not
+  sent again), and bytes per block, ``tandem:pool_used_bytes`` over
+  ``tandem:pool_blocks{state="stored"}``;
+- with a small pool (``--pool-capacity-bytes``): the blocks it holds once full,
+  ``tandem:pool_blocks{state="stored"}`` (``tandem:pool_evictions_total`` > 0 shows it was full).
 
 Ratios to the first variant are printed beside each row; a JSON with every metric read goes to
 ``--output-dir``. Prompts: a ShareGPT-format JSON (public source: the ShareGPT dataset,
@@ -59,9 +61,9 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def complete(http_url: str, prompt: str) -> int:
-    """One chat completion of one token; returns its prompt token count (the API's usage)."""
+    """One chat completion of two tokens; returns its prompt token count (the API's usage)."""
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 1, "temperature": 0}
+            "max_tokens": 2, "temperature": 0}
     request = urllib.request.Request(f"{http_url}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
@@ -90,14 +92,19 @@ def measure(variant: str, prompts: list[str], capacity: int, log_dir: Path) -> d
 
 def markdown(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| dtype / KV | put MB / prompt | x | get MB / prompt | x | bytes / block | blocks held | x | evictions |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| dtype / KV | put MB / prompt | x | get MB / prompt | x | bytes / block | x | "
+             "blocks held (small pool) | x | evictions |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        moved, held, b_moved, b_held = r["large"], r["small"], base["large"], base["small"]
         lines.append(
-            f"| {r['variant']} | {r['put_bytes_per_prompt'] / 1e6:.2f} | "
-            f"{r['put_bytes_per_prompt'] / base['put_bytes_per_prompt']:.3f} | {r['get_bytes_per_prompt'] / 1e6:.2f} | "
-            f"{r['get_bytes_per_prompt'] / base['get_bytes_per_prompt']:.3f} | {r['bytes_per_block']:,.0f} | "
-            f"{r['stored_blocks']:.0f} | {r['stored_blocks'] / base['stored_blocks']:.2f} | {r['evictions']:.0f} |")
+            f"| {r['variant']} | {moved['put_bytes_per_prompt'] / 1e6:.3f} | "
+            f"{moved['put_bytes_per_prompt'] / b_moved['put_bytes_per_prompt']:.3f} | "
+            f"{moved['get_bytes_per_prompt'] / 1e6:.3f} | "
+            f"{moved['get_bytes_per_prompt'] / b_moved['get_bytes_per_prompt']:.3f} | "
+            f"{moved['bytes_per_block']:,.0f} | {moved['bytes_per_block'] / b_moved['bytes_per_block']:.3f} | "
+            f"{held['stored_blocks']:.0f} | {held['stored_blocks'] / b_held['stored_blocks']:.2f} | "
+            f"{held['evictions']:.0f} |")
     return "\n".join(lines)
 
 
@@ -107,10 +114,12 @@ def markdown(rows: list[dict]) -> str:
 @click.option("--num-prompts", default=32, show_default=True)
 @click.option("--variants", default=DEFAULT_VARIANTS, show_default=True, help="DTYPE/KV_CACHE_DTYPE, comma-separated.")
 @click.option("--pool-capacity-bytes", default=16 * 1024**2, show_default=True,
-              help="Small enough that every variant's pool fills (evictions > 0).")
+              help="The small pool: small enough that every variant's fills (evictions > 0).")
+@click.option("--large-pool-bytes", default=2 * 1024**3, show_default=True,
+              help="The pool of the bytes-moved run: large enough that nothing is evicted.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=Path("bench-results/kv_pool_bytes"),
               show_default=True)
-def main(prompts_path, num_prompts, variants, pool_capacity_bytes, output_dir):
+def main(prompts_path, num_prompts, variants, pool_capacity_bytes, large_pool_bytes, output_dir):
     """Pool bytes per prompt and blocks held, per weight and KV dtype; one table."""
     load_at_start = os.getloadavg()
     prompts = load_prompts(prompts_path if prompts_path and prompts_path.exists() else None, num_prompts)
@@ -119,11 +128,14 @@ def main(prompts_path, num_prompts, variants, pool_capacity_bytes, output_dir):
     with tempfile.TemporaryDirectory(prefix="kv_pool_bytes-") as tmp:
         for variant in variants.split(","):
             click.echo(f"{variant}: {len(prompts)} prompts ...")
-            rows.append(measure(variant, prompts, pool_capacity_bytes, Path(tmp) / variant.replace("/", "-")))
+            logs = Path(tmp) / variant.replace("/", "-")
+            rows.append({"variant": variant, "large": measure(variant, prompts, large_pool_bytes, logs / "large"),
+                         "small": measure(variant, prompts, pool_capacity_bytes, logs / "small")})
     table = markdown(rows)
     click.echo(table)
     output_dir.mkdir(parents=True, exist_ok=True)
     out = {"settings": {"num_prompts": len(prompts), "pool_capacity_bytes": pool_capacity_bytes,
+                        "large_pool_bytes": large_pool_bytes,
                         "prompts": str(prompts_path) if prompts_path else "built-in"},
            "load_average_at_start": load_at_start, "rows": rows, "markdown": table}
     (output_dir / "kv_pool_bytes.json").write_text(json.dumps(out, indent=1))
