@@ -4,9 +4,9 @@ Per scenario: the workload is replayed while its faults fire; ``tandem up``'s su
 all along (killed services come back). Then every stopped process is resumed, the cluster must be
 whole again (every service up and registered with the router), and workers and pool must be idle
 within ``idle_bound_s``: what is still held then is **leaked**. Greedy answers are compared with
-the Hugging Face reference (**wrong**). Throughput recovery: the first moment after the last
-fault ended when the token rate over a ``RECOVERY_WINDOW_S`` window is back to half the rate
-before the first fault.
+the Hugging Face reference (**wrong**). Throughput recovery (chaos.recovery): the first moment
+after the last fault ended when the token rate over a window is back to half the rate before the
+first fault, and when it is back to that rate itself (within the baseline's noise).
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
 from chaos.link_proxy import LinkProxies
 from chaos.probe import ClusterProbe
+from chaos.recovery import BASELINE_FRACTION, HALF_FRACTION, WINDOW_S, Recovery, recovery, tokens_each_s
 from chaos.reference import reference_key
 from chaos.sampler import Sample, Sampler, summary
 from chaos.schedule import Campaign, Scenario
 from launcher.local_cluster import LocalCluster
 
-RECOVERY_WINDOW_S = 2.0
-RECOVERED_FRACTION = 0.5
 SUPERVISE_INTERVAL_S = 0.5
 WHOLE_TIMEOUT_S = 120.0
 
@@ -45,7 +44,7 @@ class ScenarioResult:
     leaked: dict[str, int]  # service.field -> count still held after idle_bound_s (empty: none)
     idle_after_s: float | None  # how long until idle once the run ended (None: never within the bound)
     rss_growth_bytes: int
-    recovery_s: float | None  # None: no fault, no baseline, or not recovered within the run
+    recovery: Recovery  # the baseline before the faults and how soon the rate was back after them
     duration_s: float
     examples: dict[str, list[str]] = field(default_factory=dict)  # a few errors / lost, by status
     supervision: list[str] = field(default_factory=list)  # what tandem up's supervision did
@@ -54,6 +53,7 @@ class ScenarioResult:
     # Seconds from a link fault's start until a router marked its worker down (None: no link
     # fault, or never marked down)
     detect_s: float | None = None
+    tokens_each_s: list[int] = field(default_factory=list)  # tokens received in each second of the run
 
     @property
     def completion_rate_per_s(self) -> float:
@@ -82,26 +82,11 @@ def detect_s(router_logs: list[Path], needles: tuple[str, ...], started_at: floa
     return None if first is None else first - started_at
 
 
-def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
-    """Seconds from the last fault's end until the token rate is back to RECOVERED_FRACTION of
-    its rate before the first fault (None when there is no such baseline or no recovery)."""
-    if not faults or not progress.token_times_s:
-        return None
-    times = progress.token_times_s
-    first_fault_s = min(f.start_s for f in faults)
-    before = [t for t in times if t < first_fault_s]
-    if len(before) < 2 or first_fault_s - before[0] < RECOVERY_WINDOW_S:
-        return None
-    baseline = len(before) / (first_fault_s - before[0])
-    end_s = max(f.end_s for f in faults)
-    window: list[float] = []
-    for t in (t for t in times if t >= end_s):
-        window.append(t)
-        while window[0] < t - RECOVERY_WINDOW_S:
-            window.pop(0)
-        if t - end_s >= RECOVERY_WINDOW_S and len(window) / RECOVERY_WINDOW_S >= RECOVERED_FRACTION * baseline:
-            return t - end_s
-    return None
+def recovery_of(progress: Progress, faults: list[FaultLog]) -> Recovery:
+    """The throughput recovery (chaos.recovery) from the first fault's start to the last one's end."""
+    if not faults:
+        return recovery(progress.token_times_s, None, None)
+    return recovery(progress.token_times_s, min(f.start_s for f in faults), max(f.end_s for f in faults))
 
 
 def count(outcomes: list[Outcome], requests: list[BenchRequest], refs: dict[str, str] | None) -> dict[str, int]:
@@ -182,8 +167,9 @@ class CampaignRunner:
         probe.close()
         triggered = [f for f in logs if f.note != "not triggered"]
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_s(driver.progress, triggered), duration_s, _examples(outcomes),
-                              events, sampler.samples, rate, self._detected(triggered))
+                              rss_growth, recovery_of(driver.progress, triggered), duration_s, _examples(outcomes),
+                              events, sampler.samples, rate, self._detected(triggered),
+                              tokens_each_s(driver.progress.token_times_s))
 
     def _detected(self, triggered: list[FaultLog]) -> float | None:
         """Seconds from the scenario's first partition until a router showed it noticed (None: no
@@ -255,6 +241,10 @@ class CampaignRunner:
 def result_json(result: ScenarioResult) -> dict:
     data = dataclasses.asdict(result)
     data["completion_rate_per_s"] = round(result.completion_rate_per_s, 4)
+    data["recovery"] = {key: None if value is None else round(value, 3) for key, value in data["recovery"].items()}
+    data["recovery"]["measure"] = (f"seconds from the last fault's end until the token rate over {WINDOW_S:g} s is at "
+                                   f"least {HALF_FRACTION:g} (to_half_s) and {BASELINE_FRACTION:g} (to_baseline_s) "
+                                   "x the rate before the first fault (baseline_tokens_per_s)")
     if result.samples:
         data["sample_summary"] = summary(result.samples)
     data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),

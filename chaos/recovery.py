@@ -1,0 +1,98 @@
+"""Throughput before a scenario's faults and how soon it is back after them, from the driver's
+token times (chaos.driver.Progress: one time per token received, seconds after the run start).
+
+::
+
+    tokens  |||||||||||||||||        . .  .   ||| |||||||||||||||||
+            ^first token     ^first fault     ^last fault's end
+            |<-- baseline -->|<-- faults -->|<-- search: windows (t - WINDOW_S, t] -->
+
+- **baseline**: tokens received before the first fault / seconds from the first token to it
+  (at least WINDOW_S of tokens, else there is none). Its **spread**: the rates over the WINDOW_S
+  windows ending WINDOW_S after the first token, then every SPREAD_STEP_S up to the last token
+  before the fault, as their standard deviation and their lowest, each a fraction of the
+  baseline: the noise a healthy cluster shows under this load.
+- **recovery to a fraction f**: seconds from the last fault's end to the first token time ``t``
+  at least WINDOW_S after it at which the rate over ``(t - WINDOW_S, t]`` is at least
+  ``f x baseline``; WINDOW_S is its floor (the first window wholly after the heal). None: the run
+  ended first.
+
+Two fractions are measured: HALF_FRACTION (half the baseline, the campaign's first measure) and
+BASELINE_FRACTION, "back to the baseline": within BASELINE_TOLERANCE of it. The tolerance is
+meant to be the noise of the baseline itself (its spread, which every result reports); 10 % until
+measured on real runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass
+
+WINDOW_S = 2.0
+SPREAD_STEP_S = 0.25
+HALF_FRACTION = 0.5
+BASELINE_TOLERANCE = 0.10
+BASELINE_FRACTION = 1.0 - BASELINE_TOLERANCE
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A scenario's throughput around its faults (None where there is no such value: no fault,
+    under WINDOW_S of tokens before the first, or the run ended before the rate came back)."""
+
+    baseline_tokens_per_s: float | None = None
+    baseline_spread: float | None = None  # std dev of the baseline's windowed rates / baseline
+    baseline_lowest: float | None = None  # its lowest windowed rate / baseline
+    to_half_s: float | None = None  # seconds after the heal until >= HALF_FRACTION x baseline
+    to_baseline_s: float | None = None  # seconds after the heal until >= BASELINE_FRACTION x baseline
+
+
+def window_rate(times_s: list[float], end_s: float) -> float:
+    """Tokens per second over ``(end_s - WINDOW_S, end_s]``; ``times_s`` sorted."""
+    return (bisect.bisect_right(times_s, end_s) - bisect.bisect_right(times_s, end_s - WINDOW_S)) / WINDOW_S
+
+
+def baseline_window_rates(times_s: list[float], first_fault_s: float) -> list[float]:
+    """The rates over the windows ending WINDOW_S after the first token, then every SPREAD_STEP_S,
+    up to the last token before ``first_fault_s`` (empty: under WINDOW_S of tokens before it)."""
+    before = bisect.bisect_left(times_s, first_fault_s)
+    if not before:
+        return []
+    rates, k = [], 0
+    while (end_s := times_s[0] + WINDOW_S + k * SPREAD_STEP_S) <= times_s[before - 1]:
+        rates.append(window_rate(times_s, end_s))
+        k += 1
+    return rates
+
+
+def recovered_after_s(times_s: list[float], heal_s: float, rate_per_s: float) -> float | None:
+    """Seconds from ``heal_s`` to the first token time at least WINDOW_S after it whose window's
+    rate is at least ``rate_per_s`` (None: none is)."""
+    for t in times_s[bisect.bisect_left(times_s, heal_s + WINDOW_S):]:
+        if window_rate(times_s, t) >= rate_per_s:
+            return t - heal_s
+    return None
+
+
+def recovery(times_s: list[float], first_fault_s: float | None, heal_s: float | None) -> Recovery:
+    """The baseline before ``first_fault_s`` and the recoveries after ``heal_s`` (run seconds;
+    None: no fault) from sorted token times; see the module docstring."""
+    if first_fault_s is None or heal_s is None:
+        return Recovery()
+    before = bisect.bisect_left(times_s, first_fault_s)
+    rates = baseline_window_rates(times_s, first_fault_s)
+    if not rates:
+        return Recovery()
+    baseline = before / (first_fault_s - times_s[0])
+    return Recovery(baseline, statistics.pstdev(rates) / baseline, min(rates) / baseline,
+                    recovered_after_s(times_s, heal_s, HALF_FRACTION * baseline),
+                    recovered_after_s(times_s, heal_s, BASELINE_FRACTION * baseline))
+
+
+def tokens_each_s(times_s: list[float]) -> list[int]:
+    """Tokens received in each second of the run, [0, 1), [1, 2), ... up to the last token."""
+    counts = [0] * (int(times_s[-1]) + 1 if times_s else 0)
+    for t in times_s:
+        counts[int(t)] += 1
+    return counts
