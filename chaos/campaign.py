@@ -248,5 +248,5 @@ def result_json(result: ScenarioResult) -> dict:
     if result.samples:
         data["sample_summary"] = summary(result.samples)
     data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),
-                       "note": f.note} for f in result.faults]
+                       "started_at": round(f.started_at, 3), "note": f.note} for f in result.faults]
     return data

@@ -97,13 +97,13 @@ def test_outcomes_are_counted_and_wrong_answers_found():
 
 def test_recovery_runs_from_the_first_faults_start_to_the_last_ones_end():
     progress = Progress()
-    # 16 tokens/s for 4 s, nothing during the faults (4-7 s), 16 tokens/s again from 7 s
-    progress.token_times_s = [i / 16 for i in range(64)] + [7 + i / 16 for i in range(64)]
-    first = FaultLog(Fault("sigstop", at_s=4, service="decode", duration_s=2), start_s=4.0, end_s=6.0, note="")
-    second = FaultLog(Fault("sigstop", at_s=5, service="decode-1", duration_s=2), start_s=5.0, end_s=7.0, note="")
-    # the baseline is 64 tokens / 4 s (not / 5 s from the second fault); (7, 9] is the first window
-    # wholly after the last heal: 31 tokens (7.0 itself is out), 97 % of it (from 6 s: (6, 8]
-    # would hold 16, and the bar first met at 8.75 s)
+    # 16 tokens/s for 6 s, nothing during the faults (6-9 s), 16 tokens/s again from 9 s
+    progress.token_times_s = [i / 16 for i in range(96)] + [9 + i / 16 for i in range(64)]
+    first = FaultLog(Fault("sigstop", at_s=6, service="decode", duration_s=2), start_s=6.0, end_s=8.0, note="")
+    second = FaultLog(Fault("sigstop", at_s=7, service="decode-1", duration_s=2), start_s=7.0, end_s=9.0, note="")
+    # the baseline is 64 tokens / 4 s from 2 s (after the ramp) to 6 s (to 7 s: / 5 s); (9, 11] is
+    # the first window wholly after the last heal: 31 tokens (9.0 itself is out), 97 % of it (from
+    # 8 s: (8, 10] would hold 16, and the bar first met at 10.75 s)
     assert recovery_of(progress, [second, first]) == Recovery(16.0, 0.0, 1.0, 2.0, 2.0)
     assert recovery_of(progress, []) == Recovery()
 
