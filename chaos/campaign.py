@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,13 @@ import httpx
 
 from bench.client import ClientConfig
 from bench.workloads import BenchRequest
+from chaos.cpu_meter import CpuMeter
 from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
 from chaos.link_proxy import LinkProxies
 from chaos.probe import ClusterProbe
-from chaos.recovery import BASELINE_FRACTION, HALF_FRACTION, WINDOW_S, Recovery, recovery, tokens_each_s
+from chaos.recovery import (AFTER_HEAL_S, BASELINE_FRACTION, HALF_FRACTION, WINDOW_S, Recovery, recovery,
+                            tokens_each_s)
 from chaos.reference import reference_key
 from chaos.sampler import Sample, Sampler, summary
 from chaos.schedule import Campaign, Scenario
@@ -82,11 +85,11 @@ def detect_s(router_logs: list[Path], needles: tuple[str, ...], started_at: floa
     return None if first is None else first - started_at
 
 
-def recovery_of(progress: Progress, faults: list[FaultLog]) -> Recovery:
+def recovery_of(progress: Progress, faults: list[FaultLog], other_cores: list[tuple[float, float]] = ()) -> Recovery:
     """The throughput recovery (chaos.recovery) from the first fault's start to the last one's end."""
     if not faults:
         return recovery(progress.token_times_s, None, None)
-    return recovery(progress.token_times_s, min(f.start_s for f in faults), max(f.end_s for f in faults))
+    return recovery(progress.token_times_s, min(f.start_s for f in faults), max(f.end_s for f in faults), other_cores)
 
 
 def count(outcomes: list[Outcome], requests: list[BenchRequest], refs: dict[str, str] | None) -> dict[str, int]:
@@ -141,6 +144,8 @@ class CampaignRunner:
         supervisor = asyncio.create_task(self._supervise(ctx, events))
         sampler = Sampler(probe, driver, c.sample_every_s)
         sampling = asyncio.create_task(sampler.run()) if c.sample_every_s > 0 else None
+        meter = CpuMeter(lambda: [os.getpid(), *(s.process.pid for s in self.cluster.services)], driver.progress.now_s)
+        metering = asyncio.create_task(meter.run())
         try:
             logs = [FaultLog(f) for f in scenario.faults]
             fault_tasks = [asyncio.create_task(run_fault(f, ctx, log)) for f, log in zip(scenario.faults, logs)]
@@ -151,6 +156,7 @@ class CampaignRunner:
             await asyncio.gather(*fault_tasks, return_exceptions=True)
             resume_stopped(ctx)
             duration_s = driver.progress.now_s()
+            metering.cancel()
             if sampling is not None:
                 sampling.cancel()
                 await asyncio.gather(sampling, return_exceptions=True)
@@ -161,13 +167,15 @@ class CampaignRunner:
             resume_stopped(ctx)
             if sampling is not None:
                 sampling.cancel()
+            metering.cancel()
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
         rss_growth = probe.rss_bytes() - rss_before
         probe.close()
         triggered = [f for f in logs if f.note != "not triggered"]
+        recovered = recovery_of(driver.progress, triggered, meter.other_cores)
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_of(driver.progress, triggered), duration_s, _examples(outcomes),
+                              rss_growth, recovered, duration_s, _examples(outcomes),
                               events, sampler.samples, rate, self._detected(triggered),
                               tokens_each_s(driver.progress.token_times_s))
 
@@ -244,7 +252,9 @@ def result_json(result: ScenarioResult) -> dict:
     data["recovery"] = {key: None if value is None else round(value, 3) for key, value in data["recovery"].items()}
     data["recovery"]["measure"] = (f"seconds from the last fault's end until the token rate over {WINDOW_S:g} s is at "
                                    f"least {HALF_FRACTION:g} (to_half_s) and {BASELINE_FRACTION:g} (to_baseline_s) "
-                                   "x the rate before the first fault (baseline_tokens_per_s)")
+                                   "x the rate before the first fault (baseline_tokens_per_s); other_cores_*: the "
+                                   "CPU of the machine's other jobs over the baseline and the "
+                                   f"{AFTER_HEAL_S:g} s after the heal")
     if result.samples:
         data["sample_summary"] = summary(result.samples)
     data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),

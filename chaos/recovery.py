@@ -27,6 +27,10 @@ in 11 of 14 scenarios (median 6 %; up to 26 % where the cluster was still cold o
 other jobs surged), their lowest at 87-97 % of it in most. A healthy window is rarely more
 than 10 % under the baseline, so a cluster that is back meets the bar within a window or two;
 one that is still slowed by its fault does not.
+
+The rate also follows the CPU the cluster gets: each result carries the other jobs' CPU
+(chaos.cpu_meter) over the baseline and over the AFTER_HEAL_S after the heal, so a recovery
+that is late because the machine got busier says so.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import bisect
 import statistics
 from dataclasses import dataclass
 
+from chaos.cpu_meter import mean_cores
+
 WINDOW_S = 2.0
 RAMP_S = 2.0
 SPREAD_STEP_S = 0.25
 HALF_FRACTION = 0.5
 BASELINE_TOLERANCE = 0.10
 BASELINE_FRACTION = 1.0 - BASELINE_TOLERANCE
+AFTER_HEAL_S = 10.0  # the network campaign's target for the recovery
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,10 @@ class Recovery:
     baseline_lowest: float | None = None  # its lowest windowed rate / baseline
     to_half_s: float | None = None  # seconds after the heal until >= HALF_FRACTION x baseline
     to_baseline_s: float | None = None  # seconds after the heal until >= BASELINE_FRACTION x baseline
+    # the machine's other jobs, in cores (chaos.cpu_meter): during the baseline, and the
+    # AFTER_HEAL_S after the heal (None: not measured)
+    other_cores_baseline: float | None = None
+    other_cores_after_heal: float | None = None
 
 
 def window_rate(times_s: list[float], end_s: float) -> float:
@@ -83,9 +94,11 @@ def recovered_after_s(times_s: list[float], heal_s: float, rate_per_s: float) ->
     return None
 
 
-def recovery(times_s: list[float], first_fault_s: float | None, heal_s: float | None) -> Recovery:
+def recovery(times_s: list[float], first_fault_s: float | None, heal_s: float | None,
+             other_cores: list[tuple[float, float]] = ()) -> Recovery:
     """The baseline before ``first_fault_s`` and the recoveries after ``heal_s`` (run seconds;
-    None: no fault) from sorted token times; see the module docstring."""
+    None: no fault) from sorted token times, with the other jobs' CPU (``other_cores``:
+    CpuMeter.other_cores) over each; see the module docstring."""
     if first_fault_s is None or heal_s is None:
         return Recovery()
     rates = baseline_window_rates(times_s, first_fault_s)
@@ -96,7 +109,9 @@ def recovery(times_s: list[float], first_fault_s: float | None, heal_s: float | 
     baseline = num_tokens / (first_fault_s - start_s)
     return Recovery(baseline, statistics.pstdev(rates) / baseline, min(rates) / baseline,
                     recovered_after_s(times_s, heal_s, HALF_FRACTION * baseline),
-                    recovered_after_s(times_s, heal_s, BASELINE_FRACTION * baseline))
+                    recovered_after_s(times_s, heal_s, BASELINE_FRACTION * baseline),
+                    mean_cores(list(other_cores), start_s, first_fault_s),
+                    mean_cores(list(other_cores), heal_s, heal_s + AFTER_HEAL_S))
 
 
 def tokens_each_s(times_s: list[float]) -> list[int]:

@@ -112,18 +112,19 @@ def test_the_markdown_row_and_missed_targets():
     result = ScenarioResult("hang", [FaultLog(Fault("sigstop", at_s=1, service="decode"), 1.0, 1.0, "")],
                             {"sent": 4, "completed": 3, "retried": 2, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
                             {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024,
-                            Recovery(20.0, 0.08, 0.85, to_half_s=2.25, to_baseline_s=None), 10.0)
+                            Recovery(20.0, 0.08, 0.85, to_half_s=2.25, to_baseline_s=None, other_cores_baseline=0.5,
+                                     other_cores_after_heal=1.25), 10.0)
     table = markdown([result])
     assert table.splitlines()[0].startswith("| scenario | faults | sent | completed | retried | explicit errors |")
     assert table.splitlines()[0].endswith(
         f"| recovery to 50% of baseline (s) | recovery to {100 - round(100 * BASELINE_TOLERANCE)}% of baseline (s) "
-        "| detected (s) |")
+        "| other jobs' CPU, baseline → after heal (cores) | detected (s) |")
     assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 2 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
-                                     "| n/a | 3.0 | 2.2 | n/a | n/a |")
+                                     "| n/a | 3.0 | 2.2 | n/a | 0.5 → 1.2 | n/a |")
     recovery = result_json(result)["recovery"]
     assert {k: v for k, v in recovery.items() if k != "measure"} == {
         "baseline_tokens_per_s": 20.0, "baseline_spread": 0.08, "baseline_lowest": 0.85, "to_half_s": 2.25,
-        "to_baseline_s": None}
+        "to_baseline_s": None, "other_cores_baseline": 0.5, "other_cores_after_heal": 1.25}
     assert recovery["measure"].startswith("seconds from the last fault's end until the token rate over 2 s is at least "
                                           "0.5 (to_half_s) and ")
     assert failed([result]) == ["hang: {'leaked': 2}"]

@@ -83,6 +83,16 @@ def test_a_noisy_baseline_is_measured_and_a_window_in_its_noise_counts_as_back()
     assert recovered_after_s(times, 8.0, 32.0) is None
 
 
+def test_the_other_jobs_cpu_over_the_baseline_and_after_the_heal():
+    times = even(0.0, 6.0, 16) + even(8.0, 20.0, 16)
+    # one sample a second (its interval's end): 0.5 cores until 6 s, then 1.5
+    cores = [(float(t), 0.5 if t <= 6 else 1.5) for t in range(1, 21)]
+    result = recovery(times, first_fault_s=6.0, heal_s=8.0, other_cores=cores)
+    # the baseline (2, 6]: 3, 4, 5, 6 at 0.5; after the heal (8, 18]: 9 ... 18 at 1.5
+    assert (result.other_cores_baseline, result.other_cores_after_heal) == (0.5, 1.5)
+    assert recovery(times, 6.0, 8.0).other_cores_baseline is None  # not measured
+
+
 def test_recovered_after_is_the_first_window_wholly_after_the_heal_at_the_rate():
     times = even(0.0, 10.0, 16)  # no dip at all: the floor is the window
     assert recovered_after_s(times, 3.0, 16.0) == 2.0
