@@ -1,9 +1,9 @@
 """How much CPU the machine's other jobs took while a scenario ran (Linux /proc).
 
 On a small machine shared with other work the cluster's token rate follows the CPU it gets: a
-job that starts beside it slows it as surely as a fault does (on 2 cores, a test suite that
-took a second core halved the rate of the network campaign's scenarios, before and after their
-faults alike). Every ``every_s`` the meter reads the machine's busy CPU time (/proc/stat: every
+job that starts beside it slows it as surely as a fault does (in a network campaign run on 2
+cores, the other jobs going from 0.8 to 1.5 cores halved the token rate after a heal;
+docs/failover.md). Every ``every_s`` the meter reads the machine's busy CPU time (/proc/stat: every
 state but idle and iowait; steal, the hypervisor's, included) and that of the cluster's
 processes and of this one (the driver and the link proxies; /proc/PID/stat utime + stime). The
 difference, in cores over the interval, is the other jobs': chaos.recovery compares it before
