@@ -57,6 +57,8 @@ class ScenarioResult:
     # fault, or never marked down)
     detect_s: float | None = None
     tokens_each_s: list[int] = field(default_factory=list)  # tokens received in each second of the run
+    # the machine's other jobs' CPU (chaos.cpu_meter): (run seconds at an interval's end, cores over it)
+    other_cores: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def completion_rate_per_s(self) -> float:
@@ -177,7 +179,7 @@ class CampaignRunner:
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
                               rss_growth, recovered, duration_s, _examples(outcomes),
                               events, sampler.samples, rate, self._detected(triggered),
-                              tokens_each_s(driver.progress.token_times_s))
+                              tokens_each_s(driver.progress.token_times_s), meter.other_cores)
 
     def _detected(self, triggered: list[FaultLog]) -> float | None:
         """Seconds from the scenario's first partition until a router showed it noticed (None: no
@@ -250,6 +252,7 @@ def result_json(result: ScenarioResult) -> dict:
     data = dataclasses.asdict(result)
     data["completion_rate_per_s"] = round(result.completion_rate_per_s, 4)
     data["recovery"] = {key: None if value is None else round(value, 3) for key, value in data["recovery"].items()}
+    data["other_cores"] = [[round(t_s, 1), round(cores, 2)] for t_s, cores in result.other_cores]
     data["recovery"]["measure"] = (f"seconds from the last fault's end until the token rate over {WINDOW_S:g} s is at "
                                    f"least {HALF_FRACTION:g} (to_half_s) and {BASELINE_FRACTION:g} (to_baseline_s) "
                                    "x the rate before the first fault (baseline_tokens_per_s); other_cores_*: the "

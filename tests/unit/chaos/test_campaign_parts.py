@@ -113,7 +113,8 @@ def test_the_markdown_row_and_missed_targets():
                             {"sent": 4, "completed": 3, "retried": 2, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
                             {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024,
                             Recovery(20.0, 0.08, 0.85, to_half_s=2.25, to_baseline_s=None, other_cores_baseline=0.5,
-                                     other_cores_after_heal=1.25), 10.0)
+                                     other_cores_after_heal=1.25), 10.0,
+                            other_cores=[(1.04, 0.333), (2.06, 0.5)])
     table = markdown([result])
     assert table.splitlines()[0].startswith("| scenario | faults | sent | completed | retried | explicit errors |")
     assert table.splitlines()[0].endswith(
@@ -125,6 +126,7 @@ def test_the_markdown_row_and_missed_targets():
     assert {k: v for k, v in recovery.items() if k != "measure"} == {
         "baseline_tokens_per_s": 20.0, "baseline_spread": 0.08, "baseline_lowest": 0.85, "to_half_s": 2.25,
         "to_baseline_s": None, "other_cores_baseline": 0.5, "other_cores_after_heal": 1.25}
+    assert result_json(result)["other_cores"] == [[1.0, 0.33], [2.1, 0.5]]
     assert recovery["measure"].startswith("seconds from the last fault's end until the token rate over 2 s is at least "
                                           "0.5 (to_half_s) and ")
     assert failed([result]) == ["hang: {'leaked': 2}"]
