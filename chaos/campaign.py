@@ -4,9 +4,9 @@ Per scenario: the workload is replayed while its faults fire; ``tandem up``'s su
 all along (killed services come back). Then every stopped process is resumed, the cluster must be
 whole again (every service up and registered with the router), and workers and pool must be idle
 within ``idle_bound_s``: what is still held then is **leaked**. Greedy answers are compared with
-the Hugging Face reference (**wrong**). Throughput recovery: the first moment after the last
-fault ended when the token rate over a ``RECOVERY_WINDOW_S`` window is back to half the rate
-before the first fault.
+the Hugging Face reference (**wrong**). Throughput recovery (chaos.recovery): the first moment
+after the last fault ended when the token rate over a window is back to half the rate before the
+first fault, and when it is back to that rate itself (within the baseline's noise).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,17 +23,18 @@ import httpx
 
 from bench.client import ClientConfig
 from bench.workloads import BenchRequest
+from chaos.cpu_meter import CpuMeter
 from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
 from chaos.link_proxy import LinkProxies
 from chaos.probe import ClusterProbe
+from chaos.recovery import (AFTER_HEAL_S, BASELINE_FRACTION, HALF_FRACTION, WINDOW_S, Recovery, recovery,
+                            tokens_each_s)
 from chaos.reference import reference_key
 from chaos.sampler import Sample, Sampler, summary
 from chaos.schedule import Campaign, Scenario
 from launcher.local_cluster import LocalCluster
 
-RECOVERY_WINDOW_S = 2.0
-RECOVERED_FRACTION = 0.5
 SUPERVISE_INTERVAL_S = 0.5
 WHOLE_TIMEOUT_S = 120.0
 
@@ -45,7 +47,7 @@ class ScenarioResult:
     leaked: dict[str, int]  # service.field -> count still held after idle_bound_s (empty: none)
     idle_after_s: float | None  # how long until idle once the run ended (None: never within the bound)
     rss_growth_bytes: int
-    recovery_s: float | None  # None: no fault, no baseline, or not recovered within the run
+    recovery: Recovery  # the baseline before the faults and how soon the rate was back after them
     duration_s: float
     examples: dict[str, list[str]] = field(default_factory=dict)  # a few errors / lost, by status
     supervision: list[str] = field(default_factory=list)  # what tandem up's supervision did
@@ -54,6 +56,9 @@ class ScenarioResult:
     # Seconds from a link fault's start until a router marked its worker down (None: no link
     # fault, or never marked down)
     detect_s: float | None = None
+    tokens_each_s: list[int] = field(default_factory=list)  # tokens received in each second of the run
+    # the machine's other jobs' CPU (chaos.cpu_meter): (run seconds at an interval's end, cores over it)
+    other_cores: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def completion_rate_per_s(self) -> float:
@@ -82,26 +87,11 @@ def detect_s(router_logs: list[Path], needles: tuple[str, ...], started_at: floa
     return None if first is None else first - started_at
 
 
-def recovery_s(progress: Progress, faults: list[FaultLog]) -> float | None:
-    """Seconds from the last fault's end until the token rate is back to RECOVERED_FRACTION of
-    its rate before the first fault (None when there is no such baseline or no recovery)."""
-    if not faults or not progress.token_times_s:
-        return None
-    times = progress.token_times_s
-    first_fault_s = min(f.start_s for f in faults)
-    before = [t for t in times if t < first_fault_s]
-    if len(before) < 2 or first_fault_s - before[0] < RECOVERY_WINDOW_S:
-        return None
-    baseline = len(before) / (first_fault_s - before[0])
-    end_s = max(f.end_s for f in faults)
-    window: list[float] = []
-    for t in (t for t in times if t >= end_s):
-        window.append(t)
-        while window[0] < t - RECOVERY_WINDOW_S:
-            window.pop(0)
-        if t - end_s >= RECOVERY_WINDOW_S and len(window) / RECOVERY_WINDOW_S >= RECOVERED_FRACTION * baseline:
-            return t - end_s
-    return None
+def recovery_of(progress: Progress, faults: list[FaultLog], other_cores: list[tuple[float, float]] = ()) -> Recovery:
+    """The throughput recovery (chaos.recovery) from the first fault's start to the last one's end."""
+    if not faults:
+        return recovery(progress.token_times_s, None, None)
+    return recovery(progress.token_times_s, min(f.start_s for f in faults), max(f.end_s for f in faults), other_cores)
 
 
 def count(outcomes: list[Outcome], requests: list[BenchRequest], refs: dict[str, str] | None) -> dict[str, int]:
@@ -156,6 +146,8 @@ class CampaignRunner:
         supervisor = asyncio.create_task(self._supervise(ctx, events))
         sampler = Sampler(probe, driver, c.sample_every_s)
         sampling = asyncio.create_task(sampler.run()) if c.sample_every_s > 0 else None
+        meter = CpuMeter(lambda: [os.getpid(), *(s.process.pid for s in self.cluster.services)], driver.progress.now_s)
+        metering = asyncio.create_task(meter.run())
         try:
             logs = [FaultLog(f) for f in scenario.faults]
             fault_tasks = [asyncio.create_task(run_fault(f, ctx, log)) for f, log in zip(scenario.faults, logs)]
@@ -166,6 +158,7 @@ class CampaignRunner:
             await asyncio.gather(*fault_tasks, return_exceptions=True)
             resume_stopped(ctx)
             duration_s = driver.progress.now_s()
+            metering.cancel()
             if sampling is not None:
                 sampling.cancel()
                 await asyncio.gather(sampling, return_exceptions=True)
@@ -176,14 +169,17 @@ class CampaignRunner:
             resume_stopped(ctx)
             if sampling is not None:
                 sampling.cancel()
+            metering.cancel()
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
         rss_growth = probe.rss_bytes() - rss_before
         probe.close()
         triggered = [f for f in logs if f.note != "not triggered"]
+        recovered = recovery_of(driver.progress, triggered, meter.other_cores)
         return ScenarioResult(scenario.name, logs, count(outcomes, self.requests, self.refs), leaked, idle_after_s,
-                              rss_growth, recovery_s(driver.progress, triggered), duration_s, _examples(outcomes),
-                              events, sampler.samples, rate, self._detected(triggered))
+                              rss_growth, recovered, duration_s, _examples(outcomes),
+                              events, sampler.samples, rate, self._detected(triggered),
+                              tokens_each_s(driver.progress.token_times_s), meter.other_cores)
 
     def _detected(self, triggered: list[FaultLog]) -> float | None:
         """Seconds from the scenario's first partition until a router showed it noticed (None: no
@@ -255,8 +251,15 @@ class CampaignRunner:
 def result_json(result: ScenarioResult) -> dict:
     data = dataclasses.asdict(result)
     data["completion_rate_per_s"] = round(result.completion_rate_per_s, 4)
+    data["recovery"] = {key: None if value is None else round(value, 3) for key, value in data["recovery"].items()}
+    data["other_cores"] = [[round(t_s, 1), round(cores, 2)] for t_s, cores in result.other_cores]
+    data["recovery"]["measure"] = (f"seconds from the last fault's end until the token rate over {WINDOW_S:g} s is at "
+                                   f"least {HALF_FRACTION:g} (to_half_s) and {BASELINE_FRACTION:g} (to_baseline_s) "
+                                   "x the rate before the first fault (baseline_tokens_per_s); other_cores_*: the "
+                                   "CPU of the machine's other jobs over the baseline and the "
+                                   f"{AFTER_HEAL_S:g} s after the heal")
     if result.samples:
         data["sample_summary"] = summary(result.samples)
     data["faults"] = [{"fault": f.fault.label, "start_s": round(f.start_s, 2), "end_s": round(f.end_s, 2),
-                       "note": f.note} for f in result.faults]
+                       "started_at": round(f.started_at, 3), "note": f.note} for f in result.faults]
     return data

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from chaos.campaign import ScenarioResult
+from chaos.recovery import BASELINE_FRACTION, HALF_FRACTION
 from chaos.sampler import summary
 
 MIB = 1024 * 1024
 COLUMNS = ("scenario", "faults", "sent", "completed", "retried", "explicit errors", "lost", "wrong", "client cancels",
-           "leaked", "idle after (s)", "RSS growth (MiB)", "recovery (s)", "detected (s)")
+           "leaked", "idle after (s)", "RSS growth (MiB)", f"recovery to {HALF_FRACTION:.0%} of baseline (s)",
+           f"recovery to {BASELINE_FRACTION:.0%} of baseline (s)", "other jobs' CPU, baseline → after heal (cores)",
+           "detected (s)")
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -22,8 +25,16 @@ def row(result: ScenarioResult, with_reference: bool) -> list[str]:
     return [result.name, faults, str(c["sent"]), str(c["completed"]), str(c["retried"]), str(c["error"]), str(c["lost"]),
             str(c["wrong"]) if with_reference else "n/a", str(c["cancelled"]),
             str(leaked) if not leaked else f"{leaked} ({', '.join(f'{k}={v}' for k, v in result.leaked.items())})",
-            _num(result.idle_after_s), _num(result.rss_growth_bytes / MIB), _num(result.recovery_s),
+            _num(result.idle_after_s), _num(result.rss_growth_bytes / MIB),
+            _num(result.recovery.to_half_s), _num(result.recovery.to_baseline_s), _other_load(result),
             _num(result.detect_s)]
+
+
+def _other_load(result: ScenarioResult) -> str:
+    r = result.recovery
+    if r.other_cores_baseline is None and r.other_cores_after_heal is None:
+        return "n/a"
+    return f"{_num(r.other_cores_baseline)} → {_num(r.other_cores_after_heal)}"
 
 
 def markdown(results: list[ScenarioResult], with_reference: bool = True) -> str:

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.workloads import BenchRequest
-from chaos.campaign import ScenarioResult, count, recovery_s
+from chaos.campaign import ScenarioResult, count, recovery_of, result_json
 from chaos.driver import Outcome, Progress
 from chaos.faults import FaultLog
+from chaos.recovery import BASELINE_TOLERANCE, Recovery
 from chaos.reference import reference_key
 from chaos.report import failed, markdown
 from chaos.schedule import Fault, parse_campaign
@@ -94,29 +95,40 @@ def test_outcomes_are_counted_and_wrong_answers_found():
     assert count(outcomes, requests, None)["wrong"] == 0
 
 
-def test_recovery_is_the_time_until_half_the_rate_before_the_fault():
+def test_recovery_runs_from_the_first_faults_start_to_the_last_ones_end():
     progress = Progress()
-    # 10 tokens/s for 4 s, nothing during the fault (4-6 s), then 2 tokens/s, then 10 tokens/s from 9 s.
-    progress.token_times_s = ([i / 10 for i in range(40)] + [6 + i / 2 for i in range(6)]
-                              + [9 + i / 10 for i in range(30)])
-    fault = FaultLog(Fault("sigstop", at_s=4, service="decode", duration_s=2), start_s=4.0, end_s=6.0, note="")
-    recovered = recovery_s(progress, [fault])
-    # Baseline 40 tokens / 4 s; recovered at the first t with >= 10 tokens in [t - 2, t]: at 9.7 s
-    # (8.0 and 8.5, then 9.0 ... 9.7).
-    assert recovered == pytest.approx(9.7 - 6.0)
-    assert recovery_s(progress, []) is None
-    early = FaultLog(fault.fault, start_s=1.0, end_s=2.0, note="")
-    assert recovery_s(progress, [early]) is None  # under 2 s of baseline
+    # 16 tokens/s for 6 s, nothing during the faults (6-9 s), 16 tokens/s again from 9 s
+    progress.token_times_s = [i / 16 for i in range(96)] + [9 + i / 16 for i in range(64)]
+    first = FaultLog(Fault("sigstop", at_s=6, service="decode", duration_s=2), start_s=6.0, end_s=8.0, note="")
+    second = FaultLog(Fault("sigstop", at_s=7, service="decode-1", duration_s=2), start_s=7.0, end_s=9.0, note="")
+    # the baseline is 64 tokens / 4 s from 2 s (after the ramp) to 6 s (to 7 s: / 5 s); (9, 11] is
+    # the first window wholly after the last heal: 31 tokens (9.0 itself is out), 97 % of it (from
+    # 8 s: (8, 10] would hold 16, and the bar first met at 10.75 s)
+    assert recovery_of(progress, [second, first]) == Recovery(16.0, 0.0, 1.0, 2.0, 2.0)
+    assert recovery_of(progress, []) == Recovery()
 
 
 def test_the_markdown_row_and_missed_targets():
     result = ScenarioResult("hang", [FaultLog(Fault("sigstop", at_s=1, service="decode"), 1.0, 1.0, "")],
                             {"sent": 4, "completed": 3, "retried": 2, "error": 1, "lost": 0, "wrong": 0, "cancelled": 0},
-                            {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024, 1.25, 10.0)
+                            {"kv_pool.num_leases": 2}, None, 3 * 1024 * 1024,
+                            Recovery(20.0, 0.08, 0.85, to_half_s=2.25, to_baseline_s=None, other_cores_baseline=0.5,
+                                     other_cores_after_heal=1.25), 10.0,
+                            other_cores=[(1.04, 0.333), (2.06, 0.5)])
     table = markdown([result])
     assert table.splitlines()[0].startswith("| scenario | faults | sent | completed | retried | explicit errors |")
+    assert table.splitlines()[0].endswith(
+        f"| recovery to 50% of baseline (s) | recovery to {100 - round(100 * BASELINE_TOLERANCE)}% of baseline (s) "
+        "| other jobs' CPU, baseline → after heal (cores) | detected (s) |")
     assert table.splitlines()[2] == ("| hang | sigstop decode @ 1 s | 4 | 3 | 2 | 1 | 0 | 0 | 0 | 2 (kv_pool.num_leases=2) "
-                                     "| n/a | 3.0 | 1.2 | n/a |")
+                                     "| n/a | 3.0 | 2.2 | n/a | 0.5 → 1.2 | n/a |")
+    recovery = result_json(result)["recovery"]
+    assert {k: v for k, v in recovery.items() if k != "measure"} == {
+        "baseline_tokens_per_s": 20.0, "baseline_spread": 0.08, "baseline_lowest": 0.85, "to_half_s": 2.25,
+        "to_baseline_s": None, "other_cores_baseline": 0.5, "other_cores_after_heal": 1.25}
+    assert result_json(result)["other_cores"] == [[1.0, 0.33], [2.1, 0.5]]
+    assert recovery["measure"].startswith("seconds from the last fault's end until the token rate over 2 s is at least "
+                                          "0.5 (to_half_s) and ")
     assert failed([result]) == ["hang: {'leaked': 2}"]
 
 
