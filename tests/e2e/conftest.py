@@ -105,9 +105,9 @@ _SHARED: dict[str, LocalCluster] = {}
 
 
 def _shared_cluster(name: str, log_dir, **options):
-    config = ClusterConfig.from_options(
-        model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(), block_size=BLOCK_SIZE,
-        num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512, log_dir=log_dir, **options)
+    sizes = dict(block_size=BLOCK_SIZE, num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=512)
+    config = ClusterConfig.from_options(model="SmolLM2-135M-Instruct", http_port=free_port(), grpc_port=free_port(),
+                                        log_dir=log_dir, **{**sizes, **options})
     with LocalCluster(config) as c:
         _SHARED[name] = c
         try:
@@ -142,9 +142,11 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def colocated_cluster(tmp_path_factory):
-    """One decode worker that prefills itself (no prefill worker), sized as ``cluster``."""
+    """One decode worker that prefills itself (no prefill worker), sized as ``cluster`` but for
+    its 32-token step budget: every chat prompt (36 to 41 tokens) is prefilled in chunks mixed
+    into the decode steps of the others."""
     yield from _shared_cluster("colocated_cluster", tmp_path_factory.mktemp("colocated-cluster-logs"),
-                               colocated=True)
+                               colocated=True, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="session")
