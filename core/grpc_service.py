@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import cache
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -185,3 +188,27 @@ async def run_until_signalled(
     await stopping.wait()
     log.info("signal received, stopping")
     await stop()
+
+
+def exit_after(main: Callable[[], object]) -> NoReturn:
+    """``python -m <service>``: runs the service's command ``main`` (a click command: it ends with
+    SystemExit), then ends the process with that exit code at once, its logs and stdio flushed.
+
+    The interpreter's own teardown is skipped: once :func:`run_until_signalled`'s ``stop()`` has
+    drained and closed everything, it only frees memory the exit frees anyway, and its collector
+    passes walk every object torch and transformers made: 3 to 4.5 s after each worker's stop
+    (1.2 to 1.6 s after the router's) on a 2-core machine, in which the launcher waits for the
+    process (launcher.processes.stop, one service after another). An exception other than
+    SystemExit propagates: the interpreter prints it and exits as usual."""
+    try:
+        main()
+        code: object = 0
+    except SystemExit as done:
+        code = done.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what the interpreter does with SystemExit("message")
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code or 0)

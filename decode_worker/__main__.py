@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.grpc_service import exit_after
 from decode_worker.servicer import DecodeServicer
 from engine.config import EngineConfig
 from tandem.v1 import decode_worker_pb2_grpc
@@ -27,4 +28,4 @@ def main(worker: WorkerConfig, engine: EngineConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

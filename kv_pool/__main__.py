@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from core.grpc_service import exit_after
 from core.logging_setup import setup_logging
 from core.settings import options
 from kv_pool.config import PoolConfig
@@ -36,4 +37,4 @@ def main(log_level: str, **flags) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.grpc_service import exit_after
 from engine.config import EngineConfig
 from prefill_worker.servicer import PrefillServicer
 from tandem.v1 import prefill_worker_pb2_grpc
@@ -24,4 +25,4 @@ def main(worker: WorkerConfig, engine: EngineConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

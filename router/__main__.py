@@ -7,7 +7,7 @@ import asyncio
 
 import click
 
-from core.grpc_service import run_until_signalled
+from core.grpc_service import exit_after, run_until_signalled
 from core.logging_setup import setup_logging
 from core.settings import options
 from router.api.auth import load_api_keys
@@ -38,4 +38,4 @@ def main(log_level: str, api_keys: tuple[str, ...], api_key_file: str, **flags) 
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

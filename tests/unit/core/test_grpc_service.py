@@ -1,6 +1,12 @@
-"""GrpcService binds its port exclusively: a second server on a taken port fails, naming it."""
+"""GrpcService binds its port exclusively: a second server on a taken port fails, naming it; a
+failed start-up stops what started; a service's ``python -m`` exit keeps its exit code and its
+last log lines and skips the interpreter's teardown."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -38,3 +44,39 @@ async def test_a_failed_start_up_stops_what_started_and_raises() -> None:
     with pytest.raises(RuntimeError, match="registration refused"):
         await run_until_signalled(start, stop)
     assert stopped == [True]
+
+
+# A service entry point in miniature: a click command that logs to stderr, prints to a piped
+# (block-buffered) stdout and ends as the argument says; an atexit hook stands for the teardown.
+SERVICE = textwrap.dedent("""
+    import atexit, logging, sys
+    import click
+    from core.grpc_service import exit_after
+
+    @click.command()
+    @click.argument("end")
+    def main(end):
+        logging.basicConfig(stream=sys.stderr, level="INFO", format="%(message)s")
+        logging.getLogger("svc").info("drained")
+        print("last words")
+        atexit.register(lambda: print("teardown ran"))
+        if end == "usage":
+            raise click.UsageError("bad flag")
+        if end == "message":
+            sys.exit("refused: no model")
+        if end == "code":
+            sys.exit(3)
+
+    exit_after(main)
+""")
+
+
+@pytest.mark.parametrize(("end", "code", "stderr_tail"), [
+    ("stopped", 0, "drained"), ("code", 3, "drained"), ("message", 1, "refused: no model"),
+    ("usage", 2, "Error: bad flag"),
+])
+def test_exit_after_keeps_the_code_and_the_output_and_skips_the_teardown(end, code, stderr_tail) -> None:
+    done = subprocess.run([sys.executable, "-c", SERVICE, end], capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    assert done.stdout == "last words\n"  # flushed before the exit; the atexit hook never ran
+    assert done.stderr.splitlines()[0] == "drained" and done.stderr.splitlines()[-1] == stderr_tail
