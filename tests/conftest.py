@@ -175,17 +175,20 @@ def pytest_runtest_setup(item):
     _share_the_cores(item)
 
 
+_default_threads: dict[str, int] = {}
+
+
 def _share_the_cores(item) -> None:
-    """In an xdist worker, every test runs torch on one thread: the other worker's tests and the
-    clusters' processes keep the cores busy, and a team of two OpenMP threads on 2 busy cores spins
-    at its barriers, waiting for the other's time slice (the Hugging Face reference's greedy
-    tokens, which the e2e tests compute in this process: 2 prompts x 16 tokens took 8.9 s on two
-    threads, 1.6 s on one, with a benchmark running beside them; chaos.reference does the same)."""
+    """In an xdist worker, a test outside SERIAL_DIRS runs torch on one thread: the other
+    worker's clusters and model tests use every core, and two OpenMP teams on the same cores
+    wait for each other's time slices. SERIAL_DIRS tests get torch's default back."""
     torch = sys.modules.get("torch")  # only where a test module imported it: no import here
     if torch is None or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
+    _default_threads.setdefault("torch", torch.get_num_threads())
+    wanted = _default_threads["torch"] if _serial(item.nodeid) else 1
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def pytest_sessionfinish(session, exitstatus):
