@@ -73,3 +73,24 @@ def test_cpu_backend_mixed_step_on_8bit_cache_matches_the_torch_backend(decode_k
     expected = TorchAttentionBackend().forward(step.query, step.key, step.value, theirs, step.meta, 0.125)
     assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
     torch.testing.assert_close(out, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["vector", "scalar"])
+def test_decode_kernel_widens_every_fp8_code_exactly(decode_kernel, head_dim):
+    """Every finite e4m3 code (subnormals, zeros of both signs, +-448) as a V value of a
+    one-token context: the softmax weight is 1, so each output is the code's value times its
+    row's scale, exactly (the vector path widens through float16 and folds 2^8 into the scale)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    num_seqs = -(-len(codes) // head_dim)
+    values = torch.zeros(num_seqs * head_dim, dtype=torch.uint8)
+    values[: len(codes)] = codes
+    cache = allocate_kv_cache(1, num_seqs, 1, 1, head_dim, torch.float8_e4m3fn, "cpu")[0]
+    rows = cache.view(torch.uint8)  # [2, num_seqs, 1, 1, head_dim + 4]
+    rows[..., :head_dim] = values.view(num_seqs, 1, 1, head_dim)
+    scales = torch.tensor([0.5, 3.0, 2.0**-10, 1.0, 7.0])[:num_seqs]
+    rows[..., head_dim:] = scales.view(torch.uint8).view(1, num_seqs, 1, 1, 4)
+    query = torch.randn(num_seqs, 1, head_dim)
+    out = paged_decode_attention_cpu(decode_kernel, query, cache, torch.arange(num_seqs).view(-1, 1),
+                                     torch.ones(num_seqs, dtype=torch.int64), head_dim**-0.5)
+    expected = values.view(torch.float8_e4m3fn).float().view(num_seqs, head_dim) * scales[:, None]
+    assert torch.equal(out[:, 0], expected)
