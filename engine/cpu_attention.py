@@ -16,8 +16,9 @@ differs is what each step touches:
 
 On an 8-bit cache (``--kv-cache-dtype fp8|int8``) the write quantises (one C call for float32
 K/V), decode rows take the kernel's 8-bit entry points, and every prompt chunk attends over the
-dequantised rows the cache holds, its own included, so a chunk attends to the same values
-whether its context was computed here, cached or loaded from the pool.
+dequantised rows the cache holds, its own included (gathered and dequantised by one C call), so a
+chunk attends to the same values whether its context was computed here, cached or loaded from
+the pool.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, write_kv
 from engine.kernels.cpu_decode_attention import (KV_DTYPES, QUERY_DTYPES, load_kernel, paged_decode_attention_cpu,
-                                                 paged_kv_write_cpu, paged_kv_write_q8_cpu)
+                                                 paged_gather_q8_cpu, paged_kv_write_cpu, paged_kv_write_q8_cpu)
 from engine.kv_cache.kv_quant import as_values, is_quantized
 
 
@@ -69,12 +70,20 @@ class CpuAttentionBackend:
                 k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                k, v = _gather(kv_cache, blocks, ctx)
-                k, v = as_values(k, q.dtype), as_values(v, q.dtype)
+                if quantized and self._kernel is not None:  # gathered and dequantised in one C pass
+                    k, v = paged_gather_q8_cpu(self._kernel, kv_cache, blocks, ctx)
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                else:
+                    k, v = _gather(kv_cache, blocks, ctx)
+                    k, v = as_values(k, q.dtype), as_values(v, q.dtype)
                 q_len = end - start
-                mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
-                o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                                                   scale=scale, enable_gqa=True)
+                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+                if ctx == q_len:  # no cached context (an 8-bit cache's own rows): the plain causal mask,
+                    # which the flash kernel applies by skipping the blocks above the diagonal
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                else:
+                    mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
 

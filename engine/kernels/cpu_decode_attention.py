@@ -47,6 +47,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_kv_write_q8.restype = ctypes.c_int64
     lib.paged_kv_write_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    lib.paged_gather_q8.restype = None
+    lib.paged_gather_q8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU paged-attention kernel", "using gather + SDPA", _declare)
@@ -185,3 +187,35 @@ def paged_kv_write_q8_cpu(
                                    int(kv_cache.dtype == torch.float8_e4m3fn))
     if bad:
         raise ValueError(f"{bad} of {slot_mapping.shape[0]} slots lie outside the cache's {num_slots}")
+
+
+def paged_gather_q8_cpu(
+    kernel: ctypes.CDLL,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim + 4], float8_e4m3fn or int8
+    blocks: torch.Tensor,  # [>= ceil(ctx / block_size)], int64: the sequence's block ids in order
+    ctx: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # K and V, each [ctx, num_kv_heads, head_dim] float32
+    """The first ``ctx`` tokens' K and V rows of one sequence, dequantised in one C pass: equal to
+    :func:`engine.kv_cache.kv_quant.dequantize_rows` of the gathered rows, bit for bit.
+
+    Raises:
+        ValueError: a cache that is not a contiguous 8-bit CPU one, a block list that is not
+            contiguous int64 or too short for ``ctx``, or a block id outside the cache.
+    """
+    if not is_quantized(kv_cache) or not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+        raise ValueError(f"kv_cache must be a contiguous float8_e4m3fn or int8 CPU cache, got {kv_cache.dtype}")
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    if blocks.dtype != torch.int64 or blocks.dim() != 1 or not blocks.is_contiguous() \
+            or blocks.shape[0] * block_size < ctx or ctx < 0:
+        raise ValueError(f"blocks must be contiguous int64 covering {ctx} tokens, got {tuple(blocks.shape)} "
+                         f"{blocks.dtype} of {block_size}-token blocks")
+    used = blocks[: -(-ctx // block_size)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ValueError(f"a block id outside the cache's {num_blocks} blocks")
+    head_dim = head_dim_of(kv_cache)
+    k = torch.empty(ctx, num_kv_heads, head_dim)
+    v = torch.empty(ctx, num_kv_heads, head_dim)
+    kernel.paged_gather_q8(kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), blocks.data_ptr(), ctx, block_size,
+                           num_kv_heads, head_dim, int(kv_cache.dtype == torch.float8_e4m3fn), k.data_ptr(),
+                           v.data_ptr())
+    return k, v

@@ -496,3 +496,42 @@ int64_t paged_kv_write_q8(const float *key, int64_t key_stride, const float *val
     }
     return bad;
 }
+
+/* The first ctx tokens' K and V rows of one sequence, read through its block table from an 8-bit
+ * cache and widened to float32 (value x its row's scale): k_out and v_out are [ctx, num_kv_heads,
+ * head_dim] floats. The same numbers as kv_quant.dequantize_rows on the gathered rows (one float32
+ * rounding of value x scale; the float16 route's 2^-8 and 2^8 are exact), in one pass where
+ * torch's index_select, float8 cast and multiply made three. A chunk of a prompt after cached
+ * context, or any chunk on an 8-bit cache, attends over these. fp8: 1 for e4m3fn, 0 for int8. */
+void paged_gather_q8(const uint8_t *k_cache, const uint8_t *v_cache, const int64_t *table, int64_t ctx,
+                     int block_size, int num_kv_heads, int head_dim, int fp8, float *k_out, float *v_out)
+{
+    const int64_t hrow = (int64_t)head_dim + 4, row = num_kv_heads * hrow;
+    const int vector = head_dim % VEC == 0;
+    for (int64_t t = 0; t < ctx; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        for (int plane = 0; plane < 2; ++plane) {
+            const uint8_t *src = (plane ? v_cache : k_cache) + slot * row;
+            float *dst = (plane ? v_out : k_out) + (t * num_kv_heads) * (int64_t)head_dim;
+            for (int h = 0; h < num_kv_heads; ++h, src += hrow, dst += head_dim) {
+                const float scale = row_scale(src, head_dim);
+                if (vector && fp8) {
+                    const vec_f s = vbroadcast(scale * FP8_VEC_SCALE);
+                    for (int d = 0; d < head_dim; d += VEC) {
+                        const vec_f x = vload_fp8(src + d) * s;
+                        __builtin_memcpy(dst + d, &x, sizeof x);
+                    }
+                } else if (vector) {
+                    const vec_f s = vbroadcast(scale);
+                    for (int d = 0; d < head_dim; d += VEC) {
+                        const vec_f x = vload_i8((const int8_t *)src + d) * s;
+                        __builtin_memcpy(dst + d, &x, sizeof x);
+                    }
+                } else {
+                    for (int d = 0; d < head_dim; ++d)
+                        dst[d] = (fp8 ? fp8_to_f32(src[d]) : (float)(int8_t)src[d]) * scale;
+                }
+            }
+        }
+    }
+}

@@ -9,8 +9,8 @@ import torch
 
 from engine.attention import TorchAttentionBackend, write_kv
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_kv_write_q8_cpu
-from engine.kv_cache.kv_quant import allocate_kv_cache, quantize_rows
+from engine.kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_gather_q8_cpu, paged_kv_write_q8_cpu
+from engine.kv_cache.kv_quant import allocate_kv_cache, dequantize_rows, quantize_rows
 from tests.unit.engine.kernels.test_cpu_decode_attention_kernel import contexts, decode_batch
 from tests.unit.engine.test_cpu_attention_backend import make_step
 
@@ -94,3 +94,22 @@ def test_decode_kernel_widens_every_fp8_code_exactly(decode_kernel, head_dim):
                                      torch.ones(num_seqs, dtype=torch.int64), head_dim**-0.5)
     expected = values.view(torch.float8_e4m3fn).float().view(num_seqs, head_dim) * scales[:, None]
     assert torch.equal(out[:, 0], expected)
+
+
+@pytest.mark.parametrize("dtype", Q8, ids=["fp8", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["vector", "scalar"])
+def test_gather_dequantises_a_sequence_like_the_reference(decode_kernel, dtype, head_dim):
+    """Scattered blocks, a context ending mid-block, values over 6 orders of magnitude: bit for bit
+    the rows kv_quant.dequantize_rows makes of index_select's gather; bad block lists refused."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(2, 9, 4, 3, head_dim, generator=gen) * torch.logspace(-4, 2, 9)[None, :, None, None, None]
+    cache = quantize_rows(values, dtype)
+    blocks = torch.tensor([7, 2, 5, 0])
+    k, v = paged_gather_q8_cpu(decode_kernel, cache, blocks, 14)
+    for got, plane in ((k, cache[0]), (v, cache[1])):
+        rows = plane.index_select(0, blocks).view(-1, 3, head_dim + 4)[:14]
+        assert torch.equal(got, dequantize_rows(rows))
+    with pytest.raises(ValueError, match="covering 17 tokens"):
+        paged_gather_q8_cpu(decode_kernel, cache, blocks, 17)
+    with pytest.raises(ValueError, match="outside the cache's 9 blocks"):
+        paged_gather_q8_cpu(decode_kernel, cache, torch.tensor([1, 9]), 5)
