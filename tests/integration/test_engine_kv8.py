@@ -15,7 +15,7 @@ batch's composition, no KV moved at all; a run with 16 blocks and 24-token chunk
 7 within 12 tokens; the CPU flash-attention kernel of prompt chunks, another summation order,
 flipped two of eight). A chunked or swapped request sees other batches and chunk shapes, so the
 batched test lets a prompt leave the reference only at a near-tie: where the two first differ,
-the reference ranked the token the other run took second, within NEAR_TIE of its first. A lost
+the reference ranked the token the other run took within NEAR_TIE of its first. A lost
 or misplaced scale corrupts every swapped request from its next token, far from any tie.
 The single request moved between engines has no batch to differ in: its tokens must be equal.
 """
@@ -33,8 +33,8 @@ from tests import reference
 from tests.factories import run_all
 
 MAX_TOKENS = 12
-# The reference's top-two logprob gap within which another run may take the second: float32
-# rounding differences of the K/V rows before they are quantised (GEMMs of another chunk shape)
+# How far below the reference's best another run's token may rank where the two first differ:
+# float32 rounding differences of the K/V rows before they are quantised (GEMMs of another chunk shape)
 # move an 8-bit value by a whole step now and then; the largest gap seen flipped is 0.115 (fp8,
 # prompt 7, its second token, prompt chunks through the CPU flash-attention kernel).
 NEAR_TIE = 0.25
@@ -60,38 +60,40 @@ def requests(prefix: str, logprobs: int | None = None) -> list[Request]:
             for i, p in enumerate(reference.PROMPTS)]
 
 
-def run_with_top2(engine, batch) -> dict[str, list[tuple[tuple[int, float], ...]]]:
-    """Steps ``batch`` (requests asking for 2 logprobs) to the end; each request's top-2
-    (token id, logprob) pairs per output token."""
-    top2 = {r.request_id: [] for r in batch}
+def run_with_top(engine, batch) -> dict[str, list[tuple[tuple[int, float], ...]]]:
+    """Steps ``batch`` (requests asking for logprobs) to the end; each request's top
+    (token id, logprob) pairs per output token, best first."""
+    top = {r.request_id: [] for r in batch}
     for r in batch:
         engine.add_request(r)
     while engine.has_unfinished_requests():
         for o in engine.step():
-            top2[o.request_id] += [t.top_logprobs for t in o.logprobs]
+            top[o.request_id] += [t.top_logprobs for t in o.logprobs]
     assert engine.stats().num_used_blocks == 0
-    return top2
+    return top
 
 
 def test_chunked_prefill_and_swap_preemption_keep_the_8bit_tokens(engines):
     kv_dtype, roomy, tight = engines
     assert roomy.spec.kv_dtype_name == kv_dtype and roomy.runner.kv_cache.shape[-1] == 64 + 4
-    top2 = run_with_top2(roomy, requests("a", logprobs=2))
-    expected = {rid: [pair[0][0] for pair in steps] for rid, steps in top2.items()}
+    top = run_with_top(roomy, requests("a", logprobs=5))
+    expected = {rid: [pairs[0][0] for pairs in steps] for rid, steps in top.items()}
     before = tight.stats().num_preemptions
     got = run_all(tight, requests("a"))
     assert tight.stats().num_preemptions > before and tight.num_swapped_out > 0
     # A prompt may leave the reference only at a near-tie: at the first differing token the tight
-    # run must have taken the reference's runner-up, which the reference ranked within NEAR_TIE of
-    # its best. The two runs' rows differ only where float32 rounding of another chunk shape
-    # pushed a value across an 8-bit rounding boundary; a lost or misplaced scale moves logits by
-    # whole units and fails this from the next token of a swapped or chunked request.
+    # run must have taken a token the reference ranked within NEAR_TIE of its best (near-ties of
+    # three happen: prompt 1's second token had three within 0.07). The two runs' rows differ only
+    # where float32 rounding of another chunk shape pushed a value across an 8-bit rounding
+    # boundary; a lost or misplaced scale moves logits by whole units and fails this from the next
+    # token of a swapped or chunked request.
     for rid, tokens in expected.items():
         if got[rid] == tokens:
             continue
         i = next(i for i, (a, b) in enumerate(zip(got[rid], tokens)) if a != b)
-        (best, best_lp), (second, second_lp) = top2[rid][i]
-        assert got[rid][i] == second and best_lp - second_lp < NEAR_TIE, (rid, i, got[rid], tokens, top2[rid][i])
+        ranked = dict(top[rid][i])
+        assert got[rid][i] in ranked and top[rid][i][0][1] - ranked[got[rid][i]] < NEAR_TIE, \
+            (rid, i, got[rid], tokens, top[rid][i])
     assert sum(got[rid] == expected[rid] for rid in expected) >= len(expected) // 2
 
 
