@@ -295,17 +295,20 @@ def test_the_router_serves_through_its_pre_stop_sleep(tools, renderings):
     for name in ("helm-default", "kustomize-dev"):
         router = find(renderings[name], "Deployment", "-router")
         assert main_container(router)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"], name
+        assert env_of(main_container(router))["TANDEM_ROUTER_SHUTDOWN_GRACE_S"]["value"] == "30", name
         assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60, name
-    objects = helm_template(tools, "--set", "router.preStopSleepSeconds=30",
-                            "--set", "router.terminationGracePeriodSeconds=40")
-    assert main_container(find(objects, "Deployment", "-router"))["lifecycle"]["preStop"]["exec"]["command"] == \
-        ["sleep", "30"]
+    objects = helm_template(tools, "--set", "router.preStopSleepSeconds=30", "--set", "router.shutdownGraceSeconds=10",
+                            "--set", "router.terminationGracePeriodSeconds=45")
+    router = main_container(find(objects, "Deployment", "-router"))
+    assert router["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "30"]
+    assert env_of(router)["TANDEM_ROUTER_SHUTDOWN_GRACE_S"]["value"] == "10"
     proc = subprocess.run(
-        [str(tools / "helm"), "template", "tandem", str(CHART), "--set", "router.preStopSleepSeconds=55"],
+        [str(tools / "helm"), "template", "tandem", str(CHART), "--set", "router.preStopSleepSeconds=26"],
         capture_output=True, text=True,
     )
     assert proc.returncode != 0
-    assert "router.terminationGracePeriodSeconds (60) must be >= router.preStopSleepSeconds (55) + 10" in proc.stderr
+    assert ("router.terminationGracePeriodSeconds (60) must be >= router.preStopSleepSeconds (26) + "
+            "router.shutdownGraceSeconds (30) + 5") in proc.stderr
 
 
 def test_cpu_workers_use_the_cpu_image_and_no_gpu(tools):

@@ -328,8 +328,8 @@ unset. (dict "root" $ "key" "ttftMs"|"tbtMs") */}}
 {{- end }}
 {{- end }}
 {{- $router := .Values.router }}
-{{- if lt (int $router.terminationGracePeriodSeconds) (add (int $router.preStopSleepSeconds) 10) }}
-{{- fail (printf "router.terminationGracePeriodSeconds (%v) must be >= router.preStopSleepSeconds (%v) + 10: after the preStop the router's SIGTERM lets in-flight requests run 5 s, ends the rest and stops" $router.terminationGracePeriodSeconds $router.preStopSleepSeconds) }}
+{{- if lt (int $router.terminationGracePeriodSeconds) (add (int $router.preStopSleepSeconds) (int $router.shutdownGraceSeconds) 5) }}
+{{- fail (printf "router.terminationGracePeriodSeconds (%v) must be >= router.preStopSleepSeconds (%v) + router.shutdownGraceSeconds (%v) + 5: after the preStop the router's SIGTERM lets in-flight requests run shutdownGraceSeconds, ends the rest and stops" $router.terminationGracePeriodSeconds $router.preStopSleepSeconds $router.shutdownGraceSeconds) }}
 {{- end }}
 {{- if and (eq .Values.transfer.backend "shm") (gt (int .Values.kvPool.replicas) 1) }}
 {{- fail "transfer.backend shm shares the node's /dev/shm: it needs a single node and kvPool.replicas 1" }}
