@@ -118,18 +118,14 @@ static inline vec_f vload_i8(const int8_t *p)
 #define FP8_VEC_SCALE 256.0f
 static inline vec_f vload_fp8(const uint8_t *p)
 {
-    vec_u8 b;
-    __builtin_memcpy(&b, p, sizeof b);
-    const vec_u16 w = __builtin_convertvector(b, vec_u16);
-    const vec_u16 h = ((w << 7) & 0x3f80u) | ((w << 8) & 0x8000u);
+    /* t = byte << 7 holds the exponent and mantissa in place and the sign at bit 14; t + (t &
+     * 0x4000) carries the sign up to bit 15 and clears bit 14. */
 #if defined(__AVX512F__)
-    __m256i hv;
-    __builtin_memcpy(&hv, &h, sizeof hv);
-    return (vec_f)_mm512_cvtph_ps(hv);
+    const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return (vec_f)_mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
 #else
-    __m128i hv;
-    __builtin_memcpy(&hv, &h, sizeof hv);
-    return (vec_f)_mm256_cvtph_ps(hv);
+    const __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return (vec_f)_mm256_cvtph_ps(_mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))));
 #endif
 }
 #else
