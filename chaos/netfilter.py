@@ -225,10 +225,12 @@ def signals_ignored(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, sig
 
 def hold_partition(netfilter: Netfilter, client: str, server: str, duration_s: float, direction: str = "both",
                    on_progress: Callable[[str], None] = lambda _: None,
-                   sleep: Callable[[float], None] | None = None) -> Partition:
-    """Partitions ``client`` and ``server`` for ``duration_s``, then heals, and removes the chain:
-    also when interrupted (SIGINT, SIGTERM, SIGHUP: the interruption propagates after the
-    cleanup). Returns the partition it held.
+                   sleep: Callable[[float], None] | None = None,
+                   add: Callable[..., Partition] = Netfilter.partition, *args: object) -> Partition:
+    """Adds ``add(netfilter, client, server, *args, direction)`` (default: a partition; or
+    :meth:`Netfilter.lose`, ``cap`` or ``reset`` with their arguments) for ``duration_s``, then
+    heals, and removes the chain: also when interrupted (SIGINT, SIGTERM, SIGHUP: the
+    interruption propagates after the cleanup). Returns the fault it held.
 
     Raises:
         ValueError / RuntimeError: as :meth:`Netfilter.partition`.
@@ -239,8 +241,8 @@ def hold_partition(netfilter: Netfilter, client: str, server: str, duration_s: f
     wait = sleep or time.sleep
     with signals_raise():
         try:
-            partition = netfilter.partition(client, server, direction)
-            on_progress(f"partition {client} <-> {server} ({direction}) for {duration_s:g} s")
+            partition = add(netfilter, client, server, *args, direction=direction)
+            on_progress(f"{partition.kind} {client} <-> {server} ({direction}) for {duration_s:g} s")
             wait(duration_s)  # the fault's duration, not a wait for an event
             netfilter.heal(partition)
             on_progress("healed")

@@ -282,11 +282,13 @@ def test_a_killed_partition_run_leaves_rules_that_cleanup_removes(pods):
         netfilter.cleanup()
 
 
-def test_a_partition_that_runs_its_course_heals_and_removes_the_chain(pods):
+@pytest.mark.parametrize(("kind", "args"), [("drop", []), ("loss", ["--loss", "0.5"]), ("reset", ["--reset"]),
+                                            ("cap", ["--cap-bytes-per-s", "65536"])])
+def test_a_partition_that_runs_its_course_heals_and_removes_the_chain(pods, kind, args):
     netfilter = pods.netfilter()
     done = subprocess.run([sys.executable, "-m", "tandem_cli.main", "chaos", "--partition", f"{pods.ip_a},{pods.ip_b}",
-                           "--for-s", "0.5", "--direction", "to_server", "--netns", pods.node],
+                           "--for-s", "0.5", "--direction", "to_server", *args, "--netns", pods.node],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "healed" in done.stdout
+    assert f"{kind} {pods.ip_a} <-> {pods.ip_b} (to_server)" in done.stdout and "healed" in done.stdout
     assert netfilter.rules() == [] and netfilter.jumps() == []
