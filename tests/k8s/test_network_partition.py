@@ -6,7 +6,7 @@ then healed while streams are in flight:
   heartbeats to Redis), the routers → that pod only (its answers still flow), a decode pod ↔ the
   Redis pod (its heartbeats lost while the routers still reach it), the routers ↔ the prefill pod,
   the prefill pod ↔ the pool pod, the decode pod ↔ the pool pod, the routers ↔ the Redis pod;
-- lossy, capped and reset links: 30 % of the packets between the routers and the decode pod
+- lossy, capped and reset links: 20 % of the packets between the routers and the decode pod
   dropped, the decode pod ↔ pool link policed to ``CAP_BYTES_PER_S``, and the routers' TCP to one
   of two decode pods answered with resets (open streams broken, new connections refused).
 
@@ -48,7 +48,7 @@ AFTER_S = AFTER_HEAL_S + 2 * WINDOW_S  # load after the heal: room for the 10 s 
 DETECT_TARGET_S = 10.0
 RECOVERY_TARGET_S = 10.0
 IDLE_BOUND_S = 75.0  # the local campaign's idle bound (chaos.schedule): covers the 60 s lease deadline
-LOSS_PROBABILITY = 0.3
+LOSS_PROBABILITY = 0.2
 CAP_BYTES_PER_S = 256 * 1024
 POOL_PORT = 50051
 
