@@ -165,15 +165,17 @@ async def faulted_run(load: Load, netfilter: Netfilter, pods: Pods, faults: Faul
     return fault_s, heal_s, started_at
 
 
-async def wait_idle(probe: ClusterProbe) -> tuple[float | None, dict[str, int]]:
+async def wait_idle(probe: ClusterProbe) -> tuple[float | None, dict[str, int], dict[str, int]]:
     """Until the pool and workers hold nothing (chaos.probe.busy empty) or IDLE_BOUND_S pass:
-    how long it took (None: never) and what was still held."""
+    how long it took (None: never), what was held when the load ended and what was still held."""
     start = time.monotonic()
-    while busy := await asyncio.to_thread(probe.busy):
+    held_at_end = busy = await asyncio.to_thread(probe.busy)
+    while busy:
         if time.monotonic() - start > IDLE_BOUND_S:
-            return None, busy
+            return None, held_at_end, busy
         await asyncio.sleep(0.5)  # polling stats, not synchronising
-    return round(time.monotonic() - start, 2), {}
+        busy = await asyncio.to_thread(probe.busy)
+    return round(time.monotonic() - start, 2), held_at_end, {}
 
 
 async def run_scenario(node: Node, netfilter: Netfilter, scenario: Scenario) -> tuple[dict, Pods]:
@@ -184,13 +186,14 @@ async def run_scenario(node: Node, netfilter: Netfilter, scenario: Scenario) -> 
         tally = await load.finish()
     probe = ClusterProbe(None, pods.stats_addresses())
     try:
-        idle_after_s, leaked = await wait_idle(probe)
+        idle_after_s, held_at_end, leaked = await wait_idle(probe)
     finally:
         probe.close()
     back = recovery(sorted(load.token_times_s), fault_s, heal_s)
     numbers = {"sent": tally.sent, "completed": tally.completed, "explicit_errors": tally.explicit_errors,
                "lost": tally.lost - tally.explicit_errors, "wrong": tally.wrong,
                "leaked": sum(leaked.values()), "leaked_by": leaked, "idle_after_s": idle_after_s,
+               "held_at_end": held_at_end,
                "baseline_tokens_per_s": _round(back.baseline_tokens_per_s),
                "recovery_to_90_s": _round(back.to_baseline_s), "recovery_to_50_s": _round(back.to_half_s),
                "errors": tally.errors, "started_at": started_at}
