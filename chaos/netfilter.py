@@ -138,7 +138,8 @@ class Netfilter:
         """Answers each TCP packet between ``client`` and ``server`` with a reset: open
         connections break at their next packet and new ones are refused (the other protocols
         pass); otherwise as :meth:`partition`."""
-        return self._add("reset", client, server, direction, ("-p", "tcp"), ("-j", "REJECT", "--reject-with", "tcp-reset"))
+        target = ("-j", "REJECT", "--reject-with", "tcp-reset")
+        return self._add("reset", client, server, direction, ("-p", "tcp"), target)
 
     def _add(self, kind: str, client: str, server: str, direction: str,
              match: tuple[str, ...] | Callable[[int], tuple[str, ...]], target: tuple[str, ...]) -> Partition:

@@ -81,11 +81,13 @@ class KVConnector:
     """One per worker; used from the worker's event loop (``swap_space`` from the engine thread).
 
     ``io``: the transport (default: a :class:`PoolIO` over ``locator.kv_transfer``);
-    ``failures``: what a failed load does (default: recompute, counted in this process's registry).
+    ``failures``: what a failed load does (default: recompute, counted in this process's registry);
+    ``release_retry_delays_s``: the backoff of a release the pool did not get (:meth:`release`).
     """
 
     def __init__(self, spec: KVCacheSpec, locator: PoolLocator, io: PoolIO | None = None,
-                 failures: KVLoadFailures | None = None, release_retry_delays_s: Sequence[float] = RELEASE_RETRY_DELAYS_S):
+                 failures: KVLoadFailures | None = None,
+                 release_retry_delays_s: Sequence[float] = RELEASE_RETRY_DELAYS_S):
         self.spec = spec
         self.locator = locator
         self.io = io or PoolIO(spec, transfer=locator.kv_transfer)
