@@ -189,15 +189,30 @@ def _write(out_dir: Path, campaign: Campaign, results: list[ScenarioResult], wit
               help="How long --partition lasts.")
 @click.option("--direction", type=click.Choice(netfilter.DIRECTIONS), default="both", show_default=True,
               help="Which packets --partition drops (to_server: CLIENT_IP -> SERVER_IP only).")
+@click.option("--loss", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              help="With --partition: drop each packet with this probability instead of all of them.")
+@click.option("--cap-bytes-per-s", "cap_bytes_per_s", type=click.IntRange(min=1), default=None,
+              help="With --partition: drop the packets above this byte rate each way instead (a policer).")
+@click.option("--reset", is_flag=True,
+              help="With --partition: answer TCP packets with a reset instead (connections break, new ones refused).")
 @click.option("--cleanup", is_flag=True,
               help=f"Remove every rule and jump of the {netfilter.CHAIN} chain a killed run left, then exit.")
 @click.option("--netns", default="", help="Run iptables in this network namespace (ip netns exec) instead of here.")
 def chaos(campaign_path: Path | None, out_dir: Path, model: str, only: tuple[str, ...], reference: bool,
-          partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+          partition: str | None, for_s: float, direction: str, loss: float | None, cap_bytes_per_s: int | None,
+          reset: bool, cleanup: bool, netns: str) -> None:
     """Run a fault campaign (YAML: cluster, workload, scenarios of timed faults) on a local cluster,
     or partition two pod addresses (--partition), or remove what a killed partition left (--cleanup)."""
+    # the rule kind of --partition, and its arguments after the two addresses
+    kinds = [(netfilter.Netfilter.lose, (loss,)) if loss is not None else None,
+             (netfilter.Netfilter.cap, (cap_bytes_per_s,)) if cap_bytes_per_s is not None else None,
+             (netfilter.Netfilter.reset, ()) if reset else None]
+    chosen = [kind for kind in kinds if kind is not None]
+    if len(chosen) > 1:
+        raise click.UsageError("give at most one of --loss, --cap-bytes-per-s and --reset")
     if cleanup or partition:
-        _netfilter(partition, for_s, direction, cleanup, netns)
+        add, args = chosen[0] if chosen else (netfilter.Netfilter.partition, ())
+        _netfilter(partition, for_s, direction, cleanup, netns, add, args)
         return
     if campaign_path is None:
         raise click.UsageError("give a CAMPAIGN_PATH, --partition or --cleanup")
@@ -214,7 +229,8 @@ def chaos(campaign_path: Path | None, out_dir: Path, model: str, only: tuple[str
         raise click.exceptions.Exit(1)
 
 
-def _netfilter(partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str) -> None:
+def _netfilter(partition: str | None, for_s: float, direction: str, cleanup: bool, netns: str,
+               add=netfilter.Netfilter.partition, args: tuple = ()) -> None:
     """``--cleanup`` or ``--partition`` (chaos.netfilter). Raises ClickException naming what failed."""
     rules = netfilter.Netfilter(["ip", "netns", "exec", netns] if netns else [])
     try:
@@ -222,7 +238,8 @@ def _netfilter(partition: str | None, for_s: float, direction: str, cleanup: boo
             console.print(f"removed {rules.cleanup()} rule(s) and the {netfilter.CHAIN} chain")
             return
         client, _, server = partition.partition(",")
-        netfilter.hold_partition(rules, client.strip(), server.strip(), for_s, direction, on_progress=console.print)
+        netfilter.hold_partition(rules, client.strip(), server.strip(), for_s, direction, console.print, None,
+                                 add, *args)
     except (ValueError, RuntimeError, OSError) as err:
         raise click.ClickException(str(err)) from None
     except (KeyboardInterrupt, netfilter.Interrupted) as err:

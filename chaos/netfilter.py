@@ -1,10 +1,23 @@
-"""Silent partitions between two IP addresses as iptables rules: the fault backend for pods.
+"""Network faults between two IP addresses as iptables rules: the fault backend for pods.
 
 On a Kubernetes node each pod is a network namespace on the node's bridge, so the packets between
-two pods cross the node's netfilter (FORWARD; OUTPUT for the node's own processes). A partition
-is a ``DROP`` rule per direction matching the two addresses (``-s A -d B``): the packets vanish,
-no RST and no ICMP, as a NetworkPolicy or a firewall change does it, so both ends see a silent
-peer and the cluster's keepalives have to find it (docs/failover.md).
+two pods cross the node's netfilter (FORWARD; OUTPUT for the node's own processes). Each fault is
+one rule per direction matching the two addresses (``-s A -d B``):
+
+- a **partition** (:meth:`Netfilter.partition`): ``DROP``; the packets vanish, no RST and no ICMP,
+  as a NetworkPolicy or a firewall change does it, so both ends see a silent peer and the
+  cluster's keepalives have to find it (docs/failover.md);
+- **packet loss** (:meth:`Netfilter.lose`): ``-m statistic --mode random --probability P`` then
+  ``DROP``; each packet independently, so TCP retransmits and the link is slow and jittery;
+- a **bandwidth cap** (:meth:`Netfilter.cap`): ``-m hashlimit --hashlimit-above RATE`` then
+  ``DROP``, a policer: packets beyond the byte rate (after a burst) are dropped and TCP backs off
+  to about that rate;
+- **reset connections** (:meth:`Netfilter.reset`): TCP packets answered ``REJECT --reject-with
+  tcp-reset``: an open connection is reset at its next packet and a new one is refused, as a
+  middlebox that lost its state does it.
+
+There is no latency fault: the node's kernel may lack the netem qdisc, and a rule cannot hold a
+packet; the local campaigns' TCP proxy (chaos/link_proxy.py) delays links.
 
 Every rule lives in a chain of Tandem's own, :data:`CHAIN`, that FORWARD and OUTPUT jump to:
 Tandem never edits the node's other chains beyond those two jumps, and :meth:`Netfilter.cleanup`
@@ -20,6 +33,7 @@ node). Needs root (CAP_NET_ADMIN) and the ``iptables`` binary.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
@@ -40,16 +54,18 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True)
 class Partition:
-    """The DROP rules of one partition (each an iptables rule spec without ``-A CHAIN``)."""
+    """The rules of one fault between two addresses (each an iptables rule spec without ``-A
+    CHAIN``); ``kind``: ``drop`` (a partition), ``loss``, ``cap`` or ``reset``."""
 
     client: str
     server: str
     direction: str
     rules: tuple[tuple[str, ...], ...] = field(default=())
+    kind: str = "drop"
 
 
 class Netfilter:
-    """Adds and removes partition rules in :data:`CHAIN` through ``prefix + [iptables, ...]``.
+    """Adds and removes fault rules in :data:`CHAIN` through ``prefix + [iptables, ...]``.
 
     Raises (every method that changes rules): RuntimeError quoting iptables' error when a
     command fails (not root, no such binary in the prefix's namespace, ...).
@@ -57,6 +73,7 @@ class Netfilter:
 
     def __init__(self, prefix: Sequence[str] = (), iptables: str = "iptables", run: Runner = _run):
         self.prefix, self.iptables, self.run = list(prefix), iptables, run
+        self._caps = 0  # cap faults added: each names its own hashlimit table
 
     def _call(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         done = self.run([*self.prefix, self.iptables, "-w", *args])
@@ -82,6 +99,52 @@ class Netfilter:
             ValueError: an address that is not an IP address, or an unknown direction.
             RuntimeError: iptables failed (see the class).
         """
+        return self._add("drop", client, server, direction, (), ("-j", "DROP"))
+
+    def lose(self, client: str, server: str, probability: float, direction: str = "both") -> Partition:
+        """Drops each packet between ``client`` and ``server`` with ``probability`` (0 < p < 1),
+        independently; otherwise as :meth:`partition`.
+
+        Raises:
+            ValueError: as :meth:`partition`, or a probability outside (0, 1).
+        """
+        if not 0 < probability < 1:
+            raise ValueError(f"probability must be in (0, 1), got {probability!r}")
+        match = ("-m", "statistic", "--mode", "random", "--probability", f"{probability:g}")
+        return self._add("loss", client, server, direction, match, ("-j", "DROP"))
+
+    def cap(self, client: str, server: str, bytes_per_s: int, direction: str = "both",
+            burst_bytes: int | None = None) -> Partition:
+        """Drops the packets between ``client`` and ``server`` above ``bytes_per_s`` each way once
+        ``burst_bytes`` (default: one second's bytes) are spent: a policer, one token bucket per
+        rule (its own hashlimit table, named after the rule); otherwise as :meth:`partition`.
+
+        Raises:
+            ValueError: as :meth:`partition`, or a rate or burst under 1 byte.
+        """
+        burst = bytes_per_s if burst_bytes is None else burst_bytes
+        if bytes_per_s < 1 or burst < 1:
+            raise ValueError(f"bytes_per_s and burst_bytes must be >= 1, got {bytes_per_s!r}, {burst_bytes!r}")
+        self._caps += 1
+        # hashlimit names are at most 15 characters and shared by the whole namespace
+        name = f"tdm-{os.getpid() % 100000}-{self._caps}"[:15]
+
+        def match(i: int) -> tuple[str, ...]:
+            return ("-m", "hashlimit", "--hashlimit-above", f"{bytes_per_s}b/s", "--hashlimit-burst", f"{burst}b",
+                    "--hashlimit-name", f"{name}{'ab'[i]}")
+        return self._add("cap", client, server, direction, match, ("-j", "DROP"))
+
+    def reset(self, client: str, server: str, direction: str = "both") -> Partition:
+        """Answers each TCP packet between ``client`` and ``server`` with a reset: open
+        connections break at their next packet and new ones are refused (the other protocols
+        pass); otherwise as :meth:`partition`."""
+        target = ("-j", "REJECT", "--reject-with", "tcp-reset")
+        return self._add("reset", client, server, direction, ("-p", "tcp"), target)
+
+    def _add(self, kind: str, client: str, server: str, direction: str,
+             match: tuple[str, ...] | Callable[[int], tuple[str, ...]], target: tuple[str, ...]) -> Partition:
+        """Appends one rule per direction, ``-s SRC -d DST MATCH -m comment ... TARGET``; ``match``
+        is the same for each or, a callable, made from the direction's index."""
         for address in (client, server):
             try:
                 ip_address(address)
@@ -91,11 +154,12 @@ class Netfilter:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         pairs = {"both": [(client, server), (server, client)], "to_server": [(client, server)],
                  "to_client": [(server, client)]}[direction]
-        rules = tuple(("-s", src, "-d", dst, "-m", "comment", "--comment", COMMENT, "-j", "DROP") for src, dst in pairs)
+        rules = tuple(("-s", src, "-d", dst, *(match(i) if callable(match) else match),
+                       "-m", "comment", "--comment", COMMENT, *target) for i, (src, dst) in enumerate(pairs))
         self.install()
         for rule in rules:
             self._call("-A", CHAIN, *rule)
-        return Partition(client, server, direction, rules)
+        return Partition(client, server, direction, rules, kind)
 
     def heal(self, partition: Partition) -> None:
         """Removes ``partition``'s rules (those already gone are skipped)."""
@@ -162,10 +226,12 @@ def signals_ignored(signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, sig
 
 def hold_partition(netfilter: Netfilter, client: str, server: str, duration_s: float, direction: str = "both",
                    on_progress: Callable[[str], None] = lambda _: None,
-                   sleep: Callable[[float], None] | None = None) -> Partition:
-    """Partitions ``client`` and ``server`` for ``duration_s``, then heals, and removes the chain:
-    also when interrupted (SIGINT, SIGTERM, SIGHUP: the interruption propagates after the
-    cleanup). Returns the partition it held.
+                   sleep: Callable[[float], None] | None = None,
+                   add: Callable[..., Partition] = Netfilter.partition, *args: object) -> Partition:
+    """Adds ``add(netfilter, client, server, *args, direction)`` (default: a partition; or
+    :meth:`Netfilter.lose`, ``cap`` or ``reset`` with their arguments) for ``duration_s``, then
+    heals, and removes the chain: also when interrupted (SIGINT, SIGTERM, SIGHUP: the
+    interruption propagates after the cleanup). Returns the fault it held.
 
     Raises:
         ValueError / RuntimeError: as :meth:`Netfilter.partition`.
@@ -176,8 +242,8 @@ def hold_partition(netfilter: Netfilter, client: str, server: str, duration_s: f
     wait = sleep or time.sleep
     with signals_raise():
         try:
-            partition = netfilter.partition(client, server, direction)
-            on_progress(f"partition {client} <-> {server} ({direction}) for {duration_s:g} s")
+            partition = add(netfilter, client, server, *args, direction=direction)
+            on_progress(f"{partition.kind} {client} <-> {server} ({direction}) for {duration_s:g} s")
             wait(duration_s)  # the fault's duration, not a wait for an event
             netfilter.heal(partition)
             on_progress("healed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import grpc
 
@@ -24,11 +25,16 @@ def _stub(name: str, channel: grpc.Channel):
 
 
 class ClusterProbe:
-    """Stats of the pool and every worker process of ``cluster`` (blocking gRPC calls)."""
+    """Stats of the pool and every worker process of ``cluster`` (blocking gRPC calls); with
+    ``addresses`` (service name -> gRPC address: ``kv_pool``, ``prefill...``, ``decode...``)
+    those services instead, e.g. the pods of a Kubernetes node at their pod IPs, and no RSS
+    (``cluster`` None: no process of theirs here)."""
 
-    def __init__(self, cluster: LocalCluster):
+    def __init__(self, cluster: LocalCluster | None, addresses: Mapping[str, str] | None = None):
         self.cluster = cluster
-        self._channels = {name: grpc.insecure_channel(address) for name, address in cluster.addresses.items()}
+        if addresses is None:
+            addresses = cluster.addresses
+        self._channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
 
     def busy(self) -> dict[str, int]:
         """Non-idle counts by ``service.field`` (empty when idle): pool blocks writing, leased or
@@ -70,7 +76,7 @@ class ClusterProbe:
     def rss_by_service(self) -> dict[str, int]:
         """Resident memory of each service process by name (Linux /proc; 0 for one that is gone)."""
         found: dict[str, int] = {}
-        for service in self.cluster.services:
+        for service in self.cluster.services if self.cluster is not None else ():
             try:
                 with open(f"/proc/{service.process.pid}/statm") as f:
                     found[service.name] = int(f.read().split()[1]) * PAGE_BYTES
@@ -81,7 +87,7 @@ class ClusterProbe:
     def rss_bytes(self) -> int:
         """Resident memory of every service process, summed (Linux /proc; 0 for one that is gone)."""
         total = 0
-        for service in self.cluster.services:
+        for service in self.cluster.services if self.cluster is not None else ():
             try:
                 with open(f"/proc/{service.process.pid}/statm") as f:
                     total += int(f.read().split()[1]) * PAGE_BYTES

@@ -43,7 +43,9 @@ is how blocks were released twice.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -69,17 +71,23 @@ log = logging.getLogger(__name__)
 # Manifests a decode connector remembers settling (taken over by a Decode, or dropped): a
 # DropManifest or a Decode arrives at most a request timeout after the other.
 MAX_SETTLED_MANIFESTS = 4096
+# A release the pool did not get (a partition, a pool restarting) is sent again after each of
+# these delays, then every last one, until the lease deadline would have freed it anyway.
+RELEASE_RETRY_DELAYS_S = (1.0, 2.0, 4.0)
+RETRIED_RELEASE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class KVConnector:
     """One per worker; used from the worker's event loop (``swap_space`` from the engine thread).
 
     ``io``: the transport (default: a :class:`PoolIO` over ``locator.kv_transfer``);
-    ``failures``: what a failed load does (default: recompute, counted in this process's registry).
+    ``failures``: what a failed load does (default: recompute, counted in this process's registry);
+    ``release_retry_delays_s``: the backoff of a release the pool did not get (:meth:`release`).
     """
 
     def __init__(self, spec: KVCacheSpec, locator: PoolLocator, io: PoolIO | None = None,
-                 failures: KVLoadFailures | None = None):
+                 failures: KVLoadFailures | None = None,
+                 release_retry_delays_s: Sequence[float] = RELEASE_RETRY_DELAYS_S):
         self.spec = spec
         self.locator = locator
         self.io = io or PoolIO(spec, transfer=locator.kv_transfer)
@@ -91,6 +99,8 @@ class KVConnector:
         self.num_releases = 0  # requests this connector released (each exactly once)
         # request_id -> True when a Decode took its manifest over, False when DropManifest dropped it.
         self._settled: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.release_retry_delays_s = tuple(release_retry_delays_s)
+        self._release_retries: set[asyncio.Task] = set()  # releases the pool did not get, sent again
 
     async def ring(self) -> HashRing:
         """The pool nodes. Raises LookupError when no pool is registered."""
@@ -273,16 +283,46 @@ class KVConnector:
 
     async def release(self, request_id: str) -> None:
         """Ends the request on every pool node it holds: drops its leases and scoped blocks.
-        At most once per hold (a second call is a no-op); a node that does not answer holds
-        nothing past the lease deadline. Deferred while ArenaBlock views are uncopied (PoolIO)."""
+        At most once per hold (a second call is a no-op). Deferred while ArenaBlock views are
+        uncopied (PoolIO). A pool that does not answer (UNAVAILABLE, DEADLINE_EXCEEDED: a
+        partition, a restart) is sent the release again in the background after each of
+        ``release_retry_delays_s``, until its lease deadline would have freed the request anyway:
+        a partition that heals frees the blocks then, not a lease TTL later."""
         ring = self._holding.pop(request_id, None)
         if ring is None:
             return
         self.num_releases += 1
         try:
             await self.io.release(ring, request_id)
-        except grpc.RpcError as err:  # a dead pool holds nothing of ours any more
-            log.warning("KV pool release failed (%s)", err.code(), extra={"request_id": request_id})
+        except grpc.RpcError as err:
+            if err.code() not in RETRIED_RELEASE_CODES or not self.release_retry_delays_s:
+                log.warning("KV pool release failed (%s)", err.code(), extra={"request_id": request_id})
+                return
+            log.warning("KV pool release failed (%s); sending it again until the lease deadline", err.code(),
+                        extra={"request_id": request_id})
+            task = asyncio.create_task(self._release_again(ring, request_id))
+            self._release_retries.add(task)
+            task.add_done_callback(self._release_retries.discard)
+
+    async def _release_again(self, ring: HashRing, request_id: str) -> None:
+        """Sends a failed release again until the pool takes it or the lease deadline passes."""
+        deadline_s = time.monotonic() + getattr(self.io, "lease_ttl_s", 60.0)
+        for attempt in itertools.count():
+            delay_s = self.release_retry_delays_s[min(attempt, len(self.release_retry_delays_s) - 1)]
+            if time.monotonic() + delay_s > deadline_s:
+                log.info("KV pool release not taken before the lease deadline (it frees the request)",
+                         extra={"request_id": request_id})
+                return
+            await asyncio.sleep(delay_s)  # a backoff between attempts, not a synchronisation
+            try:
+                await self.io.release(ring, request_id)
+            except grpc.RpcError as err:
+                if err.code() not in RETRIED_RELEASE_CODES:
+                    log.warning("KV pool release failed (%s)", err.code(), extra={"request_id": request_id})
+                    return
+                continue
+            log.info("KV pool release taken on attempt %d", attempt + 2, extra={"request_id": request_id})
+            return
 
     def swap_space(self, lease_ttl_s: float = 600.0) -> PoolSwapSpace | None:
         """Swap preemption into the pool, over the fixed ring of pool nodes and checksummed;
@@ -291,6 +331,8 @@ class KVConnector:
         return PoolSwapSpace(self.io, ring, lease_ttl_s) if ring is not None else None
 
     def close(self) -> None:
+        for task in list(self._release_retries):  # the pool's lease deadline frees what they held
+            task.cancel()
         self.io.close()
 
     async def _manifest_ring(self, request_id: str, manifest: Manifest) -> HashRing:

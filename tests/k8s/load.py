@@ -1,7 +1,8 @@
 """Streamed chat completions through the official ``openai`` client against the router's NodePort,
 and their tally against Hugging Face greedy (tests/reference.py): requests sent, completed, lost
-(an error, or a stream that ended without ``stop``/``length``), wrong (text or token count not
-equal to the reference's)."""
+(an error, or a stream that ended without ``stop``/``length``), of them explicit errors (the
+cluster said so: an HTTP error status or an error event in the stream), wrong (text or token count
+not equal to the reference's); and the time of every streamed token (one per content chunk)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,16 @@ class Outcome:
     text: str = ""
     num_tokens: int = 0
     error: str = ""  # why the request is lost; "" when it finished
+    explicit: bool = False  # the error was the cluster's answer (HTTP status, SSE error event)
 
 
 @dataclass
 class Tally:
     sent: int
     completed: int
-    lost: int
+    lost: int  # not completed, explicit errors included
     wrong: int
+    explicit_errors: int  # of the lost: the cluster answered with an error
     duration_s: float
     errors: list[str] = field(default_factory=list)  # the first few lost requests' errors
 
@@ -64,7 +67,7 @@ class Tally:
         lost = [o for o in outcomes if o.error]
         done = [o for o in outcomes if not o.error]
         wrong = [o for o in done if (o.text, o.num_tokens) != expected(o.prompt)]
-        return cls(len(outcomes), len(done), len(lost), len(wrong), round(duration_s, 1),
+        return cls(len(outcomes), len(done), len(lost), len(wrong), sum(o.explicit for o in lost), round(duration_s, 1),
                    [o.error for o in lost[:5]] + [f"wrong: {o.prompt!r} -> {o.text!r}" for o in wrong[:5]])
 
     def as_dict(self) -> dict:
@@ -85,6 +88,7 @@ class Load:
         self.timeout_s = timeout_s
         self.outcomes: list[Outcome] = []
         self.first_tokens = 0  # requests that received their first token
+        self.token_times_s: list[float] = []  # each content chunk's arrival, seconds after the start (now_s)
         self.changed = asyncio.Event()
         self._next = 0
         self._stopped = False
@@ -106,6 +110,10 @@ class Load:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self._client.close()
+
+    def now_s(self) -> float:
+        """Seconds since the load started (the clock of ``token_times_s``)."""
+        return time.monotonic() - self._started_s
 
     def stop(self) -> None:
         """No new request after this; the ones in flight go on."""
@@ -149,6 +157,7 @@ class Load:
                 if chunk.choices:
                     choice = chunk.choices[0]
                     if choice.delta.content:
+                        self.token_times_s.append(self.now_s())
                         if not outcome.text:
                             self.first_tokens += 1
                             self.changed.set()
@@ -157,6 +166,9 @@ class Load:
                 usage = chunk.usage or usage
         except openai.OpenAIError as err:
             outcome.error = f"{type(err).__name__}: {err}"[:300]
+            # APIStatusError (an HTTP status) and a stream's error event are APIErrors; a broken
+            # or timed-out connection is an APIConnectionError: nobody told the client
+            outcome.explicit = isinstance(err, openai.APIError) and not isinstance(err, openai.APIConnectionError)
             return outcome
         if finish not in ("stop", "length") or usage is None:
             outcome.error = f"stream ended with finish_reason {finish!r}"
