@@ -27,7 +27,7 @@ from chaos.cpu_meter import CpuMeter
 from chaos.driver import Driver, Outcome, Progress
 from chaos.faults import FaultContext, FaultLog, resume_stopped, run_fault, supervise
 from chaos.link_proxy import LinkProxies
-from chaos.probe import ClusterProbe
+from chaos.probe import ClusterProbe, wait_idle
 from chaos.recovery import (AFTER_HEAL_S, BASELINE_FRACTION, HALF_FRACTION, WINDOW_S, Recovery, recovery,
                             tokens_each_s)
 from chaos.reference import reference_key
@@ -164,7 +164,7 @@ class CampaignRunner:
                 await asyncio.gather(sampling, return_exceptions=True)
                 sampler.samples.append(await asyncio.to_thread(sampler.take))  # the run's end
             await self._wait_whole()
-            idle_after_s, leaked = await self._wait_idle(probe)
+            idle_after_s, _, leaked = await wait_idle(probe, self.campaign.idle_bound_s)
         finally:
             resume_stopped(ctx)
             if sampling is not None:
@@ -237,15 +237,6 @@ class CampaignRunner:
         except (httpx.HTTPError, ValueError):
             return {}
 
-    async def _wait_idle(self, probe: ClusterProbe) -> tuple[float | None, dict[str, int]]:
-        start = time.monotonic()
-        while True:
-            busy = await asyncio.to_thread(probe.busy)
-            if not busy:
-                return time.monotonic() - start, {}
-            if time.monotonic() - start > self.campaign.idle_bound_s:
-                return None, busy
-            await asyncio.sleep(0.5)  # polling stats, not synchronising
 
 
 def result_json(result: ScenarioResult) -> dict:

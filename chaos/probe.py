@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Mapping
 
 import grpc
@@ -86,15 +88,22 @@ class ClusterProbe:
 
     def rss_bytes(self) -> int:
         """Resident memory of every service process, summed (Linux /proc; 0 for one that is gone)."""
-        total = 0
-        for service in self.cluster.services if self.cluster is not None else ():
-            try:
-                with open(f"/proc/{service.process.pid}/statm") as f:
-                    total += int(f.read().split()[1]) * PAGE_BYTES
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
+        return sum(self.rss_by_service().values())
 
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+
+
+async def wait_idle(probe: ClusterProbe, bound_s: float) -> tuple[float | None, dict[str, int], dict[str, int]]:
+    """Polls ``probe.busy()`` every 0.5 s until the pool and workers hold nothing or ``bound_s``
+    seconds pass. Returns (seconds it took, None when never; what was held at the first poll;
+    what was still held at the end, empty when idle)."""
+    start = time.monotonic()
+    held_at_start = busy = await asyncio.to_thread(probe.busy)
+    while busy:
+        if time.monotonic() - start > bound_s:
+            return None, held_at_start, busy
+        await asyncio.sleep(0.5)  # polling stats, not synchronising
+        busy = await asyncio.to_thread(probe.busy)
+    return time.monotonic() - start, held_at_start, {}

@@ -65,25 +65,22 @@ class CpuAttentionBackend:
             # 4-D [1, H, q_len, D]: torch's CPU flash-attention kernel takes only 4-D inputs (a 3-D
             # call falls back to the math path, which materialises every score and repeats K/V
             # for the query groups: 2-3x slower for a 100-400 token chunk here).
-            q = query[start:end].transpose(0, 1)[None]
-            if ctx == end - start and not quantized:  # nothing cached before this chunk: its own K/V suffice
-                k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+            q, q_len = query[start:end].transpose(0, 1)[None], end - start
+            if ctx == q_len and not quantized:  # nothing cached before this chunk: its own K/V suffice
+                k, v = key[start:end], value[start:end]
+            elif quantized and self._kernel is not None:  # gathered and dequantised in one C pass
+                k, v = paged_gather_q8_cpu(self._kernel, kv_cache, blocks, ctx)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
+                k, v = _gather(kv_cache, blocks, ctx)
+                k, v = as_values(k, q.dtype), as_values(v, q.dtype)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            if ctx == q_len:  # no cached context: the plain causal mask, which the flash kernel
+                # applies by skipping the blocks above the diagonal
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                if quantized and self._kernel is not None:  # gathered and dequantised in one C pass
-                    k, v = paged_gather_q8_cpu(self._kernel, kv_cache, blocks, ctx)
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-                else:
-                    k, v = _gather(kv_cache, blocks, ctx)
-                    k, v = as_values(k, q.dtype), as_values(v, q.dtype)
-                q_len = end - start
-                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-                if ctx == q_len:  # no cached context (an 8-bit cache's own rows): the plain causal mask,
-                    # which the flash kernel applies by skipping the blocks above the diagonal
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                else:
-                    mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
 

@@ -306,7 +306,7 @@ class KVConnector:
 
     async def _release_again(self, ring: HashRing, request_id: str) -> None:
         """Sends a failed release again until the pool takes it or the lease deadline passes."""
-        deadline_s = time.monotonic() + getattr(self.io, "lease_ttl_s", 60.0)
+        deadline_s = time.monotonic() + self.io.lease_ttl_s
         for attempt in itertools.count():
             delay_s = self.release_retry_delays_s[min(attempt, len(self.release_retry_delays_s) - 1)]
             if time.monotonic() + delay_s > deadline_s:

@@ -35,7 +35,7 @@ import pytest
 
 from chaos.campaign import detect_s
 from chaos.netfilter import Netfilter, Partition, signals_raise
-from chaos.probe import ClusterProbe
+from chaos.probe import ClusterProbe, wait_idle
 from chaos.recovery import AFTER_HEAL_S, WINDOW_S, recovery
 from tests.k8s.load import Load
 from tests.k8s.node import WORKER_PORTS, Node, Pod
@@ -165,19 +165,6 @@ async def faulted_run(load: Load, netfilter: Netfilter, pods: Pods, faults: Faul
     return fault_s, heal_s, started_at
 
 
-async def wait_idle(probe: ClusterProbe) -> tuple[float | None, dict[str, int], dict[str, int]]:
-    """Until the pool and workers hold nothing (chaos.probe.busy empty) or IDLE_BOUND_S pass:
-    how long it took (None: never), what was held when the load ended and what was still held."""
-    start = time.monotonic()
-    held_at_end = busy = await asyncio.to_thread(probe.busy)
-    while busy:
-        if time.monotonic() - start > IDLE_BOUND_S:
-            return None, held_at_end, busy
-        await asyncio.sleep(0.5)  # polling stats, not synchronising
-        busy = await asyncio.to_thread(probe.busy)
-    return round(time.monotonic() - start, 2), held_at_end, {}
-
-
 async def run_scenario(node: Node, netfilter: Netfilter, scenario: Scenario) -> tuple[dict, Pods]:
     pods = Pods.of(node)
     async with Load(node.url, concurrency=CONCURRENCY, continuous=True) as load:
@@ -186,13 +173,13 @@ async def run_scenario(node: Node, netfilter: Netfilter, scenario: Scenario) -> 
         tally = await load.finish()
     probe = ClusterProbe(None, pods.stats_addresses())
     try:
-        idle_after_s, held_at_end, leaked = await wait_idle(probe)
+        idle_after_s, held_at_end, leaked = await wait_idle(probe, IDLE_BOUND_S)
     finally:
         probe.close()
     back = recovery(sorted(load.token_times_s), fault_s, heal_s)
     numbers = {"sent": tally.sent, "completed": tally.completed, "explicit_errors": tally.explicit_errors,
                "lost": tally.lost - tally.explicit_errors, "wrong": tally.wrong,
-               "leaked": sum(leaked.values()), "leaked_by": leaked, "idle_after_s": idle_after_s,
+               "leaked": sum(leaked.values()), "leaked_by": leaked, "idle_after_s": None if idle_after_s is None else round(idle_after_s, 2),
                "held_at_end": held_at_end,
                "baseline_tokens_per_s": _round(back.baseline_tokens_per_s),
                "recovery_to_90_s": _round(back.to_baseline_s), "recovery_to_50_s": _round(back.to_half_s),
