@@ -59,6 +59,9 @@ KV_LOAD_FAILURES = "tandem:kv_load_failures"  # counter
 GRAMMAR_COMPILES = "tandem:grammar_compiles"  # counter: grammars compiled
 GRAMMAR_COMPILE_SECONDS = "tandem:grammar_compile_seconds"  # counter: time spent compiling
 GRAMMAR_CACHE_HITS = "tandem:grammar_cache_hits"  # counter: requests whose grammar was compiled already
+# Core sharing between the roles on one machine (engine.core_share).
+CORE_SHARE_PASSES = "tandem:core_share_passes"  # counter {cores: own|borrowed}: a decode worker's passes
+CORE_SHARE_WAIT_SECONDS = "tandem:core_share_wait_seconds"  # counter: a prefill worker's waits for its cores
 
 # The router's cluster view: one sample per live worker or pool node, read from its heartbeat.
 CLUSTER_WORKERS = "tandem:cluster_workers"  # gauge {role}: live processes

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from core.kv_cache_spec import KVCacheSpec
 from core.request import FinishReason, Request
 from core.worker_load import WorkerLoad
+from engine.core_share import CoreShare
 from engine.engine import LLMEngine
 from engine.kv_connector.swap import SwapSpace
 from engine.outputs import ExternalKV, RequestOutput
@@ -38,11 +39,14 @@ class AsyncEngine:
     """Thread-safe front of one LLMEngine. ``start()`` must be called inside the event loop.
 
     ``thread``: where the step loop runs (default: a new :func:`engine_thread`); give it the
-    executor that built ``engine`` so torch runs on one thread throughout.
+    executor that built ``engine`` so torch runs on one thread throughout. ``cores``: this
+    worker's side of core sharing with the other role on the machine (engine.core_share), told
+    when the loop has work, after each pass and when it goes idle; closed by :meth:`stop`.
     """
 
-    def __init__(self, engine: LLMEngine, thread: ThreadPoolExecutor | None = None):
+    def __init__(self, engine: LLMEngine, thread: ThreadPoolExecutor | None = None, cores: CoreShare | None = None):
         self.engine = engine
+        self.cores = cores
         self._executor = thread or engine_thread()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -84,6 +88,8 @@ class AsyncEngine:
                 self._running.result(timeout=10)
             except TimeoutError:
                 log.warning("engine step loop did not stop within 10 s")
+        if self.cores is not None:
+            self._executor.submit(self.cores.close)  # after the loop: torch's threads belong to that thread
         self._executor.shutdown(wait=False)
 
     def stats(self) -> WorkerLoad:
@@ -126,14 +132,18 @@ class AsyncEngine:
         return known
 
     def _run(self) -> None:
-        engine = self.engine
+        engine, cores = self.engine, self.cores
         while not self._stopping:
             self._drain_inbox()
             self._stats = engine.stats()  # aborts free blocks without a step
             if not engine.has_unfinished_requests():
+                if cores is not None:
+                    cores.idle()
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
+            if cores is not None:
+                cores.busy()
             ran = False
             try:
                 for outputs in engine.step_stream():
@@ -141,6 +151,8 @@ class AsyncEngine:
                     self._deliver_all(outputs)
                     self._drain_inbox()  # joins and aborts take effect at the next pass
                     self._stats = engine.stats()
+                    if cores is not None:
+                        cores.between_passes()
             except Exception:  # a bug must not strand callers: fail every request in flight
                 log.exception("engine step failed")
                 self._deliver_all(self._fail_all())

@@ -32,6 +32,15 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
             "decode": max(1, (cores - cores // 2) // num_decode_workers)}
 
 
+def shared_threads(cores: int, threads: dict[str, int], c: ClusterConfig) -> int:
+    """Threads a decode worker adds while it runs on the idle prefill workers' cores
+    (engine.core_share): the cores the decode workers do not own, or 0 where sharing is off (the
+    ``share_cores`` setting, colocated, or tensor-parallel workers, whose ranks' threads are fixed)."""
+    if not c.share_cores or c.colocated or c.prefill_tp != 1 or c.decode_tp != 1:
+        return 0
+    return max(0, cores - c.num_decode_workers * threads["decode"])
+
+
 def section_argv(attribute: str, config: object, extra: tuple[str, ...] = ()) -> list[str]:
     """The flags giving a service the cluster's settings of one section (``engine``, ``worker``,
     ``router``, ``pool``): each ``tandem up`` option of it (and ``extra`` or hidden field) whose

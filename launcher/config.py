@@ -81,6 +81,9 @@ class ClusterConfig:
     log_dir: Path = setting(Path(".cache/logs"), "Where each service's log goes (<service>.log).")
     colocated: bool = setting(False, "No prefill worker: the decode worker prefills in chunks mixed into its "
                                      "decode steps (Sarathi-Serve).")
+    share_cores: bool = setting(True, "Disaggregated on one machine: a decode worker runs its passes on the prefill "
+                                      "workers' cores too while they are idle (engine.core_share); off: each role "
+                                      "keeps its own cores.")
     num_prefill_workers: int = setting(1, "Prefill worker processes.")
     num_decode_workers: int = setting(1, "Decode worker processes.")
     num_routers: int = setting(

@@ -15,13 +15,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import processes
-from launcher.commands import pool_node_args, service_argv, service_env, worker_threads
+from launcher.commands import pool_node_args, service_argv, service_env, shared_threads, worker_threads
 from launcher.config import ClusterConfig
 from launcher.ports import free_port
 from launcher.readiness import grpc_ready, http_ready, redis_ready, router_sees
@@ -94,6 +95,8 @@ class LocalCluster:
         self._supervisor = Supervisor(config.restart, critical=frozenset(config.router_names)
                                       if config.num_routers == 1 else frozenset())
         self._threads: dict[str, int] = {}  # torch threads of each role's workers
+        self._shared_threads = 0  # a decode worker's extra threads on idle prefill cores (engine.core_share)
+        self._core_share_dir = ""  # their lock files, made at start() when sharing, removed at stop()
         self._pool_address = ""  # every pool node's gRPC address, comma-separated (the workers' --pool-address)
         self._metrics_ports: dict[str, int] = {}  # /metrics port of each pool and worker process
         self._draining: list[Service] = []  # removed workers finishing their in-flight requests
@@ -149,8 +152,11 @@ class LocalCluster:
         # One thread budget per process: oversubscribed torch processes slow down 10-100x.
         self._pool_address = pool_address
         self._metrics_ports = metrics_ports
-        self._threads = worker_threads(c.num_threads or os.cpu_count() or 2, c.colocated,
-                                       c.num_prefill_workers, c.num_decode_workers)
+        cores = c.num_threads or os.cpu_count() or 2
+        self._threads = worker_threads(cores, c.colocated, c.num_prefill_workers, c.num_decode_workers)
+        self._shared_threads = shared_threads(cores, self._threads, c)
+        if self._shared_threads and not self._core_share_dir:
+            self._core_share_dir = tempfile.mkdtemp(prefix="tandem-cores-")
         # The routers start beside the workers (they load only a tokenizer) and are ready once
         # they see every worker in the registry.
         workers = [self._spawn_worker(name, role) for name, role in c.worker_names]
@@ -178,6 +184,10 @@ class LocalCluster:
                             pool_address=self._pool_address, num_threads=threads, metrics_port=metrics_port)
         if name in self.advertised:
             argv += ["--advertise-address", self.advertised[name]]
+        if self._core_share_dir:
+            argv += ["--core-share-dir", self._core_share_dir]
+            if role == "decode":
+                argv += ["--core-share-threads", str(self._shared_threads)]
         return self._spawn(name, argv, grpc_ready(self.addresses[name]),
                            env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads))})
 
@@ -278,6 +288,9 @@ class LocalCluster:
             processes.stop(service.process, timeout_s)
         self.services.clear()
         self._draining.clear()
+        if self._core_share_dir:
+            shutil.rmtree(self._core_share_dir, ignore_errors=True)
+            self._core_share_dir = ""
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -49,6 +49,12 @@ class WorkerConfig:
     # Synthetic passes timed at start-up so the cost model is fitted before traffic (0: none).
     calibration_steps: int = setting(16, "Synthetic passes timed at start-up to fit the cost model (0: off; at "
                                          "most ~5 s).")
+    # Core sharing on one machine (engine.core_share): the launcher gives every worker of the
+    # machine the same directory; a decode worker adds core_share_threads while prefill is idle.
+    core_share_dir: str = setting("", "Directory of the lock files by which the prefill and decode workers of one "
+                                      "machine take turns on the prefill workers' cores (empty: off).")
+    core_share_threads: int = setting(0, "Decode worker: threads it adds while it runs on idle prefill workers' "
+                                         "cores (with --core-share-dir).")
     log_level: str = setting("INFO", "Log level.", choices=LOG_LEVELS)
     heartbeat_interval_s: float = setting(1.0, option=False)
     heartbeat_ttl_s: float = setting(3.0, option=False)
@@ -67,6 +73,8 @@ class WorkerConfig:
             raise ValueError(f"kv_lease_ttl_s must be > 0, got {self.kv_lease_ttl_s!r}")
         if self.calibration_steps < 0:
             raise ValueError(f"calibration_steps must be >= 0, got {self.calibration_steps}")
+        if self.core_share_threads < 0:
+            raise ValueError(f"core_share_threads must be >= 0, got {self.core_share_threads}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 import redis
+import torch
 from prometheus_client import REGISTRY, start_http_server
 
 from core.grpc_service import GrpcService, run_until_signalled
@@ -20,6 +21,7 @@ from core.registry import Heartbeat, WorkerInfo, WorkerRegistry, worker_key
 from engine.async_engine import AsyncEngine, engine_thread
 from engine.calibration import calibrate
 from engine.config import EngineConfig
+from engine.core_share import CoreShare
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnector, KVLoadFailurePolicy, KVLoadFailures, PoolIO, PoolLocator
 from worker.config import WorkerConfig
@@ -43,6 +45,30 @@ def _build_engine(worker: WorkerConfig, engine_config: EngineConfig, save_kv_on_
     return engine
 
 
+def _core_share(role: str, worker: WorkerConfig, engine: LLMEngine) -> CoreShare | None:
+    """This worker's side of core sharing (engine.core_share), or None when off: no
+    ``--core-share-dir``, or a tensor-parallel worker (its ranks' threads are fixed).
+
+    Raises:
+        ValueError: a decode worker given a directory but no ``--core-share-threads``.
+    """
+    if not worker.core_share_dir:
+        return None
+    if engine.parallel is not None:
+        log.warning("--core-share-dir ignored: a tensor-parallel worker keeps its ranks' threads")
+        return None
+    if role == "decode" and worker.core_share_threads < 1:
+        raise ValueError("a decode worker with --core-share-dir needs --core-share-threads >= 1 (the idle prefill "
+                         f"workers' threads), got {worker.core_share_threads}")
+    base = engine.config.num_threads or torch.get_num_threads()
+    share = (CoreShare(worker.core_share_dir, "borrower", base, worker.core_share_threads) if role == "decode"
+             else CoreShare(worker.core_share_dir, "owner", base))
+    log.info("core sharing in %s: %s", worker.core_share_dir,
+             f"{base} threads, {base + worker.core_share_threads} while prefill is idle" if role == "decode"
+             else f"decode runs on these {base} threads while this worker is idle")
+    return share
+
+
 def serve_worker(
     role: str,
     worker: WorkerConfig,
@@ -57,13 +83,14 @@ def serve_worker(
     worker_id = worker.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     thread = engine_thread()  # torch runs on this one thread only (see engine.async_engine)
     engine = thread.submit(_build_engine, worker, engine_config, save_kv_on_finish).result()
+    cores = _core_share(role, worker, engine)
     if engine.parallel is not None:  # a rank that dies takes the whole worker down
         fatal = _exit_on_rank_failure(worker.redis_url, worker_key(role, worker_id))
         engine.parallel.on_failure = lambda err: fatal(str(err))
         engine.parallel.processes.watch(lambda rank, code: fatal(f"tensor-parallel rank {rank} exited ({code})"))
 
     async def main() -> None:
-        async_engine = AsyncEngine(engine, thread)
+        async_engine = AsyncEngine(engine, thread, cores)
         registry = WorkerRegistry(worker.redis_url)
         service = GrpcService(worker.host, worker.port, [service_name])
         failures = KVLoadFailures(KVLoadFailurePolicy(worker.kv_load_failure_policy))

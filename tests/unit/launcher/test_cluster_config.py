@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.commands import worker_threads
-
+from launcher.commands import shared_threads, worker_threads
 from launcher.config import ClusterConfig
 
 
@@ -34,6 +33,24 @@ def test_disaggregated_roles_never_share_a_core():
     assert worker_threads(4, num_prefill_workers=2) == {"prefill": 1, "decode": 2}
     assert worker_threads(8) == {"prefill": 4, "decode": 4}
     assert worker_threads(2, colocated=True) == {"decode": 2}
+
+
+def test_a_decode_worker_borrows_the_cores_it_does_not_own():
+    """engine.core_share: the extra threads are the cores outside the decode workers' own;
+    off when disabled, colocated, or tensor-parallel."""
+    def extra(cores, **options):
+        config = ClusterConfig.from_options(model="m", **options)
+        threads = worker_threads(cores, config.colocated, config.num_prefill_workers, config.num_decode_workers)
+        return shared_threads(cores, threads, config)
+
+    assert extra(2) == 1
+    assert extra(8) == 4
+    assert extra(4, num_decode_workers=2) == 2  # decode 1 + 1, prefill 2: one borrower at a time adds 2
+    assert extra(4, num_prefill_workers=2) == 2
+    assert extra(2, share_cores=False) == 0
+    assert extra(2, colocated=True) == 0
+    assert extra(4, prefill_tp=2) == 0
+    assert extra(4, decode_tp=2) == 0
 
 
 def test_routers_are_named_and_given_consecutive_ports():
