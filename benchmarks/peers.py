@@ -156,25 +156,33 @@ def run_tandem(key: str, workload: Workload, options: PeerOptions) -> dict:
         summary = drive(up.url, workload, name, options.output_dir)
     row = peer_report.metric_row(name, summary, errors_note(summary))
     return {**row, "up_flags": list(flags), "startup_s": startup_s, "linear_backends": linear_backends(log_dir),
-            "thread_split": thread_split(key, options.tandem_args)}
+            "thread_split": thread_split(key, options.tandem_args), "core_sharing": log_lines(log_dir, "core sharing")}
 
 
 def linear_backends(log_dir: Path) -> dict[str, str]:
     """Each worker log's "linear backends: ..." line (engine.model.linear_chooser), by log name."""
+    return log_lines(log_dir, "linear backends:")
+
+
+def log_lines(log_dir: Path, marker: str) -> dict[str, str]:
+    """Each service log's last line containing ``marker``, from the marker on, by log name (e.g.
+    the workers' "core sharing ..." line: engine.core_share)."""
     found = {}
     for path in sorted(log_dir.glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            if "linear backends:" in line:
+            if marker in line:
                 try:  # a JSON log line (core.logging_setup); else the plain line
                     line = json.loads(line)["msg"]
                 except (ValueError, KeyError, TypeError):
                     pass
-                found[path.stem] = line[line.index("linear backends:"):].strip()
+                found[path.stem] = line[line.index(marker):].strip()
     return found
 
 
 def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
-    """The torch threads ``tandem up`` gives each worker role (launcher.local_cluster.worker_threads)."""
+    """The torch threads ``tandem up`` gives each worker role (launcher.local_cluster.worker_threads);
+    a decode worker that shares the prefill cores adds theirs while prefill is idle (the row's
+    ``core_sharing``)."""
     from launcher.commands import worker_threads
 
     args = list(tandem_args)

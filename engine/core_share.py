@@ -16,8 +16,8 @@ machine's speed. Here the two roles take turns on the prefill share of the cores
 
 So two OpenMP teams never share a core, and the decode worker gets the whole machine whenever
 prefill does not need it. This is phase-wise sharing of compute between prefill and decode on one
-machine (as Semi-PD, Hong et al. 2025, §4, does with GPU SMs), with the KV still moving through
-the pool: the roles stay separate processes and separate failure domains.
+machine (as semi-PD, Hong et al. 2025, arXiv 2504.19867, does with a GPU's SMs), with the KV
+still moving through the pool: the roles stay separate processes and separate failure domains.
 
 Two ``flock(2)`` files in a directory the launcher creates for the cluster coordinate it:
 
@@ -121,14 +121,14 @@ class CoreShare:
             self.base_threads
 
     def busy(self) -> None:
-        """The worker has work. Owner: takes the cores (see ``wait_s``). Borrower: as
-        :meth:`between_passes`."""
+        """The worker has work. Owner: takes the cores (see ``wait_s``). Borrower: takes them
+        for its first pass if no owner holds or wants them."""
         if self.role == "borrower":
-            self.between_passes()
+            self._decide()
             return
         if self.holding:
             return
-        fcntl.flock(self._want, fcntl.LOCK_SH)  # a borrower holds it exclusively only for a test
+        fcntl.flock(self._want, fcntl.LOCK_SH)  # a borrower holds it exclusively only for the instant of its check
         started = time.perf_counter()
         deadline = started + self.wait_s
         while not _try_lock(self._cores, fcntl.LOCK_SH):
@@ -143,11 +143,15 @@ class CoreShare:
         self.holding = True
 
     def between_passes(self) -> None:
-        """Borrower: before its next pass, gives the cores back if an owner wants them, or takes
-        them if none does, and sets torch's threads to match. Owner: nothing (it holds them until
-        :meth:`idle`)."""
+        """Borrower: a pass ended (counted by the cores it ran on); before the next, gives the
+        cores back if an owner wants them, or takes them if none does, and sets torch's threads
+        to match. Owner: nothing (it holds them until :meth:`idle`)."""
         if self.role == "owner":
             return
+        self.metrics.passes.labels("borrowed" if self.holding else "own").inc()
+        self._decide()
+
+    def _decide(self) -> None:
         wanted = self.owner_wants()
         if self.holding and wanted:
             fcntl.flock(self._cores, fcntl.LOCK_UN)
@@ -155,10 +159,9 @@ class CoreShare:
         elif not self.holding and not wanted:
             self.holding = _try_lock(self._cores, fcntl.LOCK_EX)
         self._set_threads(self.threads)
-        self.metrics.passes.labels("borrowed" if self.holding else "own").inc()
 
     def owner_wants(self) -> bool:
-        """Whether some owner (not this object) holds or waits for the cores now."""
+        """Borrower: whether some owner holds or waits for the cores now."""
         if not _try_lock(self._want, fcntl.LOCK_EX):
             return True
         fcntl.flock(self._want, fcntl.LOCK_UN)

@@ -10,6 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests import reference
@@ -89,6 +90,38 @@ def test_grpc_tokens_equal_hf_and_repeat_hits_the_pool(cluster, probe):
     for stats in (probe.prefill_stats(), probe.decode_stats()):
         assert stats.cost_kv_load_bytes_per_s > 0 and stats.cost_num_samples > 0
         assert stats.cost_kv_bytes_per_token == 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers, K+V, kv heads, head_dim, fp32
+
+
+def _counter(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                return sample.value
+    return 0.0
+
+
+def test_the_decode_worker_runs_on_the_idle_prefill_core(cluster, probe):
+    """engine.core_share: once the prefill worker has sent a prompt's first token it is idle, so
+    the decode worker runs the request's passes on its cores too, greedy tokens still HF's."""
+    if not cluster._shared_threads:
+        pytest.skip("one core here: nothing to share")
+    decode = cluster.metrics_urls["decode"]
+    name = "tandem:core_share_passes_total"
+    before = _counter(decode, name, {"cores": "borrowed"}), _counter(decode, name, {"cores": "own"})
+    ids = reference.chat_ids(reference.PROMPTS[0])
+    tokens, _, _ = grpc_generate(cluster, token_ids=router_pb2.TokenIds(ids=ids),
+                                 sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert tokens == reference.hf_greedy(ids, MAX_TOKENS)
+    def passes():  # the engine thread counts a pass just after handing its token over
+        borrowed = _counter(decode, name, {"cores": "borrowed"}) - before[0]
+        own = _counter(decode, name, {"cores": "own"}) - before[1]
+        return (borrowed, own) if borrowed + own >= len(tokens) - 1 else None
+
+    borrowed, own = poll_until(passes, message="a pass counted per decoded token")
+    # one pass per token after the first (the prefill worker's); the first may start before the
+    # prefill worker's loop has let its cores go
+    assert len(tokens) > 4 and borrowed + own == len(tokens) - 1 and borrowed >= len(tokens) - 2
+    assert _counter(cluster.metrics_urls["prefill"], "tandem:core_share_wait_seconds_total") >= 0.0
 
 
 @pytest.mark.parametrize("num_prompt_tokens", [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1])

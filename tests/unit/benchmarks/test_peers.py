@@ -112,3 +112,7 @@ def test_tandem_rows_record_linear_backends_and_thread_split(tmp_path):
     assert peers.linear_backends(tmp_path) == {"decode-0": "linear backends: onednn for 5 shapes (58 buckets), chosen in 3.1 s"}
     assert peers.thread_split("colocated", ("--num-threads", "2")) == {"decode": 2}
     assert peers.thread_split("disaggregated", ("--num-threads", "2")) == {"prefill": 1, "decode": 1}
+    (tmp_path / "decode-0.log").write_text(
+        '{"msg": "core sharing in /tmp/c: 1 threads, 2 while prefill is idle"}\n')
+    assert peers.log_lines(tmp_path, "core sharing") == {"decode-0": "core sharing in /tmp/c: 1 threads, 2 while "
+                                                                     "prefill is idle"}
