@@ -170,7 +170,9 @@ def measure(name: str, requests: list[BenchRequest], arrivals: ArrivalConfig, ar
     config = ClusterConfig.from_options(model=MODEL, http_port=free_port(), grpc_port=free_port(),
                                         num_threads=args.num_threads, colocated=num_prefill == 0,
                                         num_prefill_workers=max(1, num_prefill), num_decode_workers=num_decode,
-                                        log_dir=args.log_dir / name, **ENGINE)
+                                        # each role on its own cores, as sim.cluster.CoreSharing models it
+                                        # (a decode worker borrowing idle prefill cores is not simulated)
+                                        share_cores=False, log_dir=args.log_dir / name, **ENGINE)
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level=args.worker_log_level))
     with LocalCluster(config) as cluster:
         cluster.start()
