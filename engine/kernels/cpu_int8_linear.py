@@ -22,8 +22,9 @@ SOURCE = Path(__file__).parent / "cpu" / "int8_linear.c"
 def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_linear_f32.restype = None
     lib.int8_linear_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.int8_linear_panel_width.restype = ctypes.c_int
-    lib.int8_linear_panel_width.argtypes = []
+    for name in ("int8_linear_panel_width", "int8_linear_pack_pairs", "int8_linear_packed_min_rows"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
     lib.int8_linear_pack.restype = None
     lib.int8_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.int8_linear_packed.restype = ctypes.c_int
@@ -76,15 +77,37 @@ def int8_linear_cpu(
 
 
 def packed_path(kernel: ctypes.CDLL) -> bool:
-    """Whether this machine's build has the packed VNNI path (:func:`pack_weight`,
-    :func:`int8_linear_packed_cpu`): built where the CPU has AVX512-VNNI and AVX512-BW."""
+    """Whether this machine's build has a packed path (:func:`pack_weight`,
+    :func:`int8_linear_packed_cpu`): with AVX512-VNNI and AVX512-BW, VPDPWSSD on x rounded to int16
+    (:func:`packed_rounds_activations`); with AVX2 + FMA only, float32 multiply-adds on the weight
+    widened exactly as it is loaded, from :func:`packed_min_rows` rows on."""
     return kernel.int8_linear_panel_width() > 0
 
 
+def packed_rounds_activations(kernel: ctypes.CDLL) -> bool:
+    """Whether the packed path rounds each row of x to int16 (the VNNI build; its panels hold k
+    pairs side by side) rather than computing in float32."""
+    return packed_path(kernel) and kernel.int8_linear_pack_pairs() == 1
+
+
+def packed_min_rows(kernel: ctypes.CDLL) -> int:
+    """The fewest rows of x the packed path is for (1 with VNNI, 3 with AVX2: at 1-2 rows
+    :func:`int8_linear_cpu` on the plain weight is as fast); 0 without a packed path."""
+    return kernel.int8_linear_packed_min_rows() if packed_path(kernel) else 0
+
+
+def _panel_shape(kernel: ctypes.CDLL, n: int, k: int) -> tuple[int, int, int, int]:
+    width = kernel.int8_linear_panel_width()
+    if kernel.int8_linear_pack_pairs():
+        return -(-n // width), (k + 1) // 2, width, 2
+    return -(-n // width), k, width, 1
+
+
 def pack_weight(kernel: ctypes.CDLL, qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int8 [N, K] -> its panels for :func:`int8_linear_packed_cpu`: int8
-    ``[ceil(N / P), ceil(K / 2), P, 2]`` (P the build's panel width, pairs of k side by side, zeros
-    past N and K). A new tensor; ``qweight`` is not changed.
+    """qweight int8 [N, K] -> its panels for :func:`int8_linear_packed_cpu`, P the build's panel
+    width: int8 ``[ceil(N / P), ceil(K / 2), P, 2]`` with VNNI (pairs of k side by side, zeros past
+    N and K), else ``[ceil(N / P), K, P, 1]`` (zeros past N). A new tensor; ``qweight`` is not
+    changed.
 
     Raises:
         ValueError: not a contiguous 2-D int8 CPU tensor, or no packed path on this build.
@@ -92,11 +115,10 @@ def pack_weight(kernel: ctypes.CDLL, qweight: torch.Tensor) -> torch.Tensor:
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.device.type != "cpu" \
             or not qweight.is_contiguous():
         raise ValueError(f"a contiguous 2-D int8 CPU weight only, got {qweight.dtype} {tuple(qweight.shape)}")
-    width = kernel.int8_linear_panel_width()
-    if width <= 0:
-        raise ValueError("this build has no packed int8 path (the CPU lacks AVX512-VNNI)")
+    if not packed_path(kernel):
+        raise ValueError("this build has no packed int8 path (the CPU lacks AVX2 + FMA)")
     n, k = qweight.shape
-    packed = torch.empty(-(-n // width), (k + 1) // 2, width, 2, dtype=torch.int8)
+    packed = torch.empty(_panel_shape(kernel, n, k), dtype=torch.int8)
     kernel.int8_linear_pack(qweight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
@@ -109,9 +131,11 @@ def int8_linear_packed_cpu(
     scale: torch.Tensor,  # [N], float32, contiguous
     bias: torch.Tensor | None,  # [N], float32, contiguous
 ) -> torch.Tensor:  # [M, N], float32
-    """``x @ (qweight * scale[:, None]).T + bias`` with VPDPWSSD: each row of ``x`` quantised to
-    int16 on the fly (symmetric per row; error at most ``max|x[m]| / (2 qmax)``, qmax 32767 down to
-    11010 at K = 1536: see ``cpu/int8_linear.c``), int32 sums, float32 scaling.
+    """``x @ (qweight * scale[:, None]).T + bias`` on :func:`pack_weight`'s panels. With VNNI
+    (VPDPWSSD) each row of ``x`` is quantised to int16 on the fly (symmetric per row; error at most
+    ``max|x[m]| / (2 qmax)``, qmax 32767 down to 11010 at K = 1536: see ``cpu/int8_linear.c``),
+    int32 sums, float32 scaling; with AVX2 the products and sums are float32 (as
+    :func:`int8_linear_cpu`'s), for M >= :func:`packed_min_rows`.
 
     Raises:
         ValueError: a tensor with another dtype, device, layout or shape than the above.
@@ -123,9 +147,8 @@ def int8_linear_packed_cpu(
                          f"{packed.dtype}, scale {scale.dtype}, bias {None if bias is None else bias.dtype}")
     if x.device.type != "cpu" or packed.device.type != "cpu" or scale.device.type != "cpu":
         raise ValueError("CPU tensors only")
-    width = kernel.int8_linear_panel_width()
-    if x.dim() != 2 or packed.dim() != 4 or packed.shape[2:] != (width, 2) or packed.shape[1] != (x.shape[1] + 1) // 2 \
-            or packed.shape[0] != -(-num_out // width) or scale.shape != (num_out,) \
+    if x.dim() != 2 or packed.dim() != 4 or not packed_path(kernel) \
+            or tuple(packed.shape) != _panel_shape(kernel, num_out, x.shape[1]) or scale.shape != (num_out,) \
             or (bias is not None and bias.shape != (num_out,)):
         raise ValueError(f"x {tuple(x.shape)}, panels {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, K] weight")

@@ -25,7 +25,7 @@ weight [out, in] and one float32 scale per output channel, and runs through one 
   activation row is quantised to int16 on the fly for VPDPWSSD (int32 sums, twice an FMA's
   multiply-adds per instruction; the row's error at most 1/(2 qmax) of its largest value, qmax
   32767 to 11010 at K <= 1536); elsewhere float32 activations, the int8 weight widened to float32
-  as it is read.
+  as it is read (from 3 rows on, from panels packed once, by a 6 x 16 register-blocked kernel).
 - ``int8_dequant``: ``F.linear`` on the weight dequantised to float32 at every call (the readable
   reference; fastest only where M is large enough to amortise the dequantisation).
 - ``int8pack``: ``torch._weight_int8pack_mm`` (gpt-fast's weight-only int8 route), run with
@@ -44,6 +44,8 @@ dispatch by M happens inside it at run time, so one graph serves every M).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,7 +53,7 @@ from torch import nn
 from engine.config import LINEAR_BACKEND_CHOICES
 from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
-from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, packed_path
+from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, packed_min_rows, packed_path
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
@@ -141,9 +143,16 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
     return F.linear(x, weight, bias)
 
 
+@functools.cache
+def _packed_min_rows() -> int:
+    """From how many rows int8_cpu takes its packed path on this build (the kernel is loaded
+    already wherever a layer has packed panels)."""
+    return packed_min_rows(load_int8_kernel())
+
+
 def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qweight: torch.Tensor,
               scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if backend == "int8_cpu" and prepared is not None:
+    if backend == "int8_cpu" and prepared is not None and x.shape[0] >= _packed_min_rows():
         return int8_linear_packed_cpu(load_int8_kernel(), x, prepared, qweight.shape[0], scale, bias)
     if backend == "int8_cpu":
         return int8_linear_cpu(load_int8_kernel(), x, qweight, scale, bias)

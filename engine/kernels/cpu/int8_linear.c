@@ -164,6 +164,8 @@ void int8_linear_f32(const float *x, const int8_t *w, const float *scale, const 
 #define PMR_MAX 8            /* 8 rows x 2 accumulators + 2 weights + 1 broadcast of 32 registers */
 
 int int8_linear_panel_width(void) { return PNR; }
+int int8_linear_pack_pairs(void) { return 1; }    /* k pairs side by side; x rounded to int16 */
+int int8_linear_packed_min_rows(void) { return 1; }
 
 /* packed[ceil(N / PNR)][ceil(K / 2)][PNR][2] <- w[N, K]. */
 void int8_linear_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K)
@@ -290,8 +292,113 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     free(xp); free(sx);
     return 0;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Without VNNI (AVX2 + FMA: AMD Zen 1-3, Intel Haswell to Comet Lake) the packed path is float32:
+ * the int8 weight is packed once in panels of PNR output channels, [ceil(N / PNR)][K][PNR] (zeros
+ * past N), and the micro-kernel of fp32_linear.c (BLIS register blocking: MT <= 6 rows x 2
+ * vectors of accumulators) widens the panel's two 8-channel vectors of each k exactly to float32
+ * as it loads them (VPMOVSXBD, VCVTDQ2PS), so the result is the float32 GEMM on the dequantised
+ * weight up to the order of the sums, as int8_linear_f32's. Its x values are broadcast from rows
+ * interleaved per block ([K][MT]). Used from 3 rows on: at 1-2 rows (the weight read from DRAM sets
+ * the pace) int8_linear_f32's widening GEMV on the plain weight is as fast, and the panel layout
+ * gains nothing; from 3 rows on the 6 x 16 register blocking does 12 multiply-adds per 2
+ * weight vectors where int8_linear_f32's tile of 2 x 4 dot products does 8 per 6 loads. */
+#define PVEC 8
+#define PNR (2 * PVEC)
+#define PMR_MAX 6            /* 6 rows x 2 accumulators + 2 weights + 1 broadcast of AVX2's 16 */
+
+int int8_linear_panel_width(void) { return PNR; }
+int int8_linear_pack_pairs(void) { return 0; }
+int int8_linear_packed_min_rows(void) { return 3; }
+
+/* packed[ceil(N / PNR)][K][PNR] <- w[N, K]. */
+void int8_linear_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K)
+{
+    int64_t panels = (N + PNR - 1) / PNR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PNR; j++) {
+                int64_t n = p * PNR + j;
+                packed[(p * K + k) * PNR + j] = n < N ? w[n * K + k] : 0;
+            }
+}
+
+static inline __m256 widen8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* y[n0 .. n0 + PNR) of one row = acc * scale + bias, cut at N for the last panel. */
+static inline void store_row_w(float *row, int64_t n0, int64_t N, const float *scale, const float *bias,
+                               __m256 a0, __m256 a1)
+{
+    float tmp[PNR];
+    if (n0 + PNR <= N) {
+        a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(scale + n0));
+        a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(scale + n0 + PVEC));
+        if (bias) { a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias + n0)); a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + n0 + PVEC)); }
+        _mm256_storeu_ps(row + n0, a0); _mm256_storeu_ps(row + n0 + PVEC, a1);
+        return;
+    }
+    _mm256_storeu_ps(tmp, a0); _mm256_storeu_ps(tmp + PVEC, a1);
+    for (int64_t j = 0; n0 + j < N; j++) row[n0 + j] = tmp[j] * scale[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+}
+
+/* Rows 0..MT of the block against one panel (rows unrolled so the accumulators stay in
+ * registers); the next panel's k-th row prefetched once per 64-byte line (4 k). */
+#define DEFINE_WIDEN_KERNEL(MT)                                                                    \
+static void widen_##MT(const float *xp, int64_t K, const int8_t *pw, const float *scale,          \
+                       const float *bias, float *y, int64_t N, int64_t n0, const int8_t *next)    \
+{                                                                                                  \
+    __m256 c0[MT], c1[MT];                                                                         \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) { c0[i] = _mm256_setzero_ps(); c1[i] = _mm256_setzero_ps(); } \
+    for (int64_t k = 0; k < K; k++) {                                                              \
+        __m256 b0 = widen8(pw + k * PNR), b1 = widen8(pw + k * PNR + PVEC);                        \
+        if (next && (k & 3) == 0) __builtin_prefetch(next + k * PNR, 0, 3);                        \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
+            __m256 a = _mm256_broadcast_ss(xp + k * MT + i);                                       \
+            c0[i] = _mm256_fmadd_ps(a, b0, c0[i]); c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);          \
+        }                                                                                          \
+    }                                                                                              \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++)                                          \
+        store_row_w(y + i * N, n0, N, scale, bias, c0[i], c1[i]);                                  \
+}
+DEFINE_WIDEN_KERNEL(1) DEFINE_WIDEN_KERNEL(2) DEFINE_WIDEN_KERNEL(3)
+DEFINE_WIDEN_KERNEL(4) DEFINE_WIDEN_KERNEL(5) DEFINE_WIDEN_KERNEL(6)
+typedef void (*widen_fn)(const float *, int64_t, const int8_t *, const float *, const float *, float *, int64_t,
+                         int64_t, const int8_t *);
+static const widen_fn WIDEN[PMR_MAX + 1] = {0, widen_1, widen_2, widen_3, widen_4, widen_5, widen_6};
+
+/* y[M, N] = x[M, K] @ (w * scale[:, None])^T + bias (bias may be NULL), w as int8_linear_pack()
+ * left it; rows in blocks of nearly equal size (16 -> 6 + 5 + 5), the work split and prefetch as
+ * fp32_linear.c. Returns 0, or -1 when the scratch cannot be allocated (y is then untouched). */
+int int8_linear_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                       int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    int64_t panels = (N + PNR - 1) / PNR;
+    int64_t blocks = (M + PMR_MAX - 1) / PMR_MAX;
+    float *xp = malloc((size_t)(M * K) * sizeof(float));
+    if (!xp) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t m0 = b * M / blocks, mt = (b + 1) * M / blocks - m0;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < mt; i++) xp[m0 * K + k * mt + i] = x[(m0 + i) * K + k];
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
+            const int8_t *next = p + 1 < panels && (b > 0 || m1 - m0 >= 3) ? packed + (p + 1) * K * PNR : 0;
+            WIDEN[m1 - m0](xp + m0 * K, K, packed + p * K * PNR, scale, bias, y + m0 * N, N, p * PNR, next);
+        }
+    free(xp);
+    return 0;
+}
 #else
 int int8_linear_panel_width(void) { return 0; }  /* no packed path on this build: int8_linear_f32 */
+int int8_linear_pack_pairs(void) { return 0; }
+int int8_linear_packed_min_rows(void) { return 0; }
 void int8_linear_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (void)w; (void)packed; (void)N; (void)K; }
 int int8_linear_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int num_threads)

@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, load_kernel, pack_weight, packed_path
+from engine.kernels.cpu_int8_linear import (
+    int8_linear_cpu,
+    int8_linear_packed_cpu,
+    load_kernel,
+    pack_weight,
+    packed_min_rows,
+    packed_path,
+    packed_rounds_activations,
+)
 from engine.model.linear import dequantize_int8, quantize_int8
 
 # Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
@@ -78,10 +86,17 @@ def test_packed_path_panels_and_argument_checks(kernel):
     qweight, scale = make(37, 17, seed=3)
     width = kernel.int8_linear_panel_width()
     packed = pack_weight(kernel, qweight)
-    assert packed.shape == (2, 9, width, 2) == (-(-37 // width), (17 + 1) // 2, width, 2)
-    # Panel 0, pair 8 (k = 16 and the pad k = 17), channel 5: w[5, 16] then a zero.
-    assert packed[0, 8, 5].tolist() == [qweight[5, 16].item(), 0]
-    assert packed[1, 0, 37 - width - 1].tolist() == qweight[36, :2].tolist() and packed[1, :, 37 - width:].eq(0).all()
+    panels = -(-37 // width)
+    if packed_rounds_activations(kernel):  # VNNI: k pairs side by side
+        assert packed.shape == (panels, 9, width, 2) and packed_min_rows(kernel) == 1
+        # Panel 0, pair 8 (k = 16 and the pad k = 17), channel 5: w[5, 16] then a zero.
+        assert packed[0, 8, 5].tolist() == [qweight[5, 16].item(), 0]
+        assert packed[1, 0, 37 - width - 1].tolist() == qweight[36, :2].tolist()
+    else:  # AVX2: one k per row of a panel
+        assert packed.shape == (panels, 17, width, 1) and packed_min_rows(kernel) == 3
+        assert packed[0, 16, 5, 0].item() == qweight[5, 16].item()
+        assert packed[panels - 1, :, 36 - (panels - 1) * width, 0].tolist() == qweight[36].tolist()
+    assert packed[panels - 1, :, 37 - (panels - 1) * width:].eq(0).all()  # zeros past N
     with pytest.raises(ValueError, match="a contiguous 2-D int8 CPU weight only"):
         pack_weight(kernel, qweight.float())
     x = torch.randn(3, 17)
@@ -91,3 +106,23 @@ def test_packed_path_panels_and_argument_checks(kernel):
         int8_linear_packed_cpu(kernel, x, packed, 70, torch.ones(70), None)
     with pytest.raises(ValueError, match="float32 x, scale and bias with packed int8 panels only"):
         int8_linear_packed_cpu(kernel, x.double(), packed, 37, scale, None)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (37, 17), (16, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_float32_packed_path_equals_f_linear_on_the_dequantised_weight(kernel, shape):
+    """The AVX2 packed path (no VNNI): float32 products and sums like int8_linear_cpu's, at every
+    row-block split from its first row count on (3..6 rows in one block, 16 = 6 + 5 + 5, 17) and a
+    ragged last panel; the bias and a zero row."""
+    if not packed_path(kernel) or packed_rounds_activations(kernel):
+        pytest.skip("no float32 packed path on this build (VNNI rounds x to int16, tested in test_int8_linear)")
+    qweight, scale = make(*shape, seed=shape[0])
+    packed = pack_weight(kernel, qweight)
+    bias = torch.randn(shape[0])
+    for num_tokens in (3, 4, 5, 6, 7, 12, 16, 17):
+        x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+        x[1] = 0.0
+        out = int8_linear_packed_cpu(kernel, x, packed, shape[0], scale, bias)
+        torch.testing.assert_close(out, F.linear(x, dequantize_int8(qweight, scale), bias), **FP32_TOL)
+        torch.testing.assert_close(out[1], bias)
+        no_bias = int8_linear_packed_cpu(kernel, x, packed, shape[0], scale, None)
+        torch.testing.assert_close(no_bias, F.linear(x, dequantize_int8(qweight, scale)), **FP32_TOL)

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
 from engine.model import linear_chooser
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
-from engine.kernels.cpu_int8_linear import packed_path
+from engine.kernels.cpu_int8_linear import packed_rounds_activations
 from engine.model.linear import BACKENDS, INT8_BACKENDS, Linear, backend_supports, dequantize_int8, quantize_int8
 from engine.model.linear_chooser import LinearSetup, choose_plan, plan_linears, shape_key
 from engine.model.loader import load_model
@@ -22,8 +22,9 @@ from tests.unit.engine.model.test_loader import MAX_POSITIONS, PROMPT, save_tiny
 # SmolLM2-135M's fused projections and LM head, [out, in]: qkv, o, gate_up, down, LM head.
 REAL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 available = [b for b in INT8_BACKENDS if backend_supports(b, torch.empty(1, 1, dtype=torch.int8))]
-# Whether int8_cpu runs the packed VNNI path here (activations quantised to int16 per row).
-PACKED = "int8_cpu" in available and packed_path(load_int8_kernel())
+# Whether int8_cpu runs the packed VNNI path here (activations quantised to int16 per row; the
+# AVX2 packed path computes in float32 like the unpacked kernel).
+PACKED = "int8_cpu" in available and packed_rounds_activations(load_int8_kernel())
 INT8_BACKENDS_INDEX = BACKENDS.index("int8_cpu")
 
 
