@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=0, help="tandem up --num-threads (0: every core)")
     parser.add_argument("--pin", action="store_true",
                         help="after start, pin the decode worker to CPU 0 and the prefill worker to CPU 1 "
-                             "(taskset -a): dedicated cores instead of shared ones")
+                             "(taskset -a): dedicated cores instead of shared ones (and no core sharing)")
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results/decode_stalls"))
     parser.add_argument("--out", type=Path, default=Path("bench-results/decode_stalls.json"))
     args = parser.parse_args()
@@ -119,7 +119,8 @@ def main() -> None:
     requests = [BenchRequest(p, args.max_tokens, expected_input_tokens=len(p)) for p in prompts]
     config = ClusterConfig.from_options(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(),
                                         colocated=args.colocated, log_dir=args.log_dir, num_threads=args.num_threads,
-                                        **worker_options(args.worker_arg))
+                                        # pinned, each worker has one CPU: nothing to borrow (engine.core_share)
+                                        share_cores=not args.pin, **worker_options(args.worker_arg))
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level="DEBUG"))
     with LocalCluster(config) as cluster:
         cluster.start()
