@@ -111,7 +111,7 @@ class CoreShare:
         self._want = os.open(path / "want", os.O_RDWR | os.O_CREAT, 0o600)
         self._cores = os.open(path / "cores", os.O_RDWR | os.O_CREAT, 0o600)
         self.holding = False  # owner: holds both locks; borrower: holds ``cores`` exclusively
-        self._threads = torch.get_num_threads()
+        self._threads: int | None = None  # what this object last set (None: not yet; the first pass sets it)
         self._slow_waits = 0
 
     @property
