@@ -158,6 +158,8 @@ class AsyncEngine:
                 self._deliver_all(self._fail_all())
             self._stats = engine.stats()
             if not ran:  # only requests whose grammar is compiling: wait for one (on_ready)
+                if cores is not None:
+                    cores.idle()  # a borrower must not keep the cores through the wait
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
 

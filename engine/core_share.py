@@ -27,7 +27,7 @@ Two ``flock(2)`` files in a directory the launcher creates for the cluster coord
             passes on them
 
 The kernel drops a dead process's locks, so a worker that crashes or is killed never strands the
-cores. A hung borrower holding ``cores`` costs an owner ``wait_s`` (then it runs beside it).
+cores. A hung borrower holding either lock costs an owner ``wait_s`` (then it runs beside it).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class CoreShareMetrics:
                               registry=registry)
         self.wait_seconds = Counter(names.CORE_SHARE_WAIT_SECONDS, "Time a prefill worker waited for a decode "
                                                                    "pass on its cores to end.", registry=registry)
+        for cores in ("own", "borrowed"):  # both series from the start, at 0
+            self.passes.labels(cores)
 
 
 _process_metrics: CoreShareMetrics | None = None
@@ -79,8 +81,9 @@ class CoreShare:
 
     ``directory``: shared by every worker of the machine (created if missing). ``role``: owner
     (prefill) or borrower (decode). ``base_threads``: the worker's own threads; ``extra_threads``:
-    the borrower's extra while it holds the cores (the owners' threads together; 0 for an
-    owner). ``wait_s``: the longest an owner waits for a borrower's pass.
+    the borrower's extra while it holds the cores (the machine's cores the decode workers do not
+    own: launcher.commands.shared_threads; 0 for an owner). ``wait_s``: the longest an owner waits
+    for the cores (a borrower's pass in progress, or a borrower frozen in its check).
 
     Call from the engine thread: :meth:`busy` when the worker has work (before its first pass),
     :meth:`between_passes` after each pass, :meth:`idle` when its queue is empty, :meth:`close`
@@ -128,19 +131,28 @@ class CoreShare:
             return
         if self.holding:
             return
-        fcntl.flock(self._want, fcntl.LOCK_SH)  # a borrower holds it exclusively only for the instant of its check
         started = time.perf_counter()
         deadline = started + self.wait_s
-        while not _try_lock(self._cores, fcntl.LOCK_SH):
+        # ``want`` first (a borrower holds it exclusively only for the instant of its check, unless
+        # it froze there), then ``cores`` (a borrower holds it for the pass in progress); both
+        # within the one deadline
+        for lock in (self._want, self._cores):
+            if not self._lock_by(lock, deadline):
+                break
+        self.metrics.wait_seconds.inc(time.perf_counter() - started)
+        self.holding = True
+
+    def _lock_by(self, fd: int, deadline: float) -> bool:
+        """Owner: ``fd`` locked shared before ``deadline`` (True), or the wait given up, logged."""
+        while not _try_lock(fd, fcntl.LOCK_SH):
             if time.perf_counter() >= deadline:  # a hung borrower: run beside it rather than stall
                 self._slow_waits += 1
                 if self._slow_waits == 1 or self._slow_waits % 100 == 0:
                     log.warning("a decode worker kept this prefill worker's cores past %.1f s (%d times); "
                                 "running beside it", self.wait_s, self._slow_waits)
-                break
+                return False
             time.sleep(_POLL_S)
-        self.metrics.wait_seconds.inc(time.perf_counter() - started)
-        self.holding = True
+        return True
 
     def between_passes(self) -> None:
         """Borrower: a pass ended (counted by the cores it ran on); before the next, gives the

@@ -4,6 +4,8 @@ processes' would, which lets most cases run in one process."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 import threading
@@ -89,6 +91,31 @@ def test_an_owner_runs_beside_a_borrower_that_keeps_the_cores_past_wait_s(tmp_pa
     assert prefill._slow_waits == 1
     decode.close()
     prefill.close()
+
+
+def test_an_owner_does_not_wait_past_wait_s_for_a_borrower_frozen_in_its_check(tmp_path):
+    """A borrower stopped (SIGSTOP, a frozen cgroup) in the instant it holds ``want`` exclusively."""
+    frozen = os.open(tmp_path / "want", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(frozen, fcntl.LOCK_EX)
+    prefill = _share(tmp_path, "owner", base=1, wait_s=0.05)
+    try:
+        prefill.busy()
+        assert prefill.holding and prefill._slow_waits == 1
+        assert prefill.registry.get_sample_value("tandem:core_share_wait_seconds_total") >= 0.05
+        prefill.idle()
+        fcntl.flock(frozen, fcntl.LOCK_UN)
+        prefill.busy()  # thawed: both locks at once
+        assert prefill._slow_waits == 1
+    finally:
+        prefill.close()
+        os.close(frozen)
+
+
+def test_both_pass_series_exist_from_the_start(tmp_path):
+    decode = _share(tmp_path, "borrower", base=1, extra=1)
+    assert _passes(decode, "own") == 0 and _passes(decode, "borrowed") == 0
+    assert decode.registry.get_sample_value("tandem:core_share_passes_total", {"cores": "own"}) == 0.0
+    decode.close()
 
 
 def test_one_borrower_at_a_time(tmp_path, restore_threads):
