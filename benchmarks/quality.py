@@ -47,6 +47,8 @@ VARIANTS: dict[str, dict] = {
     "int8": dict(dtype="float32", quantization="int8"),
     # int8 weights through Tandem's kernel alone (with AVX512-VNNI: activations rounded to int16 per row)
     "int8-cpu": dict(dtype="float32", quantization="int8", linear_backend="int8_cpu"),
+    # W8A8: oneDNN's u8 x s8 GEMM, activations quantised to 8 bits per row (AMX or VNNI CPUs only)
+    "int8-onednn": dict(dtype="float32", quantization="int8", linear_backend="int8_onednn"),
     "kv-fp8": dict(dtype="float32", kv_cache_dtype="fp8"),
     "kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
 }

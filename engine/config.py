@@ -10,7 +10,8 @@ from core.settings import setting
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # engine.model.linear.BACKENDS: float weights (onednn, mkl, torch, fp32_cpu), then int8 weights (int8_cpu, ...).
-LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "int8_cpu", "int8_dequant", "int8pack")
+LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "int8_cpu", "int8_dequant", "int8pack",
+                          "int8_onednn")
 # Weight quantisation (vLLM's --quantization): "int8" quantises the linear layers' weights at load
 # (engine.model.linear.quantize_int8); "fp8" is reserved for CUDA.
 QUANTIZATIONS = ("none", "int8", "fp8")

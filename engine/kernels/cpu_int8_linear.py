@@ -29,6 +29,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.int8_linear_packed.restype = ctypes.c_int
     lib.int8_linear_packed.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.int8_split_rows_u8.restype = None
+    lib.int8_split_rows_u8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU int8 linear kernel", "int8 layers use the torch backends", _declare)
@@ -162,3 +164,30 @@ def int8_linear_packed_cpu(
                                  torch.get_num_threads()):
         raise MemoryError(f"int8 linear: no scratch for x {tuple(x.shape)}")
     return out
+
+
+# The largest |value| a row is quantised to before it is split into two bytes (127 * 256 + 127).
+SPLIT_QMAX = 32639
+
+
+def split_rows_u8(kernel: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations at 16-bit precision as two 8-bit halves, for an 8-bit x 8-bit GEMM library
+    (``int8_onednn`` in engine.model.linear). Each row is quantised symmetrically on its own scale
+    ``s[m] = max|x[m]| / SPLIT_QMAX`` to ``v = round(x / s)``, and v is split into a high byte
+    ``hi = round(v / 256)`` (halves up) and a low byte ``lo = v - 256 hi``, both stored plus 128.
+
+    x float32 [M, K] -> (q uint8 [2M, K]: the high bytes of every row, then the low bytes; s
+    float32 [M]). ``(256 (q[m] - 128) + (q[M + m] - 128)) * s[m]`` is x[m] within ``s[m] / 2``
+    per value (1/65278 of the row's largest magnitude). A zero row gets s = 0 and q = 128.
+
+    Raises:
+        ValueError: x is not a 2-D float32 CPU tensor.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"a 2-D float32 CPU tensor only, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(2 * m, k, dtype=torch.uint8)
+    s = torch.empty(m, dtype=torch.float32)
+    kernel.int8_split_rows_u8(x.data_ptr(), q.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads())
+    return q, s

@@ -30,7 +30,17 @@ weight [out, in] and one float32 scale per output channel, and runs through one 
   reference; fastest only where M is large enough to amortise the dequantisation).
 - ``int8pack``: ``torch._weight_int8pack_mm`` (gpt-fast's weight-only int8 route), run with
   bfloat16 activations and scales (its float32 path measured 5-9x slower on an AVX2 EPYC): the
-  activations lose float32's precision there, so it is last in the tie order.
+  activations lose float32's precision there, so it is behind the two above in the tie order.
+- ``int8_onednn``: oneDNN's u8 x s8 inner product (``torch.ops.onednn.qlinear_pointwise``, the
+  weight prepacked once by ``qlinear_prepack``), which runs on AMX tiles (TDPBUSD) where the CPU
+  has ``amx_int8`` and on VPDPBUSD with AVX512-VNNI / AVX-VNNI; offered only on those CPUs. The
+  activations keep 16-bit precision: each row of x is quantised on its own scale to 16 bits and
+  split into a high and a low byte (:func:`engine.kernels.cpu_int8_linear.split_rows_u8`; error
+  at most 1/65278 of the row's largest magnitude, as int8_cpu's VNNI path); one GEMM of the 2M
+  byte rows gives each row's two exact int32 partial sums, combined as ``256 hi + lo`` and scaled
+  by the row's scale, so a row's result does not depend on the other rows of the batch. (With
+  the activations in one byte per row, W8A8, the AlpacaEval perplexity rose 3.3 % over float32's
+  where the 16-bit activations cost 0.5 %.)
 
 Which backend is fastest depends on the CPU, the weight's shape and M (the tokens in the step):
 on a 2-core AMD EPYC (Zen 4) oneDNN ran the 49152 x 576 LM head 2-4x faster than MKL at every M
@@ -53,16 +63,21 @@ from torch import nn
 from engine.config import LINEAR_BACKEND_CHOICES
 from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
-from engine.kernels.cpu_int8_linear import int8_linear_cpu, int8_linear_packed_cpu, packed_min_rows, packed_path
+from engine.kernels import cpu_build
+from engine.kernels.cpu_int8_linear import (int8_linear_cpu, int8_linear_packed_cpu, packed_min_rows, packed_path,
+                                            split_rows_u8)
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
 BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
 FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu")  # float32 / bfloat16 / float16 weights
-INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack")  # int8 weights with float32 scales
+INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack", "int8_onednn")  # int8 weights with float32 scales
 assert BACKENDS == FLOAT_BACKENDS + INT8_BACKENDS
 # The backends with a prepared weight copy, by their index in BACKENDS (planned_linear's arguments).
-_ONEDNN, _MKL, _FP32_CPU, _INT8_CPU = (BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu", "int8_cpu"))
+_ONEDNN, _MKL, _FP32_CPU, _INT8_CPU, _INT8_ONEDNN = (
+    BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu", "int8_cpu", "int8_onednn"))
+# The /proc/cpuinfo flags of the int8 dot-product instructions oneDNN's u8 x s8 kernels need.
+_INT8_DOT_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni"})
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
 _MKL_BATCH_HINT = 16
 
@@ -101,6 +116,8 @@ def backend_supports(backend: str, weight: torch.Tensor) -> bool:
         return weight.dtype in (torch.float32, torch.bfloat16) and load_fp32_kernel() is not None
     if backend == "int8_cpu":
         return load_int8_kernel() is not None
+    if backend == "int8_onednn":
+        return _onednn_int8() and load_int8_kernel() is not None
     return hasattr(torch, "_weight_int8pack_mm")  # int8pack
 
 
@@ -114,6 +131,22 @@ def _onednn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def _onednn_int8() -> bool:
+    """Whether oneDNN's u8 x s8 inner product is offered here: torch built with it, and a CPU with
+    int8 dot products (AMX, AVX512-VNNI or AVX-VNNI). Without them oneDNN multiplies u8 by s8 with
+    VPMADDUBSW, whose int16 sums of two products can saturate."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    return bool(_INT8_DOT_FLAGS & set(cpu_build.cpu_flags().split()))
+
+
+@functools.cache
+def _zero_points(num_out: int) -> torch.Tensor:
+    """int64 [num_out] zeros: the symmetric int8 weight's zero points, as qlinear_pointwise takes them."""
+    return torch.zeros(num_out, dtype=torch.int64)
+
+
 def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [out, in] in ``backend``'s layout (None: the backend reads it as it is)."""
     weight = weight.detach()
@@ -125,6 +158,8 @@ def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
         return pack_weight(load_fp32_kernel(), weight)
     if backend == "int8_cpu" and packed_path(load_int8_kernel()):
         return pack_int8_weight(load_int8_kernel(), weight)
+    if backend == "int8_onednn":
+        return torch.ops.onednn.qlinear_prepack(weight, None)
     return None
 
 
@@ -156,6 +191,15 @@ def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qwei
         return int8_linear_packed_cpu(load_int8_kernel(), x, prepared, qweight.shape[0], scale, bias)
     if backend == "int8_cpu":
         return int8_linear_cpu(load_int8_kernel(), x, qweight, scale, bias)
+    if backend == "int8_onednn":
+        # x_scale 1, zero point 128: row r of the result is scale[n] * sum_k (q[r, k] - 128) w[n, k],
+        # the high bytes' partial sums in rows 0..M, the low bytes' in M..2M.
+        m = x.shape[0]
+        q, s = split_rows_u8(load_int8_kernel(), x)
+        both = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared, scale, _zero_points(qweight.shape[0]), None,
+                                                  1.0, 0, torch.float32, "none", [], "")
+        out = both[:m].mul_(256.0).add_(both[m:]).mul_(s[:, None])
+        return out if bias is None else out.add_(bias)
     if backend == "int8pack":
         out = torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scale.to(torch.bfloat16)).to(x.dtype)
         return out if bias is None else out + bias
@@ -271,8 +315,8 @@ class Linear(nn.Module):
         if self.plan is None:
             out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale)
         elif torch.compiler.is_compiling():
-            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, None, None, self.prepared[_INT8_CPU],
-                                 list(self.plan))
+            out = planned_linear(x, self.qweight, self.bias, self.weight_scale, self.prepared[_INT8_ONEDNN], None,
+                                 self.prepared[_INT8_CPU], list(self.plan))
         else:
             code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
             out = run_backend(BACKENDS[code], x, self.prepared[code], self.qweight, self.bias, self.weight_scale)
@@ -290,9 +334,11 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cpu_weight: torch.Tensor | None, plan: list[int]) -> torch.Tensor:
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
     (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
-    onednn, mkl and, in ``cpu_weight``, fp32_cpu's (a float layer's) or int8_cpu's (a quantised one's))."""
+    onednn (int8_onednn's for a quantised layer), mkl and, in ``cpu_weight``, fp32_cpu's (a float
+    layer's) or int8_cpu's (a quantised one's))."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
-    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _INT8_CPU: cpu_weight}.get(code)
+    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _INT8_CPU: cpu_weight,
+                _INT8_ONEDNN: onednn_weight}.get(code)
     return run_backend(BACKENDS[code], x, prepared, weight, bias, scale)
 
 

@@ -404,3 +404,54 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
                        int64_t M, int64_t N, int64_t K, int num_threads)
 { (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
 #endif
+
+/* Activations for an 8-bit x 8-bit GEMM library at 16-bit precision (oneDNN's u8 x s8 inner
+ * product, backend "int8_onednn" in engine/model/linear.py). Each row of x is quantised
+ * symmetrically to v in [-QSPLIT, QSPLIT] on its own scale, and v is split into two bytes:
+ *
+ *     s[m] = max_k |x[m, k]| / QSPLIT,   v = round(x[m, k] / s[m]),
+ *     hi = round(v / 256) (half up),      lo = v - 256 hi        (hi in -127..127, lo in -128..127)
+ *     q[m, k] = hi + 128,  q[M + m, k] = lo + 128
+ *
+ * x float32 [M, K], q uint8 [2M, K] (the high bytes of every row, then the low bytes), s float32
+ * [M]. One GEMM of the 2M rows with zero point 128 gives each row's two partial sums (int32, exact),
+ * and y[m] = s[m] (256 y[m] + y[M + m]). Each value's error is at most s[m] / 2, 1/65278 of its
+ * row's largest magnitude, as with 16-bit activations; a zero row gets s = 0 and q = 128.
+ * Rounding to nearest even (as lrintf). */
+#define QSPLIT (127 * 256 + 127)
+void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t K, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        uint8_t *hi = q + m * K, *lo = q + (M + m) * K;
+        float amax = 0.0f;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 vmax = _mm512_setzero_ps();
+        for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+        amax = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; amax = a > amax ? a : amax; }
+        float inv = amax > 0.0f ? (float)QSPLIT / amax : 0.0f;
+        k = 0;
+#if defined(__AVX512F__)
+        __m512 vinv = _mm512_set1_ps(inv);
+        __m512i zp = _mm512_set1_epi32(128);
+        for (; k + 16 <= K; k += 16) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), vinv));
+            __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, zp), 8);
+            __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));
+            _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtusepi32_epi8(_mm512_add_epi32(h, zp)));
+            _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtusepi32_epi8(_mm512_add_epi32(l, zp)));
+        }
+#endif
+        for (; k < K; k++) {
+            int32_t v = (int32_t)__builtin_lrintf(row[k] * inv);
+            int32_t h = (v + 128) >> 8;  /* arithmetic shift: floor */
+            hi[k] = (uint8_t)(h + 128);
+            lo[k] = (uint8_t)(v - 256 * h + 128);
+        }
+        s[m] = amax > 0.0f ? amax / (float)QSPLIT : 0.0f;
+    }
+}

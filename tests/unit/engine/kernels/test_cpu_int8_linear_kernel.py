@@ -17,6 +17,8 @@ from engine.kernels.cpu_int8_linear import (
     packed_min_rows,
     packed_path,
     packed_rounds_activations,
+    split_rows_u8,
+    SPLIT_QMAX,
 )
 from engine.model.linear import dequantize_int8, quantize_int8
 
@@ -126,3 +128,41 @@ def test_the_float32_packed_path_equals_f_linear_on_the_dequantised_weight(kerne
         torch.testing.assert_close(out[1], bias)
         no_bias = int8_linear_packed_cpu(kernel, x, packed, shape[0], scale, None)
         torch.testing.assert_close(no_bias, F.linear(x, dequantize_int8(qweight, scale)), **FP32_TOL)
+
+
+def test_split_rows_u8_by_hand(kernel):
+    """Each row on its own scale max|x| / 32639 (zero point 128 in both bytes, high bytes first),
+    values rounded to nearest even, then split into 256 hi + lo with hi rounded half up."""
+    x = torch.tensor([[32639.0, -32639.0, 128.0, -128.5, 0.5, 383.0], [0.0] * 6])
+    q, s = split_rows_u8(kernel, x)
+    assert q.shape == (4, 6) and q.dtype == torch.uint8 and s.tolist() == [1.0, 0.0]
+    # 32639 = 256 * 127 + 127; 128 = 256 * 1 - 128 (half up); -128.5 -> -128 (to even) = 256 * 0 - 128;
+    # 0.5 -> 0; 383 = 256 * 1 + 127.
+    assert (q[0].int() - 128).tolist() == [127, -127, 1, 0, 0, 1]  # the high bytes of row 0
+    assert (q[2].int() - 128).tolist() == [127, -127, -128, -128, 0, 127]  # its low bytes
+    assert q[1].tolist() == [128] * 6 and q[3].tolist() == [128] * 6  # the zero row
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 1536), (300, 576), (3, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_split_rows_u8_round_trip_within_half_a_step(kernel, shape):
+    """Every value within s[m] / 2 (and float32's rounding) of (256 (hi - 128) + (lo - 128)) s[m], the bytes in range, each
+    row's largest magnitude at +-32639, on rows of very different scales; 300 x 576 takes the
+    threaded path, 3 x 17 the scalar tail."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(shape, generator=gen) * torch.logspace(-3, 3, shape[0])[:, None]
+    q, s = split_rows_u8(kernel, x)
+    m = shape[0]
+    torch.testing.assert_close(s, x.abs().amax(1) / SPLIT_QMAX)
+    hi, lo = q[:m].long() - 128, q[m:].long() - 128
+    assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+    v = 256 * hi + lo
+    # Half a step, plus float32's rounding of x / s (2^-24 relative of up to 32639: 0.002 of a step).
+    assert ((v.double() * s[:, None].double() - x.double()).abs() <= s[:, None].double() * (0.5 + 4e-3)).all()
+    assert v.abs().amax(1).tolist() == [SPLIT_QMAX] * m
+
+
+def test_split_rows_u8_refuses_bad_input(kernel):
+    with pytest.raises(ValueError, match="2-D float32 CPU tensor"):
+        split_rows_u8(kernel, torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D float32 CPU tensor"):
+        split_rows_u8(kernel, torch.zeros(6))

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
 from engine.model import linear_chooser
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
-from engine.kernels.cpu_int8_linear import packed_rounds_activations
+from engine.kernels.cpu_int8_linear import SPLIT_QMAX, packed_rounds_activations
 from engine.model.linear import BACKENDS, INT8_BACKENDS, Linear, backend_supports, dequantize_int8, quantize_int8
 from engine.model.linear_chooser import LinearSetup, choose_plan, plan_linears, shape_key
 from engine.model.loader import load_model
@@ -56,15 +56,17 @@ def error_bound(layer: Linear, x: torch.Tensor, backend: str) -> torch.Tensor:
         bound = bound + 2 ** -7 * (x.abs() @ w.abs().T) + 2 ** -8 * F.linear(x, w, layer.bias).abs()
     if backend == "int8_cpu" and PACKED:
         bound = bound + activation_bound(layer, x)
+    if backend == "int8_onednn":
+        bound = bound + activation_bound(layer, x, qmax=SPLIT_QMAX)
     return bound
 
 
-def activation_bound(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def activation_bound(layer: Linear, x: torch.Tensor, qmax: int | None = None) -> torch.Tensor:
     """[M, out]: the packed (VNNI) int8_cpu path rounds each x value to a multiple of
-    ``max|x[m]| / qmax`` (cpu/int8_linear.c), moving it by at most half that:
-    ``max|x[m]| / (2 qmax) * sum_k |w[n, k]|`` on the output."""
+    ``max|x[m]| / qmax`` (cpu/int8_linear.c; int8_onednn: SPLIT_QMAX), moving it by at most half
+    that: ``max|x[m]| / (2 qmax) * sum_k |w[n, k]|`` on the output."""
     k = x.shape[1] + x.shape[1] % 2
-    qmax = min(32767, (2**31 - 1) // (127 * k))
+    qmax = qmax or min(32767, (2**31 - 1) // (127 * k))
     w = dequantize_int8(layer.qweight, layer.weight_scale)
     return x.abs().amax(1, keepdim=True) / (2 * qmax) * w.abs().sum(1)[None, :]
 
@@ -97,7 +99,8 @@ def test_each_int8_backend_is_within_the_quantisation_bound_of_float32(backend, 
         assert error.max() > 0
 
 
-@pytest.mark.parametrize("backend", [b for b in available if b != "int8pack" and not (b == "int8_cpu" and PACKED)])
+@pytest.mark.parametrize("backend", [b for b in available if b not in ("int8pack", "int8_onednn")
+                                     and not (b == "int8_cpu" and PACKED)])
 def test_exact_int8_backends_equal_the_dequantised_reference(backend):
     """int8_cpu (without the packed path) and int8_dequant compute in float32 what F.linear on
     the dequantised weight does."""
@@ -232,3 +235,21 @@ def test_workers_and_tandem_up_take_the_flag_and_refuse_unknown_values():
         result = CliRunner().invoke(command, ["--quantization", "int4"])
         assert result.exit_code == 2 and "Invalid value for '--quantization'" in result.output
         assert "'none', 'int8', 'fp8'" in result.output or "none, int8, fp8" in result.output
+
+
+@pytest.mark.skipif("int8_onednn" not in available, reason="no oneDNN u8 x s8 inner product on this CPU (AMX or VNNI)")
+def test_int8_onednn_scales_each_row_on_its_own():
+    """Per-row activation scales: a row's output does not depend on the rows beside it (a
+    per-tensor scale would let one large row coarsen every other row of the batch), a zero row
+    gives the bias, and the 16-bit split activations stay within their bound of float32."""
+    layer, weight = quantized_linear(960, 576, bias=True, seed=3)
+    layer.set_plan(("int8_onednn",))
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(5))
+    x[2] *= 1000.0
+    x[0] = 0.0
+    out = layer(x)
+    for i in (1, 3, 15):
+        torch.testing.assert_close(out[i], layer(x[i:i + 1])[0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(out[0], layer.bias)
+    error = (out - F.linear(x, weight, layer.bias)).abs()
+    assert (error <= error_bound(layer, x, "int8_onednn")).all()
