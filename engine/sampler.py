@@ -24,8 +24,20 @@ import struct
 
 import torch
 
+from engine.kernels import cpu_elementwise
 from engine.outputs import PromptLogprobsInput, SampledToken, SamplingInput
 from engine.structured_output import TokenMask
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """``logits.argmax(-1)`` ([num_seqs, vocab] CPU) as a list: through the C argmax for float32
+    (engine.kernels.cpu_elementwise.argmax_rows, the same indices as torch's, ties and NaN
+    included), torch's otherwise."""
+    kernel = cpu_elementwise.usable(logits) if logits.dtype == torch.float32 and logits.dim() == 2 \
+        and logits.shape[1] > 0 else None
+    if kernel is None:
+        return logits.argmax(-1).tolist()
+    return cpu_elementwise.argmax_rows(kernel, logits).tolist()
 
 
 def token_seed(seed: int, output_index: int) -> int:
@@ -174,7 +186,7 @@ class Sampler:
             logits = logits.clone()
             for i in rows:
                 logits[i] = process_logits(logits[i], requests[i])
-        greedy = logits.argmax(-1).tolist()
+        greedy = greedy_tokens(logits)
         params = [request.sampling_params for request in requests]
         drawn = apply_min_p(logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
                             torch.tensor([p.min_p for p in params], dtype=torch.float32))

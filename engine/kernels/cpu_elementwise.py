@@ -1,6 +1,7 @@
 """The decoder layer's elementwise steps as one C call each on the CPU (``cpu/elementwise.c``):
 RMSNorm, the rotary embedding (in place) and SiLU(gate) x up, float32 or bfloat16 (rounded where the
-torch forms' bfloat16 ops round), compiled once per machine (:mod:`engine.kernels.cpu_build`).
+torch forms' bfloat16 ops round), and greedy sampling's argmax over float32 logits, compiled once
+per machine (:mod:`engine.kernels.cpu_build`).
 
 Eager torch runs each as 5-8 small ops, 18-50 µs per call on a decode step's few rows: ~4 ms of a
 30-layer decode pass on a 2-core AMD EPYC, 10 % of the batch-1 pass (in bfloat16 each also
@@ -30,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.argmax_rows_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     for name in ("rms_norm", "rotary", "silu_mul"):
         f32, bf16 = getattr(lib, f"{name}_f32"), getattr(lib, f"{name}_bf16")
         bf16.restype, bf16.argtypes = f32.restype, f32.argtypes
@@ -114,4 +117,19 @@ def silu_mul(kernel: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, i, dtype=gate_up.dtype)
     silu_mul = kernel.silu_mul_f32 if gate_up.dtype == torch.float32 else kernel.silu_mul_bf16
     silu_mul(gate_up.data_ptr(), out.data_ptr(), m, i, torch.get_num_threads())
+    return out
+
+
+def argmax_rows(kernel: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, -1)`` of ``x`` ([M, N] float32, N >= 1) -> int64 [M]: the first index of
+    each row's largest value, or of its first NaN (torch counts NaN as the largest).
+
+    Raises:
+        ValueError: another dtype or shape.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"float32 [M, N] with N >= 1 only, got {tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernel.argmax_rows_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out

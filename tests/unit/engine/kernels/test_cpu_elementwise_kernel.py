@@ -134,3 +134,32 @@ def test_usable_only_for_float32_and_bfloat16_cpu_tensors_without_grad(kernel):
     assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.bfloat16)) is kernel
     assert cpu_elementwise.usable(torch.randn(2, 2, dtype=torch.float16)) is None
     assert cpu_elementwise.usable(torch.randn(2, 2, requires_grad=True)) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (16, 49152), (2, 49157)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_argmax_rows_equals_torch(kernel, shape):
+    """Random rows (vocabulary-sized, and lengths off the vector width), each row's maximum copied
+    to a later place too (torch keeps the first), on one row that is all -inf."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen)
+    first = x.argmax(-1)
+    for m in range(shape[0]):
+        x[m, shape[1] - 1] = x[m, first[m]]  # a tie after the first maximum
+    x[0] = float("-inf") if shape[1] > 1 else x[0]
+    out = cpu_elementwise.argmax_rows(kernel, x)
+    assert out.dtype == torch.int64 and out.tolist() == x.argmax(-1).tolist()
+
+
+def test_argmax_rows_takes_the_first_nan_as_torch_does(kernel):
+    x = torch.zeros(3, 40)
+    x[0, 5], x[0, 30] = 1.0, float("nan")  # NaN after the maximum
+    x[1, 33], x[1, 2] = float("nan"), float("nan")  # two NaN: the first, in the scalar tail's reach too
+    x[2, 39] = float("nan")  # only in the tail past the vectors
+    assert cpu_elementwise.argmax_rows(kernel, x).tolist() == x.argmax(-1).tolist() == [30, 2, 39]
+
+
+def test_argmax_rows_refuses_what_it_cannot_read(kernel):
+    with pytest.raises(ValueError, match="float32"):
+        cpu_elementwise.argmax_rows(kernel, torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="N >= 1"):
+        cpu_elementwise.argmax_rows(kernel, torch.zeros(2, 0))
