@@ -210,7 +210,7 @@ static void vnni_##MT(const uint32_t *xp, int64_t pairs, const int8_t *pw, const
     for (int64_t kk = 0; kk < pairs; kk++) {                                                       \
         __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(pw + kk * PNR * 2)));      \
         __m512i b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(pw + kk * PNR * 2 + 32))); \
-        if (next) __builtin_prefetch(next + kk * PNR * 2, 0, 3);                                   \
+        if (next) __builtin_prefetch(next + kk * PNR * 2, 0, 2);                                   \
         _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
             __m512i a = _mm512_set1_epi32((int)xp[kk * MT + i]);                                   \
             c0[i] = _mm512_dpwssd_epi32(c0[i], a, b0); c1[i] = _mm512_dpwssd_epi32(c1[i], a, b1);  \
