@@ -134,7 +134,7 @@ def samples_path(engine: LLMEngine, num_steps: int, max_duration_s: float) -> Pa
     parts = [SAMPLES_FORMAT, cpu_identity(), torch.__version__, str(torch.get_num_threads()), repr(engine.config),
              repr([layer.plan for layer in planned_layers(engine.runner.model)]), f"{num_steps} {max_duration_s}"]
     parts += [hashlib.blake2b(source.read_bytes(), digest_size=8).hexdigest()
-              for source in sorted(_CPU_KERNELS.glob("*.c"))]
+              for source in sorted([*_CPU_KERNELS.glob("*.c"), *_CPU_KERNELS.glob("*.h")])]
     key = hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
     return cache_dir() / "calibration" / f"samples-{key}.json"
 

@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,6 +40,25 @@ def cpu_flags() -> str:
     return os.uname().machine
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """``source``'s bytes followed by those of the local headers it includes (``#include "x.h"``,
+    found beside it), so that a change to a shared header compiles its includers again.
+
+    Raises:
+        FileNotFoundError: a local header it includes is not installed.
+    """
+    data = source.read_bytes()
+    for name in _LOCAL_INCLUDE.findall(data):
+        header = source.parent / name.decode()
+        if not header.is_file():
+            raise FileNotFoundError(f"{source.name} includes {header}, which is not installed (package data missing)")
+        data += header.read_bytes()
+    return data
+
+
 def library_path(source: Path) -> Path:
     """Where the compiled ``source`` for these flags and this CPU lives.
 
@@ -47,7 +67,7 @@ def library_path(source: Path) -> Path:
     """
     if not source.is_file():
         raise FileNotFoundError(f"the kernel source {source} is not installed (package data missing)")
-    key = hashlib.blake2b(source.read_bytes() + " ".join(CFLAGS).encode() + cpu_flags().encode(),
+    key = hashlib.blake2b(source_bytes(source) + " ".join(CFLAGS).encode() + cpu_flags().encode(),
                           digest_size=8).hexdigest()
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 

@@ -20,7 +20,8 @@ SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setup
 
 # Files the installed packages read at run time, by package.
 RUNTIME_DATA = {
-    "engine.kernels": ["cpu/paged_decode_attention.c"],  # compiled on first use (cpu_decode_attention)
+    # compiled on first use (cpu_decode_attention, ...), with the local headers they include
+    "engine.kernels": ["cpu/paged_decode_attention.c", "cpu/elementwise.c", "cpu/vec_exp.h"],
     "router.chat_templates": ["hermes.jinja"],  # importlib.resources (router.chat_templates)
 }
 # Non-Python files inside package folders that are not read at run time.

@@ -9,8 +9,9 @@
  *
  * Rounding: every product and sum is a separate float32 operation as in torch (GCC at -std=c11
  * does not contract them into FMAs), so the rotary embedding is bitwise torch's; RMSNorm's mean of
- * squares is summed in another order than torch's reduction, and SiLU uses libm's expf where torch
- * uses a vectorised exp: both within a few float32 ulps of torch.
+ * squares is summed in another order than torch's reduction, and SiLU uses Cephes' vector expf
+ * (vec_exp.h; libm's expf in the tail past the last whole vector) where torch uses Sleef's: both
+ * within a few float32 ulps of torch.
  *
  * bfloat16 (the *_bf16 entry points, tensors as uint16 bits): each step rounds to bfloat16 where
  * the torch form's bfloat16 ops round (llama.py: RMSNorm normalises in float32, rounds, then
@@ -26,6 +27,64 @@
 #include <string.h>
 
 #define PARALLEL_ELEMENTS (1 << 16)
+
+/* SiLU's vector path: VEC floats per GCC/Clang vector (one AVX-512 or AVX2 register). */
+#if defined(__AVX512F__)
+#define VEC 16
+#else
+#define VEC 8
+#endif
+typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
+typedef int32_t vec_i32 __attribute__((vector_size(VEC * sizeof(int32_t))));
+#include "vec_exp.h"
+
+/* silu(g) = g / (1 + exp(-g)) on VEC lanes from exp of a non-positive argument only:
+ * e = exp(-|g|), silu = g / (1 + e) for g >= 0 and g e / (1 + e) for g < 0 (the same value;
+ * exp(-g) of a negative g would overflow the polynomial's range). Within a few float32 ulps of
+ * torch's vectorised form. libm's scalar expf here took a [1600, 3072] prompt chunk's SiLU x up
+ * 6 ms in bfloat16, 40 % of the prefill pass on an Intel Xeon. */
+static inline vec_f vsilu(vec_f g)
+{
+    vec_i32 bits;
+    __builtin_memcpy(&bits, &g, sizeof bits);
+    const vec_i32 negative = bits < 0;           /* all ones in the lanes where g < 0 (or -0) */
+    bits &= 0x7fffffff;
+    vec_f minus_abs;
+    bits |= (vec_i32){0} + (int32_t)0x80000000;  /* -|g| */
+    __builtin_memcpy(&minus_abs, &bits, sizeof minus_abs);
+    const vec_f e = vexp_nonpositive(minus_abs);
+    const vec_f ge = g * e;
+    vec_i32 num_bits, g_bits, ge_bits;
+    __builtin_memcpy(&g_bits, &g, sizeof g_bits);
+    __builtin_memcpy(&ge_bits, &ge, sizeof ge_bits);
+    num_bits = (ge_bits & negative) | (g_bits & ~negative);
+    vec_f num;
+    __builtin_memcpy(&num, &num_bits, sizeof num);
+    return num / (1.0f + e);
+}
+static inline vec_f vload(const float *p) { vec_f v; __builtin_memcpy(&v, p, sizeof v); return v; }
+typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
+typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
+/* VEC bfloat16 values -> floats, and back with f32_to_bf16's rounding (nearest even; NaN quiet). */
+static inline vec_f vload_bf16(const uint16_t *p)
+{
+    vec_u16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const vec_u32 w = __builtin_convertvector(h, vec_u32) << 16;
+    vec_f f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
+static inline void vstore_bf16(uint16_t *p, vec_f f)
+{
+    vec_u32 u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    const vec_u32 nan = (vec_u32)((u & 0x7fffffffu) > 0x7f800000u);
+    const vec_u32 bits = (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
+    const vec_u16 h = __builtin_convertvector(bits, vec_u16);
+    __builtin_memcpy(p, &h, sizeof h);
+}
+static inline float silu_scalar(float g) { return g / (1.0f + expf(-g)); }
 
 /* bfloat16 <-> float32: a bf16 value is the upper 16 bits of a float32. */
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -88,7 +147,12 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int nu
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + VEC <= I; i += VEC) {
+            const vec_f v = vsilu(vload(g + i)) * vload(u + i);
+            __builtin_memcpy(o + i, &v, sizeof v);
+        }
+        for (; i < I; i++) o[i] = silu_scalar(g[i]) * u[i];
     }
 }
 
@@ -139,10 +203,13 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t I,
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
         uint16_t *o = out + m * I;
-        for (int64_t i = 0; i < I; i++) {
-            const float gi = FL(g[i]);
-            o[i] = BF(FL(BF(gi / (1.0f + expf(-gi)))) * FL(u[i]));
+        int64_t i = 0;
+        for (; i + VEC <= I; i += VEC) {
+            uint16_t silu[VEC];
+            vstore_bf16(silu, vsilu(vload_bf16(g + i)));
+            vstore_bf16(o + i, vload_bf16(silu) * vload_bf16(u + i));
         }
+        for (; i < I; i++) o[i] = BF(FL(BF(silu_scalar(FL(g[i])))) * FL(u[i]));
     }
 }
 

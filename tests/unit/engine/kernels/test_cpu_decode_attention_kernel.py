@@ -254,6 +254,21 @@ def test_a_missing_kernel_source_falls_back_with_a_warning(tmp_path, monkeypatch
     assert CpuAttentionBackend()._kernel is None
     assert not any(tmp_path.rglob("*.so"))
 
+def test_a_shared_header_is_part_of_the_library_key_and_must_be_installed(tmp_path):
+    """A kernel that includes a local header is compiled again when only the header changes (the
+    library name is keyed by both), and refused clearly when the header is not installed."""
+    source = tmp_path / "k.c"
+    source.write_text('#include <stdint.h>\n#include "h.h"\nint f(void) { return VALUE; }\n')
+    header = tmp_path / "h.h"
+    header.write_text("#define VALUE 1\n")
+    first = cpu_build.library_path(source)
+    header.write_text("#define VALUE 2\n")
+    assert cpu_build.library_path(source) != first
+    header.unlink()
+    with pytest.raises(FileNotFoundError, match="includes .*h.h, which is not installed"):
+        cpu_build.library_path(source)
+
+
 def fresh_kernel(monkeypatch, source=None) -> None:
     """The attention kernel as a new process finds it: not loaded yet (of ``source``, default its own)."""
     kernel = cpu_decode_attention._KERNEL

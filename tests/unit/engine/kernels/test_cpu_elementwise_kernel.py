@@ -99,6 +99,21 @@ def test_bfloat16_rotary_in_place_is_bitwise_the_torch_bfloat16_form(kernel, tok
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_over_the_whole_range_and_the_scalar_tail(kernel, dtype):
+    """Gates from -100 to 100 (exp(-g) far past float32's range on the negative side), +-0, a row
+    width off the vector width (the scalar tail), NaN staying NaN."""
+    gate = torch.cat([torch.linspace(-100, 100, 997), torch.tensor([0.0, -0.0, float("nan")])])
+    up = torch.linspace(-3, 3, gate.numel())
+    gate_up = torch.cat([gate, up]).reshape(1, -1).to(dtype)
+    out = cpu_elementwise.silu_mul(kernel, gate_up)[0]
+    g, u = gate_up[0].split(gate.numel())
+    expected = F.silu(g) * u
+    assert out[-1].isnan() and out.dtype == dtype
+    torch.testing.assert_close(out[:-1].float(), expected[:-1].float(), atol=1e-6,
+                               rtol=1e-6 if dtype == torch.float32 else 2**-7)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_bfloat16_silu_mul_equals_the_torch_bfloat16_form(kernel, rows):
     gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
@@ -106,7 +121,7 @@ def test_bfloat16_silu_mul_equals_the_torch_bfloat16_form(kernel, rows):
     out = cpu_elementwise.silu_mul(kernel, gate_up)
     expected = F.silu(gate) * up
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-7)  # libm's expf vs torch's
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-7)  # Cephes' expf vs torch's
     assert (out == expected).float().mean() > 0.99
 
 
