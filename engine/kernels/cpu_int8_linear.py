@@ -178,7 +178,9 @@ def split_rows_u8(kernel: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, t
 
     x float32 [M, K] -> (q uint8 [2M, K]: the high bytes of every row, then the low bytes; s
     float32 [M]). ``(256 (q[m] - 128) + (q[M + m] - 128)) * s[m]`` is x[m] within ``s[m] / 2``
-    per value (1/65278 of the row's largest magnitude). A zero row gets s = 0 and q = 128.
+    per value (1/65278 of the row's largest magnitude). A zero row, or one whose largest magnitude
+    is below ~1e-34 (SPLIT_QMAX / float32's max), gets s = 0 and q = 128; a row holding a NaN or
+    an infinity gets s = NaN (its GEMM outputs are NaN).
 
     Raises:
         ValueError: x is not a 2-D float32 CPU tensor.

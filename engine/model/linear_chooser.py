@@ -39,7 +39,7 @@ from torch import nn
 
 from core.model_source import cache_dir
 from engine.config import EngineConfig
-from engine.model.linear import (BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m,
+from engine.model.linear import (BACKENDS, INT8_BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m,
                                  fallback_backend, m_bucket, planned_layers, prepare_weight, run_backend)
 
 log = logging.getLogger(__name__)
@@ -327,10 +327,17 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     if not shapes:
         return LinearPlan({})
     if setup.backend != "auto":
-        choices = {}
+        choices, refused = {}, []
         for key, (weight, num_buckets) in shapes.items():
             backend = setup.backend if backend_supports(setup.backend, weight) else fallback_backend(weight)
             choices[key] = [backend] * num_buckets
+            if backend != setup.backend:
+                refused.append(f"{key} ({weight.dtype} on {weight.device}: {backend})")
+        if refused:
+            need = " (an int8 backend runs --quantization int8 layers only)" if setup.backend in INT8_BACKENDS else \
+                " (a float backend cannot run --quantization int8 layers)" if any("int8" in r for r in refused) else ""
+            log.warning("linear backend %s cannot run %d of %d weight shapes here%s; they run through %s",
+                        setup.backend, len(refused), len(shapes), need, ", ".join(refused))
         return LinearPlan(choices)
     dtype = next(iter(shapes.values()))[0].dtype
     path = plan_path(machine_key(dtype, shapes))

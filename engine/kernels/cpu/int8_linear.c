@@ -17,6 +17,8 @@
  * thousand) and runs every row of x against it, so the int8 -> float32 conversion is not repeated
  * per row. K that is not a multiple of VEC, and a last partial tile of channels, take scalar loops.
  */
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -227,15 +229,24 @@ static const vnni_fn VNNI[PMR_MAX + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4, vnn
 
 /* One row of x -> its k pairs of int16 (round to nearest even, as lrintf), written with stride
  * ``stride`` (the row's place in its block's interleaved [pairs][MT] layout); returns the row's
- * scale max|x| / qmax (0 for a zero row, whose values quantise to 0). */
+ * scale max|x| / qmax (0 for a zero row, whose values quantise to 0, and for one whose largest
+ * magnitude is below qmax / FLT_MAX, ~1e-34; NaN for a row holding a NaN or an infinity, so that
+ * its outputs are NaN as the float GEMM's would be or become). */
 static float quantize_row_pairs(const float *row, int64_t K, float qmax, uint32_t *out, int64_t stride)
 {
     __m512 vmax = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + PVEC <= K; k += PVEC) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    int nonfinite = 0;
+    for (; k + PVEC <= K; k += PVEC) {
+        __m512 v = _mm512_loadu_ps(row + k);
+        nonfinite |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
     float amax = _mm512_reduce_max_ps(vmax);
-    for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; amax = a > amax ? a : amax; }
-    float inv = amax > 0.0f ? qmax / amax : 0.0f;
+    for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; nonfinite |= a != a; amax = a > amax ? a : amax; }
+    if (nonfinite || amax > FLT_MAX) amax = NAN;  /* the row's outputs become NaN (sx below) */
+    /* Below qmax / FLT_MAX (~1e-34) qmax / amax overflows: such a row counts as zero. */
+    float inv = amax >= qmax / FLT_MAX ? qmax / amax : 0.0f;
     __m512 vinv = _mm512_set1_ps(inv);
     int64_t pairs = (K + 1) / 2, kk = 0;
     for (; 2 * kk + PVEC <= K; kk += PVEC / 2) {  /* 16 values -> 8 pairs */
@@ -249,7 +260,8 @@ static float quantize_row_pairs(const float *row, int64_t K, float qmax, uint32_
         int32_t hi = 2 * kk + 1 < K ? (int32_t)__builtin_lrintf(row[2 * kk + 1] * inv) : 0;
         out[kk * stride] = (uint32_t)(uint16_t)(int16_t)lo | (uint32_t)(uint16_t)(int16_t)hi << 16;
     }
-    return amax > 0.0f ? amax / qmax : 0.0f;
+    if (amax != amax) return NAN;
+    return inv > 0.0f ? amax / qmax : 0.0f;
 }
 
 /* The largest |x| quantised to: no int32 sum of K' products of it with 127 can overflow. */
@@ -416,8 +428,10 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
  * x float32 [M, K], q uint8 [2M, K] (the high bytes of every row, then the low bytes), s float32
  * [M]. One GEMM of the 2M rows with zero point 128 gives each row's two partial sums (int32, exact),
  * and y[m] = s[m] (256 y[m] + y[M + m]). Each value's error is at most s[m] / 2, 1/65278 of its
- * row's largest magnitude, as with 16-bit activations; a zero row gets s = 0 and q = 128.
- * Rounding to nearest even (as lrintf). */
+ * row's largest magnitude, as with 16-bit activations; a zero row (or one whose largest magnitude
+ * is below QSPLIT / FLT_MAX, ~1e-34) gets s = 0 and q = 128, a row holding a NaN or an infinity
+ * s = NaN (its outputs are NaN, as the float GEMM's would be or become). Rounding to nearest even
+ * (as lrintf). */
 #define QSPLIT (127 * 256 + 127)
 void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t K, int num_threads)
 {
@@ -427,13 +441,28 @@ void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t
         uint8_t *hi = q + m * K, *lo = q + (M + m) * K;
         float amax = 0.0f;
         int64_t k = 0;
+        int nonfinite = 0;
 #if defined(__AVX512F__)
         __m512 vmax = _mm512_setzero_ps();
-        for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+        for (; k + 16 <= K; k += 16) {
+            __m512 v = _mm512_loadu_ps(row + k);
+            nonfinite |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        }
         amax = _mm512_reduce_max_ps(vmax);
 #endif
-        for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; amax = a > amax ? a : amax; }
-        float inv = amax > 0.0f ? (float)QSPLIT / amax : 0.0f;
+        for (; k < K; k++) {
+            float a = row[k] < 0 ? -row[k] : row[k];
+            nonfinite |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        if (nonfinite || amax > FLT_MAX) {  /* a NaN or an infinity: the row's outputs become NaN */
+            memset(hi, 128, (size_t)K); memset(lo, 128, (size_t)K);
+            s[m] = NAN;
+            continue;
+        }
+        /* Below QSPLIT / FLT_MAX (~1e-34) QSPLIT / amax overflows: such a row counts as zero. */
+        float inv = amax >= (float)QSPLIT / FLT_MAX ? (float)QSPLIT / amax : 0.0f;
         k = 0;
 #if defined(__AVX512F__)
         __m512 vinv = _mm512_set1_ps(inv);
@@ -452,6 +481,6 @@ void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t
             hi[k] = (uint8_t)(h + 128);
             lo[k] = (uint8_t)(v - 256 * h + 128);
         }
-        s[m] = amax > 0.0f ? amax / (float)QSPLIT : 0.0f;
+        s[m] = inv > 0.0f ? amax / (float)QSPLIT : 0.0f;
     }
 }

@@ -4,6 +4,8 @@ configuration's refusals."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,10 +176,25 @@ def test_chooser_measures_only_int8_backends_on_int8_layers(tmp_path, monkeypatc
     assert [layer.backend_for(m) for m in (1, 2)] == plan.choices["int8:48x64"]
 
 
-def test_a_forced_float_backend_leaves_int8_layers_on_int8_dequant():
+def test_a_forced_float_backend_leaves_int8_layers_on_int8_dequant_with_a_warning(caplog):
     layer, _ = quantized_linear(48, 64, bias=False, seed=4)
-    plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("onednn", max_num_seqs=1, max_num_batched_tokens=1))
+    with caplog.at_level(logging.WARNING, logger=linear_chooser.__name__):
+        plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("onednn", max_num_seqs=1, max_num_batched_tokens=1))
     assert plan.choices == {"int8:48x64": ["int8_dequant"]}
+    assert "linear backend onednn cannot run 1 of 1 weight shapes here (a float backend cannot run " \
+           "--quantization int8 layers); they run through int8:48x64 (torch.int8 on cpu: int8_dequant)" in caplog.text
+
+
+def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
+    """A user who forces an int8 backend without --quantization int8 is told, not silently given
+    F.linear."""
+    layer = Linear(64, 48)
+    layer.weight.data = torch.randn(48, 64)
+    with caplog.at_level(logging.WARNING, logger=linear_chooser.__name__):
+        plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("int8_cpu", max_num_seqs=1, max_num_batched_tokens=1))
+    assert plan.choices == {"48x64": ["torch"]}
+    assert "linear backend int8_cpu cannot run 1 of 1 weight shapes here (an int8 backend runs --quantization " \
+           "int8 layers only); they run through 48x64 (torch.float32 on cpu: torch)" in caplog.text
 
 
 # --- the loader and the configuration ----------------------------------------------------------
@@ -253,3 +270,22 @@ def test_int8_onednn_scales_each_row_on_its_own():
     torch.testing.assert_close(out[0], layer.bias)
     error = (out - F.linear(x, weight, layer.bias)).abs()
     assert (error <= error_bound(layer, x, "int8_onednn")).all()
+
+
+@pytest.mark.parametrize("backend", [b for b in ("int8_cpu", "int8_onednn") if b in available])
+def test_rows_quantised_on_the_fly_keep_nan_and_infinity_and_tiny_rows(backend):
+    """Backends that quantise each activation row (int8_cpu's VNNI path, int8_onednn): a row
+    holding a NaN or an infinity gives NaN outputs (the float GEMM gives NaN or +-inf there), never
+    finite numbers; a row of magnitude ~1e-36 (its scale's reciprocal past float32's range) gives
+    what float32 gives within 1e-30, not garbage; the other rows are untouched."""
+    if backend == "int8_cpu" and not PACKED:
+        pytest.skip("int8_cpu computes in float32 here: nothing is quantised")
+    layer, _ = quantized_linear(40, 37, bias=False, seed=9)
+    layer.set_plan((backend,))
+    x = torch.randn(4, 37, generator=torch.Generator().manual_seed(2))
+    x[0, 20], x[1, 3], x[2] = float("nan"), float("inf"), x[2] * 1e-36
+    out = layer(x)
+    assert out[0].isnan().all() and out[1].isnan().all()
+    reference = F.linear(x, dequantize_int8(layer.qweight, layer.weight_scale))
+    assert (out[2] - reference[2]).abs().max() < 1e-30
+    torch.testing.assert_close(out[3], reference[3], atol=1e-3, rtol=1e-3)
