@@ -4,6 +4,7 @@ also when it comes during start-up."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from benchmarks.peers import linear_backends
 from core import cluster_record
+from engine.model.linear import INT8_BACKENDS
 from launcher.ports import free_port
 from tests.conftest import poll_until
 
@@ -51,9 +53,13 @@ def test_tandem_up_serves_curl_and_stops_everything_on_ctrl_c(tmp_path):
         )
         assert curl.returncode == 0, curl.stderr
         assert "Paris" in httpx.Response(200, content=curl.stdout).json()["choices"][0]["text"]
-        # both workers run their GEMMs on int8 weights (the chooser's log line)
+        # both workers run their GEMMs on int8 weights: every backend the chooser's log line names
+        # ("linear backends: int8_cpu for 5 shapes (...), int8_onednn for ...") is an int8 one
         backends = linear_backends(tmp_path)
-        assert len(backends) == 2 and all("int8" in line and "onednn" not in line for line in backends.values())
+        assert len(backends) == 2
+        for line in backends.values():
+            named = re.findall(r"(?:linear backends: |\), )(\w+) for ", line)
+            assert named and set(named) <= set(INT8_BACKENDS), line
         # tandem status finds this cluster without --url (core.cluster_record), until it stops
         ours = [r for r in cluster_record.running() if r.pid == proc.pid]
         assert [r.urls for r in ours] == [(f"http://127.0.0.1:{http_port}",)]
