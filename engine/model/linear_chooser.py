@@ -332,12 +332,17 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
             backend = setup.backend if backend_supports(setup.backend, weight) else fallback_backend(weight)
             choices[key] = [backend] * num_buckets
             if backend != setup.backend:
-                refused.append(f"{key} ({weight.dtype} on {weight.device}: {backend})")
+                refused.append((key, weight, backend))
         if refused:
-            need = " (an int8 backend runs --quantization int8 layers only)" if setup.backend in INT8_BACKENDS else \
-                " (a float backend cannot run --quantization int8 layers)" if any("int8" in r for r in refused) else ""
+            if setup.backend in INT8_BACKENDS:
+                hint = " (an int8 backend runs --quantization int8 layers only)"
+            elif any(weight.dtype == torch.int8 for _, weight, _ in refused):
+                hint = " (a float backend cannot run --quantization int8 layers)"
+            else:
+                hint = ""
             log.warning("linear backend %s cannot run %d of %d weight shapes here%s; they run through %s",
-                        setup.backend, len(refused), len(shapes), need, ", ".join(refused))
+                        setup.backend, len(refused), len(shapes), hint,
+                        ", ".join(f"{key} ({weight.dtype} on {weight.device}: {backend})" for key, weight, backend in refused))
         return LinearPlan(choices)
     dtype = next(iter(shapes.values()))[0].dtype
     path = plan_path(machine_key(dtype, shapes))

@@ -38,6 +38,17 @@ typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t vec_i32 __attribute__((vector_size(VEC * sizeof(int32_t))));
 #include "vec_exp.h"
 
+/* mask ? a : b per lane (mask lanes all ones or all zeros; C's ?: takes no vectors). */
+static inline vec_f vselect(vec_i32 mask, vec_f a, vec_f b)
+{
+    vec_i32 ab, bb;
+    __builtin_memcpy(&ab, &a, sizeof ab);
+    __builtin_memcpy(&bb, &b, sizeof bb);
+    ab = (ab & mask) | (bb & ~mask);
+    vec_f out;
+    __builtin_memcpy(&out, &ab, sizeof out);
+    return out;
+}
 /* silu(g) = g / (1 + exp(-g)) on VEC lanes from exp of a non-positive argument only:
  * e = exp(-|g|), silu = g / (1 + e) for g >= 0 and g e / (1 + e) for g < 0 (the same value;
  * exp(-g) of a negative g would overflow the polynomial's range). Within a few float32 ulps of
@@ -45,22 +56,9 @@ typedef int32_t vec_i32 __attribute__((vector_size(VEC * sizeof(int32_t))));
  * 6 ms in bfloat16, 40 % of the prefill pass on an Intel Xeon. */
 static inline vec_f vsilu(vec_f g)
 {
-    vec_i32 bits;
-    __builtin_memcpy(&bits, &g, sizeof bits);
-    const vec_i32 negative = bits < 0;           /* all ones in the lanes where g < 0 (or -0) */
-    bits &= 0x7fffffff;
-    vec_f minus_abs;
-    bits |= (vec_i32){0} + (int32_t)0x80000000;  /* -|g| */
-    __builtin_memcpy(&minus_abs, &bits, sizeof minus_abs);
-    const vec_f e = vexp_nonpositive(minus_abs);
-    const vec_f ge = g * e;
-    vec_i32 num_bits, g_bits, ge_bits;
-    __builtin_memcpy(&g_bits, &g, sizeof g_bits);
-    __builtin_memcpy(&ge_bits, &ge, sizeof ge_bits);
-    num_bits = (ge_bits & negative) | (g_bits & ~negative);
-    vec_f num;
-    __builtin_memcpy(&num, &num_bits, sizeof num);
-    return num / (1.0f + e);
+    const vec_i32 negative = g < 0.0f;
+    const vec_f e = vexp_nonpositive(vselect(negative, g, -g));  /* exp(-|g|) */
+    return vselect(negative, g * e, g) / (1.0f + e);
 }
 static inline vec_f vload(const float *p) { vec_f v; __builtin_memcpy(&v, p, sizeof v); return v; }
 typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
@@ -216,65 +214,38 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t M, int64_t I,
 /* Greedy sampling's argmax, as torch.argmax(x, -1): out[m] is the index of the largest value of
  * row m of x [M, N] float32, the first one where several are equal, the first NaN where the row
  * has one (torch counts NaN as the largest). torch's CPU argmax measured 0.5-1 ms on a decode
- * step's [16, 49152] logits (1-2 % of the pass); here one vector pass for the maximum and one
- * for its first index, rows shared out among the threads. */
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+ * step's [16, 49152] logits (1-2 % of the pass); here one vector pass keeping each lane's maximum
+ * and its first place, rows shared out among the threads. */
 static int64_t argmax_row(const float *row, int64_t N)
 {
     float best = row[0];
-    int64_t k = 0;
-#if defined(__AVX512F__)
-    if (N >= 16) {
-        __m512 vmax = _mm512_loadu_ps(row);
-        __mmask16 unordered = 0;
-        for (; k + 16 <= N; k += 16) {
-            __m512 v = _mm512_loadu_ps(row + k);
-            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            vmax = _mm512_max_ps(vmax, v);
+    int64_t k = 0, index = 0;
+    if (N >= VEC) {
+        /* Per lane: its largest value and where it first stands (strictly greater replaces). */
+        vec_f vmax = vload(row);
+        vec_i32 lane, at;
+        for (int j = 0; j < VEC; j++) lane[j] = j;
+        at = lane;
+        vec_i32 unordered = vmax != vmax;
+        for (k = VEC; k + VEC <= N; k += VEC) {
+            const vec_f v = vload(row + k);
+            const vec_i32 greater = v > vmax;
+            unordered |= v != v;
+            vmax = vselect(greater, v, vmax);
+            at = (at & ~greater) | ((lane + (int32_t)k) & greater);
         }
-        if (unordered) k = 0;  /* a NaN: the scalar loop below finds the first */
-        else best = _mm512_reduce_max_ps(vmax);
+        int32_t any_nan = 0;
+        for (int j = 0; j < VEC; j++) any_nan |= unordered[j];
+        if (any_nan) k = 0;  /* the scalar loop below finds the first NaN */
+        else
+            for (int j = 0; j < VEC; j++)  /* the largest over the lanes, the first place of it */
+                if (vmax[j] > best || (vmax[j] == best && at[j] < index)) { best = vmax[j]; index = at[j]; }
     }
-#elif defined(__AVX2__)
-    if (N >= 8) {
-        __m256 vmax = _mm256_loadu_ps(row);
-        int unordered = 0;
-        for (; k + 8 <= N; k += 8) {
-            __m256 v = _mm256_loadu_ps(row + k);
-            unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            vmax = _mm256_max_ps(vmax, v);
-        }
-        if (unordered) k = 0;
-        else {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, vmax);
-            for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
-        }
-    }
-#endif
     for (; k < N; k++) {  /* the tail, or every value of a row with a NaN */
         if (row[k] != row[k]) return k;
-        if (row[k] > best) best = row[k];
+        if (row[k] > best) { best = row[k]; index = k; }
     }
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 vbest = _mm512_set1_ps(best);
-    for (; i + 16 <= N; i += 16) {
-        __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), vbest, _CMP_EQ_OQ);
-        if (eq) return i + __builtin_ctz(eq);
-    }
-#elif defined(__AVX2__)
-    __m256 vbest = _mm256_set1_ps(best);
-    for (; i + 8 <= N; i += 8) {
-        int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), vbest, _CMP_EQ_OQ));
-        if (eq) return i + __builtin_ctz(eq);
-    }
-#endif
-    for (; i < N; i++)
-        if (row[i] == best) return i;
-    return 0;  /* not reached: best is one of the row's values */
+    return index;
 }
 
 void argmax_rows_f32(const float *x, int64_t *out, int64_t M, int64_t N, int num_threads)

@@ -48,6 +48,31 @@ static inline vec_f load_w(const int8_t *p)
 }
 static inline vec_f fma_f(vec_f a, vec_f b, vec_f c) { return a * b + c; }
 #endif
+/* The largest |x| of a row of K floats, or NaN where the row holds a NaN or an infinity: the
+ * per-row scale of both activation quantisers below (the VNNI path's int16 rows and
+ * int8_split_rows_u8's byte pairs), whose rows then give NaN outputs. */
+static float row_absmax(const float *row, int64_t K)
+{
+    float amax = 0.0f;
+    int nonfinite = 0;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m512 v = _mm512_loadu_ps(row + k);
+        nonfinite |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; k < K; k++) {
+        float a = fabsf(row[k]);
+        nonfinite |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    return nonfinite || amax > FLT_MAX ? NAN : amax;
+}
+
 static inline float hsum(vec_f v)
 {
     float s = 0.0f;
@@ -234,17 +259,7 @@ static const vnni_fn VNNI[PMR_MAX + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4, vnn
  * its outputs are NaN as the float GEMM's would be or become). */
 static float quantize_row_pairs(const float *row, int64_t K, float qmax, uint32_t *out, int64_t stride)
 {
-    __m512 vmax = _mm512_setzero_ps();
-    int64_t k = 0;
-    int nonfinite = 0;
-    for (; k + PVEC <= K; k += PVEC) {
-        __m512 v = _mm512_loadu_ps(row + k);
-        nonfinite |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-    }
-    float amax = _mm512_reduce_max_ps(vmax);
-    for (; k < K; k++) { float a = row[k] < 0 ? -row[k] : row[k]; nonfinite |= a != a; amax = a > amax ? a : amax; }
-    if (nonfinite || amax > FLT_MAX) amax = NAN;  /* the row's outputs become NaN (sx below) */
+    const float amax = row_absmax(row, K);  /* NaN: the row's outputs become NaN (sx below) */
     /* Below qmax / FLT_MAX (~1e-34) qmax / amax overflows: such a row counts as zero. */
     float inv = amax >= qmax / FLT_MAX ? qmax / amax : 0.0f;
     __m512 vinv = _mm512_set1_ps(inv);
@@ -439,31 +454,15 @@ void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint8_t *hi = q + m * K, *lo = q + (M + m) * K;
-        float amax = 0.0f;
-        int64_t k = 0;
-        int nonfinite = 0;
-#if defined(__AVX512F__)
-        __m512 vmax = _mm512_setzero_ps();
-        for (; k + 16 <= K; k += 16) {
-            __m512 v = _mm512_loadu_ps(row + k);
-            nonfinite |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-        }
-        amax = _mm512_reduce_max_ps(vmax);
-#endif
-        for (; k < K; k++) {
-            float a = row[k] < 0 ? -row[k] : row[k];
-            nonfinite |= a != a;
-            amax = a > amax ? a : amax;
-        }
-        if (nonfinite || amax > FLT_MAX) {  /* a NaN or an infinity: the row's outputs become NaN */
+        const float amax = row_absmax(row, K);
+        if (amax != amax) {  /* a NaN or an infinity: the row's outputs become NaN */
             memset(hi, 128, (size_t)K); memset(lo, 128, (size_t)K);
             s[m] = NAN;
             continue;
         }
         /* Below QSPLIT / FLT_MAX (~1e-34) QSPLIT / amax overflows: such a row counts as zero. */
         float inv = amax >= (float)QSPLIT / FLT_MAX ? (float)QSPLIT / amax : 0.0f;
-        k = 0;
+        int64_t k = 0;
 #if defined(__AVX512F__)
         __m512 vinv = _mm512_set1_ps(inv);
         __m512i zp = _mm512_set1_epi32(128);
