@@ -19,7 +19,9 @@
  * threads too. A unit serves the KV head's group of query heads (GQA: query head h reads KV head
  * h / (num_heads / num_kv_heads)): each K row is read once for the whole group. Two passes over
  * the context: scores (q . k, scaled) and their softmax (a vector exp), then the weighted sum of
- * V rows for up to ACC_VECS / NV query heads at once, each V row read once per such chunk. With
+ * V rows for up to ACC_VECS / NV query heads at once, each V row read once per such chunk. While
+ * the scores pass reads a block, it asks for the next block's K rows and this block's V rows one
+ * token at a time (software prefetches: a unit's rows are too scattered for the hardware's). With
  * head_dim a multiple of VEC (64 and 128 specialised) the rows go through vectors whose
  * accumulators stay in registers; other head sizes take scalar loops.
  */
@@ -180,13 +182,15 @@ static inline vec_f vbroadcast(float x)
 #endif
 }
 
-/* Prefetches n rows of row_bytes each, stride bytes apart, into the caches (64-byte lines). */
-static inline void prefetch_rows(const void *base, int64_t n, int64_t stride, int64_t row_bytes)
-{
-    const char *p = base;
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + i * stride + b, 0, 3);
-}
+/* Asks for the cache lines of bytes [p, p + bytes) (64-byte lines; an 8-bit head row with its
+ * scale may straddle one more line than its length suggests). locality 3 into L1, 2 into L2. */
+#define PREFETCH_SPAN(p, bytes, locality)                                                           \
+    do {                                                                                            \
+        const uintptr_t first_ = (uintptr_t)(p) & ~(uintptr_t)63;                                    \
+        const uintptr_t end_ = (uintptr_t)(p) + (uintptr_t)(bytes);                                  \
+        for (uintptr_t a_ = first_; a_ < end_; a_ += 64)                                            \
+            __builtin_prefetch((const void *)a_, 0, (locality));                                    \
+    } while (0)
 
 /* The sum of v's VEC lanes as a tree (halves added pairwise): log2(VEC) dependent vector adds
  * where a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
@@ -221,14 +225,19 @@ static inline __attribute__((always_inline)) void NAME(                         
         const KV_T *kb = k_cache + offset;                                                          \
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
         /* This unit's rows are a third (a 1 / num_kv_heads) of each token's and its blocks sit     \
-         * anywhere: ask for the next block's K rows and this block's V rows (read by the second    \
-         * pass, from L2 then) ahead of their use. */                                               \
-        if (t0 + block_size < ctx)                                                                  \
-            prefetch_rows(k_cache + table[t0 / block_size + 1] * block_size * row + g * hrow,       \
-                          ctx - t0 - block_size < block_size ? ctx - t0 - block_size : block_size,  \
-                          row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T));           \
-        prefetch_rows(v_cache + offset, n, row * (int64_t)sizeof(KV_T), head_dim * (int64_t)sizeof(KV_T)); \
+         * anywhere, so the hardware prefetchers do not run ahead of them. With each token's K row  \
+         * (below) the same row of the next block is asked for, into L1, and this token's V row,    \
+         * into L2 for the second pass: a steady stream one block ahead that keeps DRAM busy while  \
+         * the scores are computed. (Asking for a whole block's rows at once, at its start, issued  \
+         * more requests than the core can keep in flight: 15-20 % slower at batch 16, AMD Zen 4.) \
+         */                                                                                         \
+        const KV_T *k_next = t0 + block_size < ctx ?                                                \
+            k_cache + table[t0 / block_size + 1] * block_size * row + g * hrow : NULL;              \
+        const KV_T *vb = v_cache + offset;                                                          \
+        const int64_t hrow_bytes = hrow * (int64_t)sizeof(KV_T);                                    \
         for (int64_t i = 0; i < n; ++i) {                                                           \
+            if (k_next != NULL) PREFETCH_SPAN(k_next + i * row, hrow_bytes, 3);                     \
+            PREFETCH_SPAN(vb + i * row, hrow_bytes, 2);                                             \
             const KV_T *k = kb + i * row;                                                           \
             vec_f kr[MAX_NV]; /* the K row, read (and widened) once for the whole group */          \
             _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);       \
