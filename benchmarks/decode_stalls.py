@@ -11,7 +11,9 @@ later gaps); the decode
 worker's pass durations by kind (pure decode, decode with a prompt chunk mixed in) and the idle
 gaps between its passes; and, for each client gap over ``--stall-factor`` x the p50, what the
 decode worker was doing then (the passes overlapping the gap, their tokens and duration, and any
-idle time). A prompt file is any set ``tandem bench`` reads (ShareGPT JSON, ...); without one the
+idle time) and how many of the other open streams received a token within it (all of them: the
+decode worker's pass was long; none: a shared delivery path stalled; only this one missing: this
+stream's own handoff or preemption). A prompt file is any set ``tandem bench`` reads (ShareGPT JSON, ...); without one the
 built-in prompts run, repeated.
 """
 
@@ -60,25 +62,30 @@ def during(passes: list[Pass], start_s: float, end_s: float) -> list[Pass]:
 
 def analyze(records, run_started_s: float, passes: list[Pass], stall_factor: float) -> dict:
     # (when, gap, index of the token that ended it: 1 = the first gap, the prefill -> decode handoff)
-    gaps = [(r.start_s + t0, (t1 - t0), k + 1) for r in records if r.ok
+    gaps = [(r.start_s + t0, (t1 - t0), k + 1, r) for r in records if r.ok
             for k, (t0, t1) in enumerate(zip(r.chunk_times_s, r.chunk_times_s[1:]))]
-    gap_ms = [g * 1e3 for _, g, _ in gaps]
-    later_ms = [g * 1e3 for _, g, k in gaps if k > 1]
-    first_ms = [g * 1e3 for _, g, k in gaps if k == 1]
+    gap_ms = [g * 1e3 for _, g, _, _ in gaps]
+    later_ms = [g * 1e3 for _, g, k, _ in gaps if k > 1]
+    first_ms = [g * 1e3 for _, g, k, _ in gaps if k == 1]
     decode_only = [p.sample.duration_s * 1e3 for p in passes if p.sample.num_new_tokens == p.sample.num_seqs]
     mixed = [p for p in passes if p.sample.num_new_tokens > p.sample.num_seqs]
     idle_ms = [(b.start_s - a.end_s) * 1e3 for a, b in zip(passes, passes[1:]) if b.start_s > a.end_s]
-    p50_s = pct([g for _, g, _ in gaps], 0.5)
+    p50_s = pct([g for _, g, _, _ in gaps], 0.5)
     stalls = []
-    for at_s, gap_s, token in sorted(gaps, key=lambda g: -g[1]):
+    for at_s, gap_s, token, owner in sorted(gaps, key=lambda g: -g[1]):
         if gap_s < stall_factor * p50_s or len(stalls) >= 12:
             break
         start_s = run_started_s + at_s
         overlapping = during(passes, start_s, start_s + gap_s)
         busy_s = sum(min(p.end_s, start_s + gap_s) - max(p.start_s, start_s) for p in overlapping)
+        # The other streams then: were they served (a shared delivery path would stall them all)?
+        open_streams = [r for r in records if r.ok and r is not owner and r.chunk_times_s
+                        and r.start_s + r.chunk_times_s[0] < at_s and r.start_s + r.chunk_times_s[-1] > at_s + gap_s]
+        served = [r for r in open_streams if any(at_s < r.start_s + t < at_s + gap_s for t in r.chunk_times_s)]
         stalls.append({"gap_ms": round(gap_s * 1e3), "token": token, "decode_busy_ms": round(busy_s * 1e3),
                        "passes": [(p.sample.num_new_tokens, p.sample.num_seqs, round(p.sample.duration_s * 1e3))
-                                  for p in overlapping]})
+                                  for p in overlapping],
+                       "streams_open": len(open_streams), "streams_served": len(served)})
     return {"client_tbt": describe(gap_ms), "client_tbt_first_gap": describe(first_ms),
             "client_tbt_later_gaps": describe(later_ms), "decode_passes": describe(decode_only),
             "mixed_passes": describe([p.sample.duration_s * 1e3 for p in mixed]),
