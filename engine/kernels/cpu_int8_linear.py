@@ -9,6 +9,7 @@ returns None, and the linear layers keep the torch backends (engine.model.linear
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -78,29 +79,37 @@ def int8_linear_cpu(
     return out
 
 
+@functools.cache
+def _build_constants(kernel: ctypes.CDLL) -> tuple[int, int, int]:
+    """(panel width, k pairs side by side, packed path's fewest rows) of this build, asked of the
+    library once: three ctypes calls on every GEMM were a tenth of a decode-sized call."""
+    return (kernel.int8_linear_panel_width(), kernel.int8_linear_pack_pairs(),
+            kernel.int8_linear_packed_min_rows())
+
+
 def packed_path(kernel: ctypes.CDLL) -> bool:
     """Whether this machine's build has a packed path (:func:`pack_weight`,
     :func:`int8_linear_packed_cpu`): with AVX512-VNNI and AVX512-BW, VPDPWSSD on x rounded to int16
     (:func:`packed_rounds_activations`); with AVX2 + FMA only, float32 multiply-adds on the weight
     widened exactly as it is loaded, from :func:`packed_min_rows` rows on."""
-    return kernel.int8_linear_panel_width() > 0
+    return _build_constants(kernel)[0] > 0
 
 
 def packed_rounds_activations(kernel: ctypes.CDLL) -> bool:
     """Whether the packed path rounds each row of x to int16 (the VNNI build; its panels hold k
     pairs side by side) rather than computing in float32."""
-    return packed_path(kernel) and kernel.int8_linear_pack_pairs() == 1
+    return packed_path(kernel) and _build_constants(kernel)[1] == 1
 
 
 def packed_min_rows(kernel: ctypes.CDLL) -> int:
     """The fewest rows of x the packed path is for (1 with VNNI, 3 with AVX2: at 1-2 rows
     :func:`int8_linear_cpu` on the plain weight is as fast); 0 without a packed path."""
-    return kernel.int8_linear_packed_min_rows() if packed_path(kernel) else 0
+    return _build_constants(kernel)[2] if packed_path(kernel) else 0
 
 
 def _panel_shape(kernel: ctypes.CDLL, n: int, k: int) -> tuple[int, int, int, int]:
-    width = kernel.int8_linear_panel_width()
-    if kernel.int8_linear_pack_pairs():
+    width, pairs, _ = _build_constants(kernel)
+    if pairs:
         return -(-n // width), (k + 1) // 2, width, 2
     return -(-n // width), k, width, 1
 
