@@ -98,27 +98,60 @@ def fp32_linear_cpu(
             tensor that does not hold ``out_features`` channels of ``x``'s K.
         MemoryError: the kernel could not allocate its scratch (M x K floats).
     """
-    if x.dtype not in DTYPES or packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias all float32 or all bfloat16, got x {x.dtype}, weight {packed.dtype}, "
+    if x.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not fit [M, K]")
+    return bind_fp32_linear(kernel, packed, x.shape[1], out_features, bias, x.dtype)(x)
+
+
+def bind_fp32_linear(
+    kernel: ctypes.CDLL,
+    packed: torch.Tensor,  # [ceil(N / NR), K', NR], dtype, from pack_weight
+    in_features: int,  # K
+    out_features: int,  # N
+    bias: torch.Tensor | None,  # [N], dtype
+    dtype: torch.dtype,  # float32 or bfloat16: x's, the weight's, the output's
+):  # -> Callable[[torch.Tensor], torch.Tensor]: x [M, K] -> [M, N]
+    """:func:`fp32_linear_cpu` with the weight and bias checked and bound once: ``x ->
+    x @ weight.T + bias``, each call checking ``x`` alone (a decode step's ~120 GEMM calls spent
+    ~5 us each re-checking the weight). The bound operands are used as they are now: a bias that
+    was not contiguous is copied here.
+
+    Raises:
+        ValueError: as :func:`fp32_linear_cpu`, here for the weight and bias, at the call for x.
+        MemoryError: at the call, as :func:`fp32_linear_cpu`.
+    """
+    if dtype not in DTYPES or packed.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        raise ValueError(f"x, weight and bias all float32 or all bfloat16, got x {dtype}, weight {packed.dtype}, "
                          f"bias {None if bias is None else bias.dtype}")
-    if x.device.type != "cpu" or packed.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+    if packed.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
         raise ValueError("CPU tensors only")
     width = kernel.panel_width
-    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != width \
-            or packed.shape[1] != packed_k(kernel, x.shape[1], x.dtype) \
+    if packed.dim() != 3 or packed.shape[2] != width or packed.shape[1] != packed_k(kernel, in_features, dtype) \
             or packed.shape[0] != (out_features + width - 1) // width \
             or (bias is not None and bias.shape != (out_features,)):
-        raise ValueError(f"x {tuple(x.shape)}, packed weight {tuple(packed.shape)}, {out_features} output "
+        raise ValueError(f"x [M, {in_features}], packed weight {tuple(packed.shape)}, {out_features} output "
                          f"channels and bias {None if bias is None else tuple(bias.shape)} do not fit [M, K], "
                          f"[ceil(N / {width}), K, {width}], N and [N]")
     if not packed.is_contiguous():
         raise ValueError("the packed weight must be contiguous")
-    x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    (m, k), n = x.shape, out_features
-    out = torch.empty(m, n, dtype=x.dtype)
-    if m == 0:
+    linear = kernel.fp32_linear if dtype == torch.float32 else kernel.bf16_linear
+    k, n = in_features, out_features
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != dtype or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be {dtype} [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=dtype)
+        if m == 0:
+            return out
+        status = linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        out.data_ptr(), m, n, k, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"the linear kernel could not allocate {m * k * 4} bytes of scratch")
         return out
+    return call
     linear = kernel.fp32_linear if x.dtype == torch.float32 else kernel.bf16_linear
     status = linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 out.data_ptr(), m, n, k, torch.get_num_threads())

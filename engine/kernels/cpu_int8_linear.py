@@ -152,27 +152,55 @@ def int8_linear_packed_cpu(
         ValueError: a tensor with another dtype, device, layout or shape than the above.
         MemoryError: the kernel could not allocate its scratch.
     """
-    if x.dtype != torch.float32 or packed.dtype != torch.int8 or scale.dtype != torch.float32 \
+    if x.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not fit [M, K]")
+    return bind_int8_linear_packed(kernel, packed, x.shape[1], num_out, scale, bias, x.dtype)(x)
+
+
+def bind_int8_linear_packed(
+    kernel: ctypes.CDLL,
+    packed: torch.Tensor,  # pack_weight()'s panels of an int8 [N, K] weight
+    in_features: int,  # K
+    num_out: int,  # N
+    scale: torch.Tensor,  # [N], float32, contiguous
+    bias: torch.Tensor | None,  # [N], float32, contiguous
+    x_dtype: torch.dtype = torch.float32,  # the input's: float32 only
+):  # -> Callable[[torch.Tensor], torch.Tensor]: x [M, K] float32 -> [M, N] float32
+    """:func:`int8_linear_packed_cpu` with the panels, scale and bias checked and bound once:
+    ``x -> x @ (qweight * scale[:, None]).T + bias``, each call checking ``x`` alone (a decode
+    step's ~120 GEMM calls spent ~5 us each re-checking the weight).
+
+    Raises:
+        ValueError: as :func:`int8_linear_packed_cpu`, here for the weight's tensors, at the call
+            for x.
+        MemoryError: at the call, as :func:`int8_linear_packed_cpu`.
+    """
+    if x_dtype != torch.float32 or packed.dtype != torch.int8 or scale.dtype != torch.float32 \
             or (bias is not None and bias.dtype != torch.float32):
-        raise ValueError(f"float32 x, scale and bias with packed int8 panels only, got x {x.dtype}, panels "
+        raise ValueError(f"float32 x, scale and bias with packed int8 panels only, got x {x_dtype}, panels "
                          f"{packed.dtype}, scale {scale.dtype}, bias {None if bias is None else bias.dtype}")
-    if x.device.type != "cpu" or packed.device.type != "cpu" or scale.device.type != "cpu":
+    if packed.device.type != "cpu" or scale.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
         raise ValueError("CPU tensors only")
-    if x.dim() != 2 or packed.dim() != 4 or not packed_path(kernel) \
-            or tuple(packed.shape) != _panel_shape(kernel, num_out, x.shape[1]) or scale.shape != (num_out,) \
-            or (bias is not None and bias.shape != (num_out,)):
-        raise ValueError(f"x {tuple(x.shape)}, panels {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
+    if packed.dim() != 4 or not packed_path(kernel) or tuple(packed.shape) != _panel_shape(kernel, num_out, in_features) \
+            or scale.shape != (num_out,) or (bias is not None and bias.shape != (num_out,)):
+        raise ValueError(f"x [M, {in_features}], panels {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, K] weight")
     if not (packed.is_contiguous() and scale.is_contiguous() and (bias is None or bias.is_contiguous())):
         raise ValueError("panels, scale and bias must be contiguous")
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.empty(m, num_out, dtype=torch.float32)
-    if kernel.int8_linear_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
-                                 torch.get_num_threads()):
-        raise MemoryError(f"int8 linear: no scratch for x {tuple(x.shape)}")
-    return out
+    k = in_features
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, num_out, dtype=torch.float32)
+        if kernel.int8_linear_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
+                                     torch.get_num_threads()):
+            raise MemoryError(f"int8 linear: no scratch for x {tuple(x.shape)}")
+        return out
+    return call
 
 
 # The largest |value| a row is quantised to before it is split into two bytes (127 * 256 + 127).

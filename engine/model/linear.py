@@ -55,17 +55,18 @@ dispatch by M happens inside it at run time, so one graph serves every M).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LINEAR_BACKEND_CHOICES
-from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, pack_weight
+from engine.kernels.cpu_fp32_linear import bind_fp32_linear, fp32_linear_cpu, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
 from engine.kernels import cpu_build
-from engine.kernels.cpu_int8_linear import (int8_linear_cpu, int8_linear_packed_cpu, packed_min_rows, packed_path,
-                                            split_rows_u8)
+from engine.kernels.cpu_int8_linear import (bind_int8_linear_packed, int8_linear_cpu, int8_linear_packed_cpu,
+                                            packed_min_rows, packed_path, split_rows_u8)
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
@@ -206,6 +207,32 @@ def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qwei
     return F.linear(x, dequantize_int8(qweight, scale).to(x.dtype), bias)  # int8_dequant
 
 
+def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                 scale: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> run_backend(backend, x, prepared, weight, bias, scale)`` with what can be looked up
+    once (the kernel library, the op, the packed path's row threshold) bound: a decode step makes
+    ~120 GEMM calls of 30-80 us, and the lookups between a layer and its kernel took ~8 us of each."""
+    if backend == "int8_cpu" and prepared is not None:
+        kernel, min_rows = load_int8_kernel(), _packed_min_rows()
+        packed = bind_int8_linear_packed(kernel, prepared, weight.shape[1], weight.shape[0], scale, bias)
+
+        def int8_packed(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= min_rows:
+                return packed(x)
+            return int8_linear_cpu(kernel, x, weight, scale, bias)
+        return int8_packed
+    if backend == "fp32_cpu":
+        return bind_fp32_linear(load_fp32_kernel(), prepared, weight.shape[1], weight.shape[0], bias, weight.dtype)
+    if backend == "onednn":
+        op = torch.ops.mkldnn._linear_pointwise
+        return lambda x: op(x, prepared, bias, "none", [], "")
+    return functools.partial(_run_bound, backend, prepared=prepared, weight=weight, bias=bias, scale=scale)
+
+
+def _run_bound(backend: str, x: torch.Tensor, *, prepared, weight, bias, scale) -> torch.Tensor:
+    return run_backend(backend, x, prepared, weight, bias, scale)
+
+
 # Symmetric int8: [-127, 127], so that -w quantises to -q (no -128).
 INT8_MAX = 127
 
@@ -247,6 +274,10 @@ class Linear(nn.Module):
         self.plan: tuple[int, ...] | None = None
         # prepared[i]: BACKENDS[i]'s copy of the weight (plain tensors, not parameters).
         self.prepared: list[torch.Tensor | None] = [None] * len(BACKENDS)
+        # bound[b]: M bucket b's backend with its prepared weight bound (bind_backend), and the
+        # input dtype it takes; eager calls only (torch.compile traces planned_linear instead).
+        self._bound: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self._bound_dtype: torch.dtype | None = None
         self.register_buffer("qweight", None)  # int8 [out, in] once quantised
         self.register_buffer("weight_scale", None)  # float32 [out] once quantised
 
@@ -287,10 +318,15 @@ class Linear(nn.Module):
         self._source = weight  # the weight the plan was prepared from (MKL reads its shape)
         self.prepared = prepared
         self.plan = tuple(BACKENDS.index(name) for name in plan)
+        bound = {name: bind_backend(name, prepared[BACKENDS.index(name)], weight, self.bias, self.weight_scale)
+                 for name in set(plan)}
+        self._bound = [bound[name] for name in plan]
+        self._bound_dtype = torch.float32 if self.qweight is not None else weight.dtype
 
     def clear_plan(self) -> None:
         """Back to plain ``F.linear``; frees the prepared copies. Mutates this layer."""
         self.plan, self.prepared = None, [None] * len(BACKENDS)
+        self._bound = self._bound_dtype = None
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend an input of ``num_tokens`` rows runs through."""
@@ -299,6 +335,10 @@ class Linear(nn.Module):
         return BACKENDS[self.plan[min(m_bucket(num_tokens), len(self.plan) - 1)]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bound = self._bound
+        if bound is not None and x.dim() == 2 and x.dtype == self._bound_dtype \
+                and not torch.compiler.is_compiling():
+            return bound[min(m_bucket(x.shape[0]), len(bound) - 1)](x)
         if self.qweight is not None:
             return self._forward_int8(x)
         if self.plan is None or x.dim() != 2 or x.dtype != self._source.dtype:
