@@ -21,11 +21,13 @@
  * the context: scores (q . k, scaled) and their softmax (a vector exp), then the weighted sum of
  * V rows for up to ACC_VECS / NV query heads at once, each V row read once per such chunk. While
  * the scores pass reads a block, it asks for the next block's K rows and this block's V rows one
- * token at a time (software prefetches: a unit's rows are too scattered for the hardware's). With
+ * token at a time (software prefetches: a unit's rows are too scattered for the hardware's), and
+ * the same rows of the unit its thread runs next (units go round robin). With
  * head_dim a multiple of VEC (64 and 128 specialised) the rows go through vectors whose
  * accumulators stay in registers; other head sizes take scalar loops.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -217,7 +219,7 @@ static inline float vsum(vec_f v)
 static inline __attribute__((always_inline)) void NAME(                                             \
     const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t ctx,    \
     int64_t g, int64_t row, int64_t hrow, int group, int block_size, float scale, float *scores,     \
-    float *o, int NV)                                                                               \
+    float *o, int NV, const int64_t *next_table, int64_t next_ctx, int64_t next_g)                   \
 {                                                                                                   \
     const int head_dim = NV * VEC;                                                                  \
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
@@ -230,6 +232,9 @@ static inline __attribute__((always_inline)) void NAME(                         
          * into L2 for the second pass: a steady stream one block ahead that keeps DRAM busy while  \
          * the scores are computed. (Asking for a whole block's rows at once, at its start, issued  \
          * more requests than the core can keep in flight: 15-20 % slower at batch 16, AMD Zen 4.) \
+         * The same token's rows of the thread's next unit (next_table, next_ctx, next_g) go to L2  \
+         * too: that unit then computes from L2 while DRAM serves the one after, where without it    \
+         * DRAM idled through each unit's softmax and V pass (~25 % of the kernel at batch 16).     \
          */                                                                                         \
         const KV_T *k_next = t0 + block_size < ctx ?                                                \
             k_cache + table[t0 / block_size + 1] * block_size * row + g * hrow : NULL;              \
@@ -238,6 +243,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t i = 0; i < n; ++i) {                                                           \
             if (k_next != NULL) PREFETCH_SPAN(k_next + i * row, hrow_bytes, 3);                     \
             PREFETCH_SPAN(vb + i * row, hrow_bytes, 2);                                             \
+            if (t0 + i < next_ctx) { /* the thread's next unit: its K and V row of this token, into L2 */ \
+                const int64_t t = t0 + i;                                                           \
+                const int64_t at = (next_table[t / block_size] * block_size + t % block_size) * row + next_g * hrow; \
+                PREFETCH_SPAN(k_cache + at, hrow_bytes, 2);                                         \
+                PREFETCH_SPAN(v_cache + at, hrow_bytes, 2);                                         \
+            }                                                                                       \
             const KV_T *k = kb + i * row;                                                           \
             vec_f kr[MAX_NV]; /* the K row, read (and widened) once for the whole group */          \
             _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) kr[c] = VLOAD(k + c * VEC);       \
@@ -342,19 +353,26 @@ void NAME(                                                                      
     const int64_t hrow = (int64_t)head_dim + (EXTRA); /* elements per (token, head) row */          \
     const int64_t row = (int64_t)num_kv_heads * hrow; /* elements per token in one block */         \
     const int64_t units = (int64_t)num_seqs * num_kv_heads;                                         \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                       \
+    /* Round robin (static, 1): thread t runs units t, t + T, t + 2T, ..., so each unit knows the  \
+     * thread's next one and streams its rows into L2 while it computes (DEFINE_UNIT_VECTOR). */    \
+    _Pragma("omp parallel for schedule(static, 1) num_threads(num_threads)")                        \
     for (int64_t u = 0; u < units; ++u) {                                                           \
         const int64_t s = u / num_kv_heads, g = u % num_kv_heads;                                   \
         const int64_t ctx = seq_lens[s];                                                            \
         const int64_t *table = block_tables + s * table_stride;                                     \
+        const int64_t team = omp_get_num_threads(); /* the threads the runtime gave this region */  \
+        const int64_t next = u + team < units ? u + team : -1;                                     \
+        const int64_t next_s = next < 0 ? 0 : next / num_kv_heads, next_g = next < 0 ? 0 : next % num_kv_heads; \
+        const int64_t next_ctx = next < 0 ? 0 : seq_lens[next_s];                                   \
+        const int64_t *next_table = block_tables + next_s * table_stride;                           \
         /* this KV head's group of query heads: [group, head_dim] */                                \
         const float *q = query + (s * num_heads + g * group) * head_dim;                            \
         float *o = out + (s * num_heads + g * group) * head_dim;                                    \
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(ctx > 0 ? ctx : 1));        \
         if (head_dim == 64) {                                                                       \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 64 / VEC); \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 64 / VEC, next_table, next_ctx, next_g); \
         } else if (head_dim == 128) {                                                               \
-            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 128 / VEC); \
+            UNIT(q, k_cache, v_cache, table, ctx, g, row, hrow, group, block_size, scale, scores, o, 128 / VEC, next_table, next_ctx, next_g); \
         } else {                                                                                    \
             /* scores[j * ctx + t] = scale * q_j . k_t */                                           \
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                      \
