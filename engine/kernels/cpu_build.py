@@ -107,6 +107,9 @@ class CachedKernel:
     def load(self) -> ctypes.CDLL | None:
         """The library, compiling it first if needed; None (logged once) when it cannot be built
         or loaded here."""
+        lib = self._lib  # once set, never changes: no lock on the hot path (a layer calls this per step)
+        if lib is not False:
+            return lib
         with self._lock:
             if self._lib is False:
                 self._lib = self._open()
