@@ -15,6 +15,7 @@ at M = 16 (docs/engine.md). Where no compiler works, or the C source is not inst
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,7 +111,7 @@ def bind_fp32_linear(
     out_features: int,  # N
     bias: torch.Tensor | None,  # [N], dtype
     dtype: torch.dtype,  # float32 or bfloat16: x's, the weight's, the output's
-):  # -> Callable[[torch.Tensor], torch.Tensor]: x [M, K] -> [M, N]
+) -> Callable[[torch.Tensor], torch.Tensor]:  # x [M, K] -> [M, N], dtype
     """:func:`fp32_linear_cpu` with the weight and bias checked and bound once: ``x ->
     x @ weight.T + bias``, each call checking ``x`` alone (a decode step's ~120 GEMM calls spent
     ~5 us each re-checking the weight). The bound operands are used as they are now: a bias that
@@ -152,9 +153,3 @@ def bind_fp32_linear(
             raise MemoryError(f"the linear kernel could not allocate {m * k * 4} bytes of scratch")
         return out
     return call
-    linear = kernel.fp32_linear if x.dtype == torch.float32 else kernel.bf16_linear
-    status = linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                out.data_ptr(), m, n, k, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError(f"the linear kernel could not allocate {m * k * 4} bytes of scratch")
-    return out

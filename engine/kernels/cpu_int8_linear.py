@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -165,7 +166,7 @@ def bind_int8_linear_packed(
     scale: torch.Tensor,  # [N], float32, contiguous
     bias: torch.Tensor | None,  # [N], float32, contiguous
     x_dtype: torch.dtype = torch.float32,  # the input's: float32 only
-):  # -> Callable[[torch.Tensor], torch.Tensor]: x [M, K] float32 -> [M, N] float32
+) -> Callable[[torch.Tensor], torch.Tensor]:  # x [M, K] float32 -> [M, N] float32
     """:func:`int8_linear_packed_cpu` with the panels, scale and bias checked and bound once:
     ``x -> x @ (qweight * scale[:, None]).T + bias``, each call checking ``x`` alone (a decode
     step's ~120 GEMM calls spent ~5 us each re-checking the weight).

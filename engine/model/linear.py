@@ -62,11 +62,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LINEAR_BACKEND_CHOICES
-from engine.kernels.cpu_fp32_linear import bind_fp32_linear, fp32_linear_cpu, pack_weight
+from engine.kernels.cpu_fp32_linear import bind_fp32_linear, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
 from engine.kernels import cpu_build
-from engine.kernels.cpu_int8_linear import (bind_int8_linear_packed, int8_linear_cpu, int8_linear_packed_cpu,
-                                            packed_min_rows, packed_path, split_rows_u8)
+from engine.kernels.cpu_int8_linear import (bind_int8_linear_packed, int8_linear_cpu, packed_min_rows, packed_path,
+                                            split_rows_u8)
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
@@ -168,14 +168,12 @@ def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, we
                 bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [M, in] through ``backend`` with its prepared weight -> [M, out], x's dtype. An int8
     backend's ``weight`` is int8 [out, in] and ``scale`` its float32 [out] per-channel scales."""
+    if backend in _BINDABLE:
+        return bind_backend(backend, prepared, weight, bias, scale)(x)
     if backend in INT8_BACKENDS:
         return _run_int8(backend, x, prepared, weight, scale, bias)
-    if backend == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
     if backend == "mkl":
         return torch.ops.mkl._mkl_linear(x, prepared, weight, bias, _MKL_BATCH_HINT)
-    if backend == "fp32_cpu":
-        return fp32_linear_cpu(load_fp32_kernel(), x, prepared, weight.shape[0], bias)
     return F.linear(x, weight, bias)
 
 
@@ -188,10 +186,6 @@ def _packed_min_rows() -> int:
 
 def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qweight: torch.Tensor,
               scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if backend == "int8_cpu" and prepared is not None and x.shape[0] >= _packed_min_rows():
-        return int8_linear_packed_cpu(load_int8_kernel(), x, prepared, qweight.shape[0], scale, bias)
-    if backend == "int8_cpu":
-        return int8_linear_cpu(load_int8_kernel(), x, qweight, scale, bias)
     if backend == "int8_onednn":
         # x_scale 1, zero point 128: row r of the result is scale[n] * sum_k (q[r, k] - 128) w[n, k],
         # the high bytes' partial sums in rows 0..M, the low bytes' in M..2M.
@@ -207,13 +201,26 @@ def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qwei
     return F.linear(x, dequantize_int8(qweight, scale).to(x.dtype), bias)  # int8_dequant
 
 
+# The backends whose per-call work bind_backend does once (run_backend binds them per call).
+_BINDABLE = ("int8_cpu", "fp32_cpu", "onednn")
+
+
 def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                  scale: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> run_backend(backend, x, prepared, weight, bias, scale)`` with what can be looked up
-    once (the kernel library, the op, the packed path's row threshold) bound: a decode step makes
-    ~120 GEMM calls of 30-80 us, and the lookups between a layer and its kernel took ~8 us of each."""
-    if backend == "int8_cpu" and prepared is not None:
-        kernel, min_rows = load_int8_kernel(), _packed_min_rows()
+    """``x -> run_backend(backend, x, prepared, weight, bias, scale)`` (x [M, in] -> [M, out]) with
+    what can be looked up or checked once bound: the kernel library, the op, the packed path's row
+    threshold, the weight's shapes. A decode step makes ~120 GEMM calls of 30-80 us, and that work
+    took ~8 us of each when done per call.
+
+    Raises:
+        ValueError: a prepared weight, bias or scale the backend's kernel cannot take (the C
+            backends check them here; x is checked at each call).
+    """
+    if backend == "int8_cpu":
+        kernel = load_int8_kernel()
+        if prepared is None:  # a build without the packed path
+            return lambda x: int8_linear_cpu(kernel, x, weight, scale, bias)
+        min_rows = _packed_min_rows()
         packed = bind_int8_linear_packed(kernel, prepared, weight.shape[1], weight.shape[0], scale, bias)
 
         def int8_packed(x: torch.Tensor) -> torch.Tensor:
@@ -226,11 +233,7 @@ def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tens
     if backend == "onednn":
         op = torch.ops.mkldnn._linear_pointwise
         return lambda x: op(x, prepared, bias, "none", [], "")
-    return functools.partial(_run_bound, backend, prepared=prepared, weight=weight, bias=bias, scale=scale)
-
-
-def _run_bound(backend: str, x: torch.Tensor, *, prepared, weight, bias, scale) -> torch.Tensor:
-    return run_backend(backend, x, prepared, weight, bias, scale)
+    return functools.partial(run_backend, backend, prepared=prepared, weight=weight, bias=bias, scale=scale)
 
 
 # Symmetric int8: [-127, 127], so that -w quantises to -q (no -128).

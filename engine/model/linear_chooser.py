@@ -40,7 +40,7 @@ from torch import nn
 from core.model_source import cache_dir
 from engine.config import EngineConfig
 from engine.model.linear import (BACKENDS, INT8_BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m,
-                                 fallback_backend, m_bucket, planned_layers, prepare_weight, run_backend)
+                                 bind_backend, fallback_backend, m_bucket, planned_layers, prepare_weight)
 
 log = logging.getLogger(__name__)
 
@@ -168,18 +168,21 @@ def time_backends_ms(prepared: dict[str, list[torch.Tensor | None]], weights: li
     int8 = weights[0].dtype == torch.int8  # a quantised layer's: float32 activations, unit scales
     x = torch.randn(m, weights[0].shape[1], dtype=torch.float32 if int8 else weights[0].dtype, device=weights[0].device)
     scale = torch.ones(weights[0].shape[0], device=weights[0].device) if int8 else None
+    # Each copy bound as a layer binds it (Linear.set_plan): the calls timed are the ones a pass makes.
+    bound = {backend: [bind_backend(backend, p, w, None, scale) for p, w in zip(copies, weights)]
+             for backend, copies in prepared.items()}
     best_s = {}
-    for backend, copies in prepared.items():
-        run_backend(backend, x, copies[0], weights[0], None, scale)  # warm-up: primitive creation
+    for backend, calls_of in bound.items():
+        calls_of[0](x)  # warm-up: primitive creation
         best_s[backend] = float("inf")
     calls, started = 0, time.perf_counter()
     budget_s = TIME_PER_CANDIDATE_S * len(prepared)
     i = 0  # copy 0 was the warm-ups': it is in the caches
     while calls < MIN_CALLS or time.perf_counter() - started < budget_s:
-        for backend, copies in prepared.items():
+        for backend, calls_of in bound.items():
             i = (i + 1) % len(weights)
             t0 = time.perf_counter()
-            run_backend(backend, x, copies[i], weights[i], None, scale)
+            calls_of[i](x)
             best_s[backend] = min(best_s[backend], time.perf_counter() - t0)
         calls += 1
     return {backend: s * 1e3 for backend, s in best_s.items()}
@@ -215,7 +218,7 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
 
 
 # Changed when the way a plan is measured changes, so plans cached the old way are measured again.
-PLAN_FORMAT = "5: fp32_cpu among the candidates; one plan per shape set, read for any number of buckets it covers"
+PLAN_FORMAT = "6: the bound calls a layer makes timed (bind_backend); one plan per shape set, read for any number of buckets it covers"
 # Plans also depend on Tandem's own kernels: float32 layers' on engine.kernels.cpu_fp32_linear,
 # int8 layers' on engine.kernels.cpu_int8_linear.
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"

@@ -233,7 +233,8 @@ static inline __attribute__((always_inline)) void NAME(                         
          * the scores are computed. (Asking for a whole block's rows at once, at its start, issued  \
          * more requests than the core can keep in flight: 15-20 % slower at batch 16, AMD Zen 4.) \
          * The same token's rows of the thread's next unit (next_table, next_ctx, next_g) go to L2  \
-         * too: that unit then computes from L2 while DRAM serves the one after, where without it    \
+         * too (as far as this unit's context reaches; a longer next unit asks for the rest itself):  \
+         * that unit then computes from L2 while DRAM serves the one after, where without it        \
          * DRAM idled through each unit's softmax and V pass (~25 % of the kernel at batch 16).     \
          */                                                                                         \
         const KV_T *k_next = t0 + block_size < ctx ?                                                \

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_fp32_linear import fp32_linear_cpu, load_kernel, pack_weight
+from engine.kernels.cpu_fp32_linear import bind_fp32_linear, fp32_linear_cpu, load_kernel, pack_weight
 
 # Float32 sums of K <= 1536 products of magnitude ~1 (outputs ~40), in another order than
 # F.linear's (and fused multiply-adds): measured max abs difference ~1.5e-5 (relative ~4e-7).
@@ -135,3 +135,20 @@ def test_bad_arguments_are_refused_before_the_c_code_runs(kernel):
         fp32_linear_cpu(kernel, x, packed.transpose(1, 2).contiguous().transpose(1, 2), 20, None)
     with pytest.raises(ValueError, match="2-D float32 or bfloat16 CPU weight"):
         pack_weight(kernel, weight.double())
+
+
+def test_a_bound_linear_checks_its_weight_once_and_each_x(kernel):
+    """bind_fp32_linear: the packed weight and bias are checked when bound; every call then checks
+    x alone (dtype, rank, K) and equals the unbound call bit for bit."""
+    weight, bias = make(20, 8, seed=1), torch.randn(20)
+    packed = pack_weight(kernel, weight)
+    with pytest.raises(ValueError, match="do not fit"):
+        bind_fp32_linear(kernel, packed, 9, 20, bias, torch.float32)  # K differs from the panels'
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        bind_fp32_linear(kernel, packed, 8, 20, bias.bfloat16(), torch.float32)
+    call = bind_fp32_linear(kernel, packed, 8, 20, bias, torch.float32)
+    x = torch.randn(5, 8)
+    assert torch.equal(call(x), fp32_linear_cpu(kernel, x, packed, 20, bias))
+    for bad in (torch.randn(5, 9), x.bfloat16(), torch.randn(8)):
+        with pytest.raises(ValueError, match="x must be torch.float32 \\[M, 8\\]"):
+            call(bad)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_int8_linear import (
+    bind_int8_linear_packed,
     int8_linear_cpu,
     int8_linear_packed_cpu,
     load_kernel,
@@ -166,3 +167,22 @@ def test_split_rows_u8_refuses_bad_input(kernel):
         split_rows_u8(kernel, torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="2-D float32 CPU tensor"):
         split_rows_u8(kernel, torch.zeros(6))
+
+
+def test_a_bound_packed_linear_checks_its_panels_once_and_each_x(kernel):
+    """bind_int8_linear_packed: panels, scale and bias are checked when bound; every call then
+    checks x alone and equals the unbound call bit for bit."""
+    if not packed_path(kernel):
+        pytest.skip("no packed int8 path on this build")
+    qweight, scale = make(37, 17, seed=5)
+    packed, bias = pack_weight(kernel, qweight), torch.randn(37)
+    with pytest.raises(ValueError, match="do not fit a \\[37, K\\] weight"):
+        bind_int8_linear_packed(kernel, packed, 17, 37, scale[:36], bias)
+    with pytest.raises(ValueError, match="do not fit a \\[37, K\\] weight"):
+        bind_int8_linear_packed(kernel, packed, 40, 37, scale, bias)  # K past the panels'
+    call = bind_int8_linear_packed(kernel, packed, 17, 37, scale, bias)
+    x = torch.randn(4, 17)
+    assert torch.equal(call(x), int8_linear_packed_cpu(kernel, x, packed, 37, scale, bias))
+    for bad in (torch.randn(4, 16), x.double(), torch.randn(17)):
+        with pytest.raises(ValueError, match="x must be float32 \\[M, 17\\]"):
+            call(bad)
