@@ -31,6 +31,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.int8_linear_packed.restype = ctypes.c_int
     lib.int8_linear_packed.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.int8_linear_a8_available.restype = ctypes.c_int
+    lib.int8_linear_a8_available.argtypes = []
+    lib.int8_linear_a8_packed_bytes.restype = ctypes.c_int64
+    lib.int8_linear_a8_packed_bytes.argtypes = [ctypes.c_int64] * 2
+    lib.int8_linear_a8_pack.restype = None
+    lib.int8_linear_a8_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.int8_linear_a8_packed.restype = ctypes.c_int
+    lib.int8_linear_a8_packed.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.int8_quantize_rows_u8.restype = None
+    lib.int8_quantize_rows_u8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.int8_split_rows_u8.restype = None
     lib.int8_split_rows_u8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
 
@@ -231,3 +241,113 @@ def split_rows_u8(kernel: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, t
     s = torch.empty(m, dtype=torch.float32)
     kernel.int8_split_rows_u8(x.data_ptr(), q.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads())
     return q, s
+
+
+# W8A8 (8-bit activations, int8_linear.c "W8A8"): the largest K whose int32 sums cannot overflow.
+A8_MAX_K = 66311
+
+
+@functools.cache
+def a8_available(kernel: ctypes.CDLL) -> bool:
+    """Whether this build has the W8A8 kernel (VPDPBUSD: AVX512-VNNI and AVX512-BW)."""
+    return bool(kernel.int8_linear_a8_available())
+
+
+def pack_weight_a8(kernel: ctypes.CDLL, qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int8 [N, K] -> the W8A8 kernel's packed weight, int8 [B] (B from
+    ``int8_linear_a8_packed_bytes``): panels ``[ceil(N / P)][ceil(K / 4)][P][4]`` (P the panel
+    width, four k side by side, zeros past N and K) followed by each channel's ``128 sum_k w[n, k]``
+    as int32 ``[ceil(N / P) P]``. A new tensor; ``qweight`` is not changed.
+
+    Raises:
+        ValueError: not a contiguous 2-D int8 CPU tensor, K > A8_MAX_K, or no W8A8 path here.
+    """
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.device.type != "cpu" \
+            or not qweight.is_contiguous():
+        raise ValueError(f"a contiguous 2-D int8 CPU weight only, got {qweight.dtype} {tuple(qweight.shape)}")
+    if not a8_available(kernel):
+        raise ValueError("this build has no W8A8 int8 path (the CPU lacks AVX512-VNNI)")
+    n, k = qweight.shape
+    if k > A8_MAX_K:
+        raise ValueError(f"W8A8 takes K <= {A8_MAX_K} (int32 sums), got {k}")
+    packed = torch.empty(kernel.int8_linear_a8_packed_bytes(n, k), dtype=torch.int8)
+    kernel.int8_linear_a8_pack(qweight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def bind_int8_linear_a8(
+    kernel: ctypes.CDLL,
+    packed: torch.Tensor,  # pack_weight_a8()'s bytes of an int8 [N, K] weight
+    in_features: int,  # K
+    num_out: int,  # N
+    scale: torch.Tensor,  # [N], float32, contiguous
+    bias: torch.Tensor | None,  # [N], float32, contiguous
+) -> Callable[[torch.Tensor], torch.Tensor]:  # x [M, K] float32 -> [M, N] float32
+    """``x -> q8(x) @ (qweight * scale[:, None]).T + bias``, the W8A8 GEMM: each row of x is
+    quantised symmetrically to 8 bits on its own scale ``max|x[m]| / 127`` (round to nearest
+    even; :func:`quantize_rows_8bit` is the same rounding in torch), u8 x s8 products summed in
+    int32 (VPDPBUSD), float32 scaling. The weight's tensors are checked here, x at each call.
+
+    Raises:
+        ValueError: a tensor with another dtype, device, layout or shape than the above.
+        MemoryError: at the call, the kernel could not allocate its scratch.
+    """
+    if packed.dtype != torch.int8 or scale.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError(f"float32 scale and bias with packed int8 bytes only, got bytes {packed.dtype}, scale "
+                         f"{scale.dtype}, bias {None if bias is None else bias.dtype}")
+    if packed.device.type != "cpu" or scale.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        raise ValueError("CPU tensors only")
+    if not a8_available(kernel) or packed.dim() != 1 \
+            or packed.numel() != kernel.int8_linear_a8_packed_bytes(num_out, in_features) \
+            or scale.shape != (num_out,) or (bias is not None and bias.shape != (num_out,)):
+        raise ValueError(f"packed bytes {tuple(packed.shape)}, scale {tuple(scale.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, {in_features}] weight")
+    if not (packed.is_contiguous() and scale.is_contiguous() and (bias is None or bias.is_contiguous())):
+        raise ValueError("packed bytes, scale and bias must be contiguous")
+    k = in_features
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, num_out, dtype=torch.float32)
+        if kernel.int8_linear_a8_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
+                                        torch.get_num_threads()):
+            raise MemoryError(f"int8 W8A8 linear: no scratch for x {tuple(x.shape)}")
+        return out
+    return call
+
+
+def quantize_rows_u8(kernel: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x quantised to 8 bits as the W8A8 kernel does, for an 8-bit x 8-bit GEMM
+    library (``int8_onednn`` on a W8A8 layer): ``s[m] = max|x[m]| / 127``, ``q = round(x / s) + 128``.
+
+    x float32 [M, K] -> (q uint8 [M, K], s float32 [M]); ``(q[m] - 128) * s[m]`` is x[m] within
+    ``s[m] / 2`` per value. A zero row (or one below ~1e-36) gets s = 0 and q = 128; a row holding
+    a NaN or an infinity s = NaN.
+
+    Raises:
+        ValueError: x is not a 2-D float32 CPU tensor.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"a 2-D float32 CPU tensor only, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.uint8)
+    s = torch.empty(m, dtype=torch.float32)
+    kernel.int8_quantize_rows_u8(x.data_ptr(), q.data_ptr(), s.data_ptr(), m, k, torch.get_num_threads())
+    return q, s
+
+
+def quantize_rows_8bit(x: torch.Tensor) -> torch.Tensor:
+    """The W8A8 kernels' activation rounding in torch (the reference, and ``int8_dequant`` on a
+    W8A8 layer): each row of x [M, K] float32 to ``round(x / s) * s``, ``s = max|x[m]| / 127``
+    (round to nearest even; a zero row stays zero). Returns a new float32 [M, K] tensor."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # 127 / amax as the kernels compute it (a float division; torch's scalar / tensor can be a
+    # reciprocal times 127, one ulp off, which moves values sitting on a rounding tie).
+    inv = torch.full_like(amax, 127.0) / amax
+    q = torch.round(x * torch.where(amax > 0, inv, torch.zeros_like(amax)))
+    return q * (amax / 127)

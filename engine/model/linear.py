@@ -42,6 +42,15 @@ weight [out, in] and one float32 scale per output channel, and runs through one 
   the activations in one byte per row, W8A8, the AlpacaEval perplexity rose 3.3 % over float32's
   where the 16-bit activations cost 0.5 %.)
 
+A layer quantised with ``activation_bits=8`` (W8A8: ``--quantization int8`` marks the attention
+output and MLP projections, engine.model.loader) rounds each row of x to 8 bits on its own scale
+``max|x[m]| / 127`` before the GEMM, whichever backend runs it, so its result is the GEMM of the
+8-bit x with the int8 weight on every backend (up to the order of the sums): ``int8_cpu`` runs
+VPDPBUSD on the bytes where the CPU has AVX512-VNNI (four multiply-adds per int32 lane, twice
+VPDPWSSD's), elsewhere its float kernels on the rounded x; ``int8_onednn`` one u8 GEMM of the
+rows; ``int8_dequant`` rounds in torch (:func:`engine.kernels.cpu_int8_linear.quantize_rows_8bit`).
+``int8pack`` (bfloat16 activations) does not run them.
+
 Which backend is fastest depends on the CPU, the weight's shape and M (the tokens in the step):
 on a 2-core AMD EPYC (Zen 4) oneDNN ran the 49152 x 576 LM head 2-4x faster than MKL at every M
 while on other CPUs MKL's packed GEMM can win at some M. :mod:`engine.model.linear_chooser`
@@ -65,8 +74,9 @@ from engine.config import LINEAR_BACKEND_CHOICES
 from engine.kernels.cpu_fp32_linear import bind_fp32_linear, pack_weight
 from engine.kernels.cpu_fp32_linear import load_kernel as load_fp32_kernel
 from engine.kernels import cpu_build
-from engine.kernels.cpu_int8_linear import (bind_int8_linear_packed, int8_linear_cpu, packed_min_rows, packed_path,
-                                            split_rows_u8)
+from engine.kernels.cpu_int8_linear import (a8_available, bind_int8_linear_a8, bind_int8_linear_packed,
+                                            int8_linear_cpu, pack_weight_a8, packed_min_rows, packed_path,
+                                            quantize_rows_8bit, quantize_rows_u8, split_rows_u8)
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 
@@ -81,6 +91,8 @@ _ONEDNN, _MKL, _FP32_CPU, _INT8_CPU, _INT8_ONEDNN = (
 _INT8_DOT_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni"})
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
 _MKL_BATCH_HINT = 16
+# Activation precision of a quantised layer: 16 (rounded to int16 at most, as above) or 8 (W8A8).
+ACTIVATION_BITS = (16, 8)
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -94,12 +106,14 @@ def bucket_m(bucket: int) -> int:
     return 1 << bucket
 
 
-def backend_supports(backend: str, weight: torch.Tensor) -> bool:
+def backend_supports(backend: str, weight: torch.Tensor, activation_bits: int = 16) -> bool:
     """Whether ``backend`` can run GEMMs with ``weight`` [out, in] (its device and dtype; an int8
-    weight is a quantised layer's)."""
+    weight is a quantised layer's, with 8- or 16-bit activations)."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
     if (weight.dtype == torch.int8) != (backend in INT8_BACKENDS):
+        return False
+    if activation_bits == 8 and backend == "int8pack":  # bfloat16 activations
         return False
     if backend in ("torch", "int8_dequant"):
         return True
@@ -148,9 +162,11 @@ def _zero_points(num_out: int) -> torch.Tensor:
     return torch.zeros(num_out, dtype=torch.int64)
 
 
-def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
+def prepare_weight(backend: str, weight: torch.Tensor, activation_bits: int = 16) -> torch.Tensor | None:
     """``weight`` [out, in] in ``backend``'s layout (None: the backend reads it as it is)."""
     weight = weight.detach()
+    if backend == "int8_cpu" and activation_bits == 8 and a8_available(load_int8_kernel()):
+        return pack_weight_a8(load_int8_kernel(), weight)
     if backend == "mkl":
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_BATCH_HINT)
     if backend == "onednn":
@@ -165,11 +181,12 @@ def prepare_weight(backend: str, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def run_backend(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, weight: torch.Tensor,
-                bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, scale: torch.Tensor | None = None, activation_bits: int = 16) -> torch.Tensor:
     """``x`` [M, in] through ``backend`` with its prepared weight -> [M, out], x's dtype. An int8
-    backend's ``weight`` is int8 [out, in] and ``scale`` its float32 [out] per-channel scales."""
-    if backend in _BINDABLE:
-        return bind_backend(backend, prepared, weight, bias, scale)(x)
+    backend's ``weight`` is int8 [out, in] and ``scale`` its float32 [out] per-channel scales;
+    ``activation_bits`` 8 rounds each row of x to 8 bits first (W8A8, module docstring)."""
+    if backend in _BINDABLE or activation_bits == 8:
+        return bind_backend(backend, prepared, weight, bias, scale, activation_bits)(x)
     if backend in INT8_BACKENDS:
         return _run_int8(backend, x, prepared, weight, scale, bias)
     if backend == "mkl":
@@ -206,16 +223,19 @@ _BINDABLE = ("int8_cpu", "fp32_cpu", "onednn")
 
 
 def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scale: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> run_backend(backend, x, prepared, weight, bias, scale)`` (x [M, in] -> [M, out]) with
+                 scale: torch.Tensor | None = None, activation_bits: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> run_backend(backend, x, prepared, weight, bias, scale, activation_bits)`` (x [M, in] -> [M, out]) with
     what can be looked up or checked once bound: the kernel library, the op, the packed path's row
     threshold, the weight's shapes. A decode step makes ~120 GEMM calls of 30-80 us, and that work
     took ~8 us of each when done per call.
 
     Raises:
         ValueError: a prepared weight, bias or scale the backend's kernel cannot take (the C
-            backends check them here; x is checked at each call).
+            backends check them here; x is checked at each call); ``activation_bits`` 8 on a
+            backend that does not run W8A8 layers (backend_supports).
     """
+    if activation_bits == 8:
+        return _bind_w8a8(backend, prepared, weight, bias, scale)
     if backend == "int8_cpu":
         kernel = load_int8_kernel()
         if prepared is None:  # a build without the packed path
@@ -234,6 +254,26 @@ def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tens
         op = torch.ops.mkldnn._linear_pointwise
         return lambda x: op(x, prepared, bias, "none", [], "")
     return functools.partial(run_backend, backend, prepared=prepared, weight=weight, bias=bias, scale=scale)
+
+
+def _bind_w8a8(backend: str, prepared: torch.Tensor | None, qweight: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bind_backend for a W8A8 layer: x [M, in] float32 rounded to 8 bits per row, then the GEMM."""
+    if backend == "int8_cpu" and prepared is not None and prepared.dim() == 1:  # the VPDPBUSD kernel's bytes
+        return bind_int8_linear_a8(load_int8_kernel(), prepared, qweight.shape[1], qweight.shape[0], scale, bias)
+    if backend == "int8_onednn":
+        kernel, zero_points = load_int8_kernel(), _zero_points(qweight.shape[0])
+
+        def onednn_u8(x: torch.Tensor) -> torch.Tensor:
+            q, s = quantize_rows_u8(kernel, x)
+            out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared, scale, zero_points, None, 1.0, 0,
+                                                     torch.float32, "none", [], "").mul_(s[:, None])
+            return out if bias is None else out.add_(bias)
+        return onednn_u8
+    if backend in ("int8_cpu", "int8_dequant"):  # the float kernels on the rounded x
+        gemm = bind_backend(backend, prepared, qweight, bias, scale)
+        return lambda x: gemm(quantize_rows_8bit(x))
+    raise ValueError(f"linear backend {backend!r} does not run W8A8 layers (8-bit activations)")
 
 
 # Symmetric int8: [-127, 127], so that -w quantises to -q (no -128).
@@ -283,22 +323,29 @@ class Linear(nn.Module):
         self._bound_dtype: torch.dtype | None = None
         self.register_buffer("qweight", None)  # int8 [out, in] once quantised
         self.register_buffer("weight_scale", None)  # float32 [out] once quantised
+        self.activation_bits = 16  # once quantised: 8 rounds x to 8 bits per row (W8A8)
 
     @property
     def gemm_weight(self) -> torch.Tensor:
         """The weight the GEMM reads: ``qweight`` (int8) once quantised, else ``weight``."""
         return self.weight if self.qweight is None else self.qweight
 
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, activation_bits: int = 16) -> None:
         """Replaces ``weight`` by its per-channel int8 quantisation (:func:`quantize_int8`) and
-        clears the plan (a quantised layer without one runs ``int8_dequant``). Mutates this layer;
-        a weight shared with another module (a tied LM head's embedding) stays float there.
+        clears the plan (a quantised layer without one runs ``int8_dequant``). ``activation_bits``
+        8 makes it W8A8: each row of x is rounded to 8 bits before the GEMM (module docstring).
+        Mutates this layer; a weight shared with another module (a tied LM head's embedding)
+        stays float there.
 
         Raises:
-            ValueError: the weight is not float32 (int8 layers take float32 activations).
+            ValueError: the weight is not float32 (int8 layers take float32 activations), or
+                ``activation_bits`` is not one of ACTIVATION_BITS.
         """
         if self.weight.dtype != torch.float32:
             raise ValueError(f"int8 quantisation needs a float32 weight, got {self.weight.dtype}")
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits!r}")
+        self.activation_bits = activation_bits
         qweight, scale = quantize_int8(self.weight)
         self.weight = None
         self.qweight, self.weight_scale = qweight, scale
@@ -314,14 +361,16 @@ class Linear(nn.Module):
         """
         weight = (self.gemm_weight if weight is None else weight).detach()
         prepared: list[torch.Tensor | None] = [None] * len(BACKENDS)
+        bits = self.activation_bits
         for name in set(plan):
-            if name not in BACKENDS or not backend_supports(name, weight):
-                raise ValueError(f"linear backend {name!r} cannot run a {weight.dtype} weight on {weight.device}")
-            prepared[BACKENDS.index(name)] = prepare_weight(name, weight)
+            if name not in BACKENDS or not backend_supports(name, weight, bits):
+                raise ValueError(f"linear backend {name!r} cannot run a {weight.dtype} weight on {weight.device}"
+                                 + (" with 8-bit activations" if bits == 8 else ""))
+            prepared[BACKENDS.index(name)] = prepare_weight(name, weight, bits)
         self._source = weight  # the weight the plan was prepared from (MKL reads its shape)
         self.prepared = prepared
         self.plan = tuple(BACKENDS.index(name) for name in plan)
-        bound = {name: bind_backend(name, prepared[BACKENDS.index(name)], weight, self.bias, self.weight_scale)
+        bound = {name: bind_backend(name, prepared[BACKENDS.index(name)], weight, self.bias, self.weight_scale, bits)
                  for name in set(plan)}
         self._bound = [bound[name] for name in plan]
         self._bound_dtype = torch.float32 if self.qweight is not None else weight.dtype
@@ -355,38 +404,39 @@ class Linear(nn.Module):
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        bits = self.activation_bits
         if self.plan is None:
-            out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale)
+            out = run_backend("int8_dequant", x, None, self.qweight, self.bias, self.weight_scale, bits)
         elif torch.compiler.is_compiling():
             out = planned_linear(x, self.qweight, self.bias, self.weight_scale, self.prepared[_INT8_ONEDNN], None,
-                                 self.prepared[_INT8_CPU], list(self.plan))
+                                 self.prepared[_INT8_CPU], list(self.plan), bits)
         else:
             code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
-            out = run_backend(BACKENDS[code], x, self.prepared[code], self.qweight, self.bias, self.weight_scale)
+            out = run_backend(BACKENDS[code], x, self.prepared[code], self.qweight, self.bias, self.weight_scale, bits)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         plan = "none" if self.plan is None else ",".join(BACKENDS[c] for c in self.plan)
-        quantized = ", int8" if self.qweight is not None else ""
+        quantized = "" if self.qweight is None else ", int8" if self.activation_bits == 16 else ", int8 w8a8"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quantized}, plan={plan}"
 
 
 @torch.library.custom_op("tandem::planned_linear", mutates_args=())
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
                    onednn_weight: torch.Tensor | None, mkl_weight: torch.Tensor | None,
-                   cpu_weight: torch.Tensor | None, plan: list[int]) -> torch.Tensor:
+                   cpu_weight: torch.Tensor | None, plan: list[int], activation_bits: int = 16) -> torch.Tensor:
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
     (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
     onednn (int8_onednn's for a quantised layer), mkl and, in ``cpu_weight``, fp32_cpu's (a float
-    layer's) or int8_cpu's (a quantised one's))."""
+    layer's) or int8_cpu's (a quantised one's); ``activation_bits`` 8 for a W8A8 layer)."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
     prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _INT8_CPU: cpu_weight,
                 _INT8_ONEDNN: onednn_weight}.get(code)
-    return run_backend(BACKENDS[code], x, prepared, weight, bias, scale)
+    return run_backend(BACKENDS[code], x, prepared, weight, bias, scale, activation_bits)
 
 
 @planned_linear.register_fake
-def _(x, weight, bias, scale, onednn_weight, mkl_weight, cpu_weight, plan):
+def _(x, weight, bias, scale, onednn_weight, mkl_weight, cpu_weight, plan, activation_bits=16):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -134,10 +134,16 @@ class LinearPlan:
         return f"linear backends: {', '.join(parts) or 'none'}, {how}"
 
 
-def shape_key(weight: torch.Tensor) -> str:
-    """``"{out}x{in}"``, ``"int8:{out}x{in}"`` for a quantised layer's int8 weight."""
-    prefix = "int8:" if weight.dtype == torch.int8 else ""
+def shape_key(weight: torch.Tensor, activation_bits: int = 16) -> str:
+    """``"{out}x{in}"``, ``"int8:{out}x{in}"`` for a quantised layer's int8 weight,
+    ``"int8a8:{out}x{in}"`` for a W8A8 layer's (8-bit activations: other kernels, other timings)."""
+    prefix = "" if weight.dtype != torch.int8 else "int8a8:" if activation_bits == 8 else "int8:"
     return f"{prefix}{weight.shape[0]}x{weight.shape[1]}"
+
+
+def activation_bits_of(key: str) -> int:
+    """The activation bits of a :func:`shape_key`: 8 for a W8A8 layer's, else 16."""
+    return 8 if key.startswith("int8a8:") else 16
 
 
 def _layer_buckets(model: nn.Module, setup: LinearSetup) -> dict[str, tuple[torch.Tensor, int]]:
@@ -149,14 +155,14 @@ def _layer_buckets(model: nn.Module, setup: LinearSetup) -> dict[str, tuple[torc
     for layer in planned_layers(model):
         weight = layer.gemm_weight.detach()
         buckets = decode_buckets if layer is lm_head else prefill_buckets
-        key = shape_key(weight)
+        key = shape_key(weight, layer.activation_bits)
         if key not in shapes or shapes[key][1] < buckets:
             shapes[key] = (weight, buckets)
     return shapes
 
 
 def time_backends_ms(prepared: dict[str, list[torch.Tensor | None]], weights: list[torch.Tensor],
-                     m: int) -> dict[str, float]:
+                     m: int, activation_bits: int = 16) -> dict[str, float]:
     """Best ms of one GEMM of ``m`` random rows against a weight through each backend of
     ``prepared`` (backend -> its prepared copy of each of ``weights``, equal copies of one weight).
     Call ``i`` reads copy ``i % len(weights)``, so with enough copies every call finds its weight
@@ -169,7 +175,7 @@ def time_backends_ms(prepared: dict[str, list[torch.Tensor | None]], weights: li
     x = torch.randn(m, weights[0].shape[1], dtype=torch.float32 if int8 else weights[0].dtype, device=weights[0].device)
     scale = torch.ones(weights[0].shape[0], device=weights[0].device) if int8 else None
     # Each copy bound as a layer binds it (Linear.set_plan): the calls timed are the ones a pass makes.
-    bound = {backend: [bind_backend(backend, p, w, None, scale) for p, w in zip(copies, weights)]
+    bound = {backend: [bind_backend(backend, p, w, None, scale, activation_bits) for p, w in zip(copies, weights)]
              for backend, copies in prepared.items()}
     best_s = {}
     for backend, calls_of in bound.items():
@@ -201,15 +207,16 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
     choices: dict[str, list[str]] = {}
     timings: dict[str, dict[str, list[float | None]]] = {}
     for key, (weight, num_buckets) in sorted(shapes.items()):
-        runnable = [b for b in candidates if backend_supports(b, weight)]
+        bits = activation_bits_of(key)
+        runnable = [b for b in candidates if backend_supports(b, weight, bits)]
         if len(runnable) == 1:  # nothing to choose from (a CUDA weight: F.linear only)
             choices[key] = runnable * num_buckets
             continue
         weights = [weight] + [weight.clone() for _ in range(num_weight_copies(weight) - 1)]
-        prepared = {b: [prepare_weight(b, w) for w in weights] for b in runnable}
+        prepared = {b: [prepare_weight(b, w, bits) for w in weights] for b in runnable}
         # Buckets past MAX_TIMED_M are all timed at it: once, shared by them.
         timed_m = [min(bucket_m(k), MAX_TIMED_M) for k in range(num_buckets)]
-        by_m = {m: time_backends_ms(prepared, weights, m) for m in dict.fromkeys(timed_m)}
+        by_m = {m: time_backends_ms(prepared, weights, m, bits) for m in dict.fromkeys(timed_m)}
         per_bucket = [by_m[m] for m in timed_m]
         del weights, prepared
         timings[key] = {b: [round(t[b], 4) for t in per_bucket] for b in runnable}
@@ -218,7 +225,8 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
 
 
 # Changed when the way a plan is measured changes, so plans cached the old way are measured again.
-PLAN_FORMAT = "6: the bound calls a layer makes timed (bind_backend); one plan per shape set, read for any number of buckets it covers"
+PLAN_FORMAT = ("7: the bound calls a layer makes timed (bind_backend), W8A8 layers apart; one plan per shape set, "
+               "read for any number of buckets it covers")
 # Plans also depend on Tandem's own kernels: float32 layers' on engine.kernels.cpu_fp32_linear,
 # int8 layers' on engine.kernels.cpu_int8_linear.
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
@@ -242,7 +250,7 @@ def machine_key(dtype: torch.dtype, shapes: dict[str, tuple[torch.Tensor, int]])
     is timed at the same M whatever their number: a plan of more buckets holds one of fewer)."""
     parts = [PLAN_FORMAT, cpu_identity(), torch.__version__, torch.__config__.show(), str(torch.get_num_threads()), str(dtype),
              repr(sorted(shapes))]
-    int8 = any(key.startswith("int8:") for key in shapes)
+    int8 = any(key.startswith("int8") for key in shapes)
     kernel = _INT8_KERNEL if int8 else _FP32_KERNEL
     if kernel.is_file():
         parts.append(hashlib.blake2b(kernel.read_bytes(), digest_size=8).hexdigest())
@@ -332,7 +340,8 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     if setup.backend != "auto":
         choices, refused = {}, []
         for key, (weight, num_buckets) in shapes.items():
-            backend = setup.backend if backend_supports(setup.backend, weight) else fallback_backend(weight)
+            backend = (setup.backend if backend_supports(setup.backend, weight, activation_bits_of(key))
+                       else fallback_backend(weight))
             choices[key] = [backend] * num_buckets
             if backend != setup.backend:
                 refused.append((key, weight, backend))
@@ -395,7 +404,7 @@ def plan_linears(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     ``model``, logging one summary line. Mutates the layers (prepared weight copies)."""
     plan = choose_plan(model, setup)
     for layer in planned_layers(model):
-        choice = plan.choices.get(shape_key(layer.gemm_weight))
+        choice = plan.choices.get(shape_key(layer.gemm_weight, layer.activation_bits))
         if choice is None or set(choice) == {"torch"}:
             layer.clear_plan()
         else:

@@ -319,6 +319,142 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     free(xp); free(sx);
     return 0;
 }
+
+/* W8A8: 8-bit activations too (the layers engine/model/loader.py marks: attention output, MLP),
+ * VPDPBUSD, four k per int32 lane (twice VPDPWSSD's multiply-adds per instruction). Each row of
+ * x is quantised symmetrically on its own scale to 8 bits and offset to unsigned bytes:
+ *
+ *     sx[m] = max_k |x[m, k]| / 127,   xq[m, k] = round(x[m, k] / sx[m]) in [-127, 127],
+ *     acc[m, n] = sum_k (xq[m, k] + 128) w[n, k]          (u8 x s8, int32, exact)
+ *     y[m, n] = (acc[m, n] - 128 colsum[n]) sx[m] scale[n] + bias[n],   colsum[n] = sum_k w[n, k],
+ *
+ * so y is the float GEMM of the 8-bit x with the int8 weight, each value of x off by at most
+ * sx[m] / 2 = max|x[m]| / 254 (a perplexity cost measured in docs/quantization.md). No int32 sum
+ * can overflow below K = 2^31 / (255 * 127) = 66311. Rounding to nearest even (as lrintf); a NaN
+ * or infinity in a row makes its outputs NaN; a zero row (or one whose largest magnitude is below
+ * 127 / FLT_MAX) gives bias. Work split, panels, row blocks and prefetch as int8_linear_packed. */
+#define A8_MAX_K 66311
+
+int int8_linear_a8_available(void) { return 1; }
+
+/* The bytes of int8_linear_a8_pack's output for an [N, K] weight: the panels
+ * [ceil(N / PNR)][ceil(K / 4)][PNR][4] int8 (zeros past N and K), then 128 colsum[n] as int32
+ * [ceil(N / PNR) PNR] (zeros past N). */
+int64_t int8_linear_a8_packed_bytes(int64_t N, int64_t K)
+{
+    int64_t panels = (N + PNR - 1) / PNR, quads = (K + 3) / 4;
+    return panels * quads * PNR * 4 + panels * PNR * (int64_t)sizeof(int32_t);
+}
+
+void int8_linear_a8_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K)
+{
+    int64_t panels = (N + PNR - 1) / PNR, quads = (K + 3) / 4;
+    int32_t *corr = (int32_t *)(packed + panels * quads * PNR * 4);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t j = 0; j < PNR; j++) {
+            int64_t n = p * PNR + j;
+            int32_t sum = 0;
+            for (int64_t kk = 0; kk < quads; kk++)
+                for (int64_t t = 0; t < 4; t++) {
+                    int64_t k = 4 * kk + t;
+                    int8_t v = n < N && k < K ? w[n * K + k] : 0;
+                    packed[((p * quads + kk) * PNR + j) * 4 + t] = v;
+                    sum += v;
+                }
+            corr[n] = 128 * sum;
+        }
+}
+
+/* Rows 0..MT of the block against one panel: xq [quads][MT] (four unsigned bytes of a row per
+ * word), pw the panel [quads][PNR][4], corr its 128 colsum. */
+#define DEFINE_A8_KERNEL(MT)                                                                       \
+static void a8_##MT(const uint32_t *xq, int64_t quads, const int8_t *pw, const int32_t *corr,      \
+                    const float *scale, const float *bias, const float *sx, float *y, int64_t N,   \
+                    int64_t n0, const int8_t *next)                                                \
+{                                                                                                  \
+    __m512i c0[MT], c1[MT];                                                                        \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) { c0[i] = _mm512_setzero_si512(); c1[i] = _mm512_setzero_si512(); } \
+    for (int64_t kk = 0; kk < quads; kk++) {                                                       \
+        __m512i b0 = _mm512_loadu_si512((const void *)(pw + kk * PNR * 4));                        \
+        __m512i b1 = _mm512_loadu_si512((const void *)(pw + kk * PNR * 4 + 64));                   \
+        if (next) { __builtin_prefetch(next + kk * PNR * 4, 0, 2); __builtin_prefetch(next + kk * PNR * 4 + 64, 0, 2); } \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
+            __m512i a = _mm512_set1_epi32((int)xq[kk * MT + i]);                                   \
+            c0[i] = _mm512_dpbusd_epi32(c0[i], a, b0); c1[i] = _mm512_dpbusd_epi32(c1[i], a, b1);  \
+        }                                                                                          \
+    }                                                                                              \
+    __m512i k0 = _mm512_loadu_si512((const void *)corr), k1 = _mm512_loadu_si512((const void *)(corr + PVEC)); \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++)                                          \
+        store_row_q(y + i * N, n0, N, scale, bias, sx[i], _mm512_sub_epi32(c0[i], k0),             \
+                    _mm512_sub_epi32(c1[i], k1));                                                  \
+}
+DEFINE_A8_KERNEL(1) DEFINE_A8_KERNEL(2) DEFINE_A8_KERNEL(3) DEFINE_A8_KERNEL(4)
+DEFINE_A8_KERNEL(5) DEFINE_A8_KERNEL(6) DEFINE_A8_KERNEL(7) DEFINE_A8_KERNEL(8)
+typedef void (*a8_fn)(const uint32_t *, int64_t, const int8_t *, const int32_t *, const float *, const float *,
+                      const float *, float *, int64_t, int64_t, const int8_t *);
+static const a8_fn A8[PMR_MAX + 1] = {0, a8_1, a8_2, a8_3, a8_4, a8_5, a8_6, a8_7, a8_8};
+
+/* One row of x -> its quads of unsigned bytes xq + 128 (above), written with stride ``stride``;
+ * returns sx = max|x| / 127 (0 for a zero row, NaN for one holding a NaN or an infinity). */
+static float quantize_row_quads(const float *row, int64_t K, uint32_t *out, int64_t stride)
+{
+    const float amax = row_absmax(row, K);
+    float inv = amax >= 127.0f / FLT_MAX ? 127.0f / amax : 0.0f;  /* NaN amax: 0, outputs NaN below */
+    __m512 vinv = _mm512_set1_ps(inv);
+    __m512i zp = _mm512_set1_epi32(128);
+    int64_t quads = (K + 3) / 4, kk = 0;
+    for (; 4 * kk + PVEC <= K; kk += PVEC / 4) {  /* 16 values -> 4 quads */
+        __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + 4 * kk), vinv)), zp);
+        uint32_t w[PVEC / 4];
+        _mm_storeu_si128((__m128i *)w, _mm512_cvtusepi32_epi8(v));
+        for (int j = 0; j < PVEC / 4; j++) out[(kk + j) * stride] = w[j];
+    }
+    for (; kk < quads; kk++) {
+        uint32_t word = 0;
+        for (int t = 0; t < 4; t++) {
+            int64_t k = 4 * kk + t;
+            int32_t v = k < K ? (int32_t)__builtin_lrintf(row[k] * inv) : 0;
+            word |= (uint32_t)(uint8_t)(v + 128) << (8 * t);
+        }
+        out[kk * stride] = word;
+    }
+    if (amax != amax) return NAN;
+    return inv > 0.0f ? amax / 127.0f : 0.0f;
+}
+
+/* y[M, N] = x[M, K] (8-bit per row, above) @ (w * scale[:, None])^T + bias (bias may be NULL),
+ * w as int8_linear_a8_pack() left it. Returns 0, -1 when the scratch cannot be allocated, -2
+ * when K exceeds A8_MAX_K (y is then untouched). */
+int int8_linear_a8_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                          int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    if (K > A8_MAX_K) return -2;
+    int64_t panels = (N + PNR - 1) / PNR, quads = (K + 3) / 4;
+    int64_t blocks = (M + PMR_MAX - 1) / PMR_MAX;
+    const int32_t *corr = (const int32_t *)(packed + panels * quads * PNR * 4);
+    uint32_t *xq = malloc((size_t)(M * quads) * sizeof(uint32_t));
+    float *sx = malloc((size_t)M * sizeof(float));
+    if (!xq || !sx) { free(xq); free(sx); return -1; }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t m0 = b * M / blocks, mt = (b + 1) * M / blocks - m0;
+        for (int64_t i = 0; i < mt; i++) sx[m0 + i] = quantize_row_quads(x + (m0 + i) * K, K, xq + m0 * quads + i, mt);
+    }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
+            const int8_t *next = p + 1 < panels && (b > 0 || m1 - m0 >= 3) ? packed + (p + 1) * quads * PNR * 4 : 0;
+            A8[m1 - m0](xq + m0 * quads, quads, packed + p * quads * PNR * 4, corr + p * PNR, scale, bias, sx + m0,
+                        y + m0 * N, N, p * PNR, next);
+        }
+    }
+    free(xq); free(sx);
+    return 0;
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Without VNNI (AVX2 + FMA: AMD Zen 1-3, Intel Haswell to Comet Lake) the packed path is float32:
  * the int8 weight is packed once in panels of PNR output channels, [ceil(N / PNR)][K][PNR] (zeros
@@ -422,6 +558,13 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     free(xp);
     return 0;
 }
+/* No W8A8 path on this build (it needs AVX512-VNNI): int8_linear_a8_available() says so. */
+int int8_linear_a8_available(void) { return 0; }
+int64_t int8_linear_a8_packed_bytes(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
+void int8_linear_a8_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (void)w; (void)packed; (void)N; (void)K; }
+int int8_linear_a8_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                          int64_t M, int64_t N, int64_t K, int num_threads)
+{ (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
 #else
 int int8_linear_panel_width(void) { return 0; }  /* no packed path on this build: int8_linear_f32 */
 int int8_linear_pack_pairs(void) { return 0; }
@@ -429,6 +572,13 @@ int int8_linear_packed_min_rows(void) { return 0; }
 void int8_linear_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (void)w; (void)packed; (void)N; (void)K; }
 int int8_linear_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int num_threads)
+{ (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
+/* No W8A8 path on this build (it needs AVX512-VNNI): int8_linear_a8_available() says so. */
+int int8_linear_a8_available(void) { return 0; }
+int64_t int8_linear_a8_packed_bytes(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
+void int8_linear_a8_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (void)w; (void)packed; (void)N; (void)K; }
+int int8_linear_a8_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
+                          int64_t M, int64_t N, int64_t K, int num_threads)
 { (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
 #endif
 
@@ -481,5 +631,32 @@ void int8_split_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t
             lo[k] = (uint8_t)(v - 256 * h + 128);
         }
         s[m] = inv > 0.0f ? amax / (float)QSPLIT : 0.0f;
+    }
+}
+
+/* Activations at 8 bits for an 8-bit x 8-bit GEMM library on a W8A8 layer ("int8_onednn" there),
+ * rounded as int8_linear_a8_packed rounds them: s[m] = max_k |x[m, k]| / 127,
+ * q[m, k] = round(x[m, k] / s[m]) + 128 (round to nearest even). x float32 [M, K], q uint8 [M, K],
+ * s float32 [M]; a zero row (or one below 127 / FLT_MAX) gets s = 0 and q = 128, a row holding a
+ * NaN or an infinity s = NaN. */
+void int8_quantize_rows_u8(const float *x, uint8_t *q, float *s, int64_t M, int64_t K, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        uint8_t *out = q + m * K;
+        const float amax = row_absmax(row, K);
+        if (amax != amax) { memset(out, 128, (size_t)K); s[m] = NAN; continue; }
+        float inv = amax >= 127.0f / FLT_MAX ? 127.0f / amax : 0.0f;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 vinv = _mm512_set1_ps(inv);
+        __m512i zp = _mm512_set1_epi32(128);
+        for (; k + 16 <= K; k += 16)
+            _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtusepi32_epi8(
+                _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), vinv)), zp)));
+#endif
+        for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_lrintf(row[k] * inv) + 128);
+        s[m] = inv > 0.0f ? amax / 127.0f : 0.0f;
     }
 }

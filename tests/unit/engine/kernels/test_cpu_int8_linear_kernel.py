@@ -1,7 +1,9 @@
 """engine.kernels.cpu_int8_linear: the C kernel against its reference, F.linear on the dequantised
 weight, on every path of the kernel (M of one, two and three or more rows; channels in whole and
 partial tiles of 4; K a multiple of 8 or not), and its argument checks; the packed VNNI path's
-layout and checks (its results: tests/unit/engine/model/test_int8_linear.py)."""
+layout and checks (its results: tests/unit/engine/model/test_int8_linear.py); the W8A8 kernel
+(8-bit activations, VPDPBUSD) against the float64 GEMM of its rounded activations, and its
+rounding against the torch reference."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_int8_linear import (
+    A8_MAX_K,
+    a8_available,
+    bind_int8_linear_a8,
     bind_int8_linear_packed,
     int8_linear_cpu,
     int8_linear_packed_cpu,
@@ -18,6 +23,9 @@ from engine.kernels.cpu_int8_linear import (
     packed_min_rows,
     packed_path,
     packed_rounds_activations,
+    pack_weight_a8,
+    quantize_rows_8bit,
+    quantize_rows_u8,
     split_rows_u8,
     SPLIT_QMAX,
 )
@@ -185,4 +193,96 @@ def test_a_bound_packed_linear_checks_its_panels_once_and_each_x(kernel):
     assert torch.equal(call(x), int8_linear_packed_cpu(kernel, x, packed, 37, scale, bias))
     for bad in (torch.randn(4, 16), x.double(), torch.randn(17)):
         with pytest.raises(ValueError, match="x must be float32 \\[M, 17\\]"):
+            call(bad)
+
+
+
+@pytest.fixture(scope="module")
+def a8_kernel(kernel):
+    if not a8_available(kernel):
+        pytest.skip("no W8A8 path on this build (the CPU lacks AVX512-VNNI)")
+    return kernel
+
+
+def test_quantize_rows_8bit_by_hand():
+    """Each row on its own scale max|x| / 127, rounded to nearest even; a zero row stays zero."""
+    x = torch.tensor([[127.0, -127.0, 2.5, -3.5, 0.49, 64.0], [0.0] * 6, [254.0, 1.0, 3.0, -1.0, 0.0, 0.0]])
+    assert quantize_rows_8bit(x).tolist() == [[127.0, -127.0, 2.0, -4.0, 0.0, 64.0], [0.0] * 6,
+                                              [254.0, 0.0, 4.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 1536), (300, 576), (3, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantize_rows_u8_is_the_torch_rounding(kernel, shape):
+    """The C rounding (the W8A8 kernels') gives the torch reference's values bit for bit, on rows
+    of very different scales; 300 x 576 takes the threaded path, 3 x 17 the scalar tail."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(shape, generator=gen) * torch.logspace(-3, 3, shape[0])[:, None]
+    q, s = quantize_rows_u8(kernel, x)
+    assert q.dtype == torch.uint8 and s.shape == (shape[0],)
+    assert torch.equal((q.float() - 128) * s[:, None], quantize_rows_8bit(x))
+    assert ((q.int() - 128).abs().amax(1) == 127).all()
+    zero_q, zero_s = quantize_rows_u8(kernel, torch.zeros(2, 5))
+    assert zero_q.tolist() == [[128] * 5] * 2 and zero_s.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (37, 17), (5, 8), (33, 6)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 9, 17, 100])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_w8a8_kernel_equals_the_gemm_of_its_rounded_activations(a8_kernel, shape, num_tokens, bias):
+    """Every row block size (1-8 rows, unrolled per count), whole and partial panels of 32
+    channels, K a multiple of 4 or not: the int32 sums are exact, so the output is the float64
+    GEMM of the 8-bit rows with the dequantised weight up to float32's rounding of the scaling."""
+    n, k = shape
+    qweight, scale = make(n, k, seed=n + num_tokens)
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, k, generator=gen) * torch.logspace(-2, 2, num_tokens)[:, None]
+    b = torch.randn(n, generator=gen) if bias else None
+    out = bind_int8_linear_a8(a8_kernel, pack_weight_a8(a8_kernel, qweight), k, n, scale, b)(x)
+    assert out.shape == (num_tokens, n) and out.dtype == torch.float32
+    ref = F.linear(quantize_rows_8bit(x).double(), dequantize_int8(qweight, scale).double(),
+                   None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-6)
+
+
+def test_w8a8_kernel_zero_and_nonfinite_rows(a8_kernel):
+    """A zero row gives the bias; a row holding a NaN or an infinity gives NaN outputs, and the
+    other rows of its batch are untouched."""
+    qweight, scale = make(40, 24, seed=3)
+    bias = torch.randn(40)
+    call = bind_int8_linear_a8(a8_kernel, pack_weight_a8(a8_kernel, qweight), 24, 40, scale, bias)
+    x = torch.randn(4, 24)
+    x[1] = 0.0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    out = call(x)
+    assert torch.equal(out[1], bias)
+    assert out[2].isnan().all() and out[3].isnan().all()
+    assert torch.equal(out[0], call(x[:1])[0])
+
+
+def test_w8a8_pack_layout_and_checks(a8_kernel):
+    """The packed bytes: panels [ceil(N / 32)][ceil(K / 4)][32][4] (zeros past N and K), then
+    128 colsum per channel as int32 (zeros past N); the binder refuses what does not fit."""
+    qweight, scale = make(37, 6, seed=7)
+    packed = pack_weight_a8(a8_kernel, qweight)
+    panels = packed[:2 * 2 * 32 * 4].view(2, 2, 32, 4)
+    expected = torch.zeros(2, 2, 32, 4, dtype=torch.int8)
+    w = torch.zeros(64, 8, dtype=torch.int8)
+    w[:37, :6] = qweight
+    expected[:] = w.view(2, 32, 2, 4).permute(0, 2, 1, 3)
+    assert torch.equal(panels, expected)
+    corr = packed[2 * 2 * 32 * 4:].view(torch.int32)
+    assert corr.tolist() == (128 * qweight.int().sum(1)).tolist() + [0] * 27
+    with pytest.raises(ValueError, match="do not fit a \\[37, 6\\] weight"):
+        bind_int8_linear_a8(a8_kernel, packed, 6, 37, scale[:36], None)
+    with pytest.raises(ValueError, match="do not fit a \\[37, 10\\] weight"):
+        bind_int8_linear_a8(a8_kernel, packed, 10, 37, scale, None)  # K past the packed quads
+    with pytest.raises(ValueError, match="contiguous 2-D int8 CPU weight"):
+        pack_weight_a8(a8_kernel, qweight.float())
+    with pytest.raises(ValueError, match=f"K <= {A8_MAX_K}"):
+        pack_weight_a8(a8_kernel, torch.zeros(1, A8_MAX_K + 1, dtype=torch.int8))
+    call = bind_int8_linear_a8(a8_kernel, packed, 6, 37, scale, None)
+    for bad in (torch.randn(4, 5), torch.randn(4, 6).double(), torch.randn(6)):
+        with pytest.raises(ValueError, match="x must be float32 \\[M, 6\\]"):
             call(bad)

@@ -14,10 +14,10 @@ from engine.config import EngineConfig
 from engine.cpu_attention import CpuAttentionBackend
 from engine.model import linear_chooser
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
-from engine.kernels.cpu_int8_linear import SPLIT_QMAX, packed_rounds_activations
+from engine.kernels.cpu_int8_linear import SPLIT_QMAX, packed_rounds_activations, quantize_rows_8bit
 from engine.model.linear import BACKENDS, INT8_BACKENDS, Linear, backend_supports, dequantize_int8, quantize_int8
 from engine.model.linear_chooser import LinearSetup, choose_plan, plan_linears, shape_key
-from engine.model.loader import load_model
+from engine.model.loader import W8A8_LAYERS, load_model
 from tests.factories import engine_logits
 from tests.unit.engine.model.test_loader import MAX_POSITIONS, PROMPT, save_tiny_llama
 
@@ -30,7 +30,8 @@ PACKED = "int8_cpu" in available and packed_rounds_activations(load_int8_kernel(
 INT8_BACKENDS_INDEX = BACKENDS.index("int8_cpu")
 
 
-def quantized_linear(out_features: int, in_features: int, bias: bool, seed: int) -> tuple[Linear, torch.Tensor]:
+def quantized_linear(out_features: int, in_features: int, bias: bool, seed: int,
+                     activation_bits: int = 16) -> tuple[Linear, torch.Tensor]:
     """A quantised layer and the float32 weight it was quantised from."""
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(in_features, out_features, bias=bias)
@@ -38,7 +39,7 @@ def quantized_linear(out_features: int, in_features: int, bias: bool, seed: int)
     if bias:
         layer.bias.data = torch.randn(out_features, generator=gen)
     weight = layer.weight.detach().clone()
-    layer.quantize_int8()
+    layer.quantize_int8(activation_bits)
     return layer, weight
 
 
@@ -160,6 +161,60 @@ def test_int8_layer_under_torch_compile(backend):
         torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
 
 
+# --- W8A8 layers (8-bit activations) ------------------------------------------------------------
+
+W8A8_BACKENDS = [b for b in available if b != "int8pack"]
+
+
+@pytest.mark.parametrize("backend", W8A8_BACKENDS)
+@pytest.mark.parametrize("shape", [(576, 576), (3072, 576), (576, 1536), (37, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_w8a8_backend_is_the_gemm_of_the_8bit_rows(backend, shape):
+    """Whichever backend runs a W8A8 layer, its output is the float64 GEMM of the 8-bit rows
+    (quantize_rows_8bit) with the dequantised weight, up to float32's rounding of the sums."""
+    layer, _ = quantized_linear(*shape, bias=True, seed=shape[0], activation_bits=8)
+    layer.set_plan((backend,))
+    for num_tokens in (1, 16, 100):
+        x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+        ref = F.linear(quantize_rows_8bit(x).double(), dequantize_int8(layer.qweight, layer.weight_scale).double(),
+                       layer.bias.double())
+        out = layer(x)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+
+
+def test_w8a8_layers_refuse_int8pack_and_say_so():
+    layer, _ = quantized_linear(40, 64, bias=False, seed=1, activation_bits=8)
+    assert not backend_supports("int8pack", layer.qweight, 8) and "w8a8" in repr(layer)
+    with pytest.raises(ValueError, match="cannot run a torch.int8 weight on cpu with 8-bit activations"):
+        layer.set_plan(("int8pack",))
+    with pytest.raises(ValueError, match="activation_bits must be one of \\(16, 8\\), got 4"):
+        quantized_linear(40, 64, bias=False, seed=1, activation_bits=4)
+
+
+@pytest.mark.parametrize("backend", W8A8_BACKENDS)
+def test_w8a8_layer_under_torch_compile(backend):
+    torch._dynamo.reset()  # every layer compiled in this file counts towards one code object's recompile limit
+    layer, _ = quantized_linear(40, 64, bias=True, seed=2, activation_bits=8)
+    layer.set_plan((backend,))
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    for num_tokens in (3, 16, 1):
+        x = torch.randn(num_tokens, 64)
+        torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_chooser_keys_w8a8_layers_apart(tmp_path, monkeypatch):
+    """A W8A8 layer and an int8 one of the same shape are timed and planned apart (other kernels),
+    int8pack never among the W8A8 layer's candidates."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
+    monkeypatch.setattr(linear_chooser.OtherCpuUse, "cores", lambda self: 0.0)
+    a16, _ = quantized_linear(48, 64, bias=False, seed=3)
+    a8, _ = quantized_linear(48, 64, bias=False, seed=4, activation_bits=8)
+    plan = plan_linears(torch.nn.Sequential(a16, a8), LinearSetup("auto", max_num_seqs=2, max_num_batched_tokens=2))
+    assert set(plan.choices) == {"int8:48x64", "int8a8:48x64"}
+    assert set(plan.timings_ms["int8a8:48x64"]) == set(W8A8_BACKENDS)
+    assert [a8.backend_for(m) for m in (1, 2)] == plan.choices["int8a8:48x64"]
+
+
 # --- the chooser -------------------------------------------------------------------------------
 
 
@@ -207,7 +262,7 @@ def test_loader_quantises_every_linear_layer_and_keeps_the_embedding_float(tmp_p
     dequantised = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, linear=None)
     for layer in [m for m in dequantised.modules() if isinstance(m, Linear)]:
         layer.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(layer.weight)), requires_grad=False)
-    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_cpu"), quantization="int8")
+    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_cpu"), quantization="int8-a16")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 2 * 4 + 1 and all(m.qweight is not None and m.weight is None for m in linears)
     assert model.model.embed_tokens.weight.dtype == torch.float32
@@ -222,18 +277,46 @@ def test_loader_quantises_every_linear_layer_and_keeps_the_embedding_float(tmp_p
                                atol=atol, rtol=1e-5)
 
 
+def test_loader_int8_makes_the_attention_output_and_mlp_w8a8(tmp_path):
+    """--quantization int8: O, gate/up and down round their inputs to 8 bits per row, QKV and the
+    LM head do not; through int8_dequant the logits equal those of the float32 model given the
+    dequantised weights and the same rounding of those three layers' inputs. (Through the VNNI
+    kernels the QKV rows' int16 rounding moves some 8-bit roundings of the next layer's input by a
+    step: the kernels are checked one by one above.)"""
+    save_tiny_llama(tmp_path, tie_word_embeddings=True, attention_bias=True)
+    reference_model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, linear=None)
+    for name, layer in reference_model.named_modules():
+        if isinstance(layer, Linear):
+            layer.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(layer.weight)), requires_grad=False)
+            if name.endswith(W8A8_LAYERS):
+                layer.register_forward_pre_hook(lambda module, args: (quantize_rows_8bit(args[0]),))
+    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_dequant"), quantization="int8")
+    bits = {name: m.activation_bits for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert bits == {**{f"model.layers.{i}.{n}": 16 if n == "self_attn.qkv_proj" else 8 for i in range(2)
+                       for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")},
+                    "lm_head": 16}
+    backend = CpuAttentionBackend()
+    torch.testing.assert_close(engine_logits(model, PROMPT, backend), engine_logits(reference_model, PROMPT, backend),
+                               atol=1e-4, rtol=1e-5)
+    auto = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("auto", use_cache=False),
+                      quantization="int8")
+    assert "int8pack" not in {m.backend_for(n) for m in auto.modules() if isinstance(m, Linear)
+                              and m.activation_bits == 8 for n in (1, 16, 64)}
+
+
 def test_loader_refuses_int8_with_half_precision(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' with dtype float32"):
+    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' or 'int8-a16' with dtype float32"):
         load_model(tmp_path, "bfloat16", "cpu", MAX_POSITIONS, quantization="int8")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'fp8'\), got 'int4'"),
+    (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'int8-a16', 'fp8'\), got 'int4'"),
     (dict(quantization="fp8"), r"quantization 'fp8' is reserved: it needs CUDA \(float8 GEMMs\), and it is not "
                                r"implemented yet; use 'none' or 'int8' \(device 'cpu'\)"),
     (dict(quantization="fp8", device="cuda"), r"quantization 'fp8' is reserved: it is not implemented yet"),
-    (dict(quantization="int8", dtype="bfloat16"), r"quantization 'int8' keeps float32 activations: it needs "
+    (dict(quantization="int8", dtype="bfloat16"), r"quantization 'int8' takes float32 activations: it needs "
                                                   r"dtype 'float32', got 'bfloat16'"),
+    (dict(quantization="int8-a16", dtype="float16"), r"quantization 'int8-a16' takes float32 activations"),
 ])
 def test_config_refuses_bad_quantization_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -251,7 +334,7 @@ def test_workers_and_tandem_up_take_the_flag_and_refuse_unknown_values():
         assert params["quantization"].default == "none"
         result = CliRunner().invoke(command, ["--quantization", "int4"])
         assert result.exit_code == 2 and "Invalid value for '--quantization'" in result.output
-        assert "'none', 'int8', 'fp8'" in result.output or "none, int8, fp8" in result.output
+        assert "'none', 'int8', 'int8-a16', 'fp8'" in result.output or "none, int8, int8-a16, fp8" in result.output
 
 
 @pytest.mark.skipif("int8_onednn" not in available, reason="no oneDNN u8 x s8 inner product on this CPU (AMX or VNNI)")
