@@ -1,29 +1,35 @@
-"""--quantization int8 on the real model (SmolLM2-135M), against the float32 engine: teacher-forced
-logits within measured bounds, argmax agreement away from near-ties, and the engine serving greedy
-requests end to end with int8 weights, deterministically.
+"""--quantization int8 and int8-a16 on the real model (SmolLM2-135M), against the float32 engine:
+teacher-forced logits within measured bounds, argmax agreement away from near-ties, and the
+engine serving greedy requests end to end with int8 weights, deterministically.
 
 int8 weights cannot promise float32's token-for-token equality: each weight moves by up to half
-its channel's quantisation step. Measured on this repository's eight prompts, 16 greedy tokens
-each (HF's float32 greedy sequences, teacher-forced), on an AVX2 EPYC:
+its channel's quantisation step, and with ``int8`` (W8A8) the O, gate/up and down GEMMs' input
+rows are rounded to 8 bits too. Measured on this repository's eight prompts, 16 greedy tokens
+each (HF's float32 greedy sequences, teacher-forced; int8-a16 on an AVX2 EPYC, int8 on a Zen 4
+EPYC with the VNNI kernels; int8-a16 measured the same there):
 
-==============================================  ===========  =====
-                                                measured     bound
-==============================================  ===========  =====
-logits, max abs difference int8 vs float32      2.21         4.0
+==============================================  ==================  ==================
+                                                int8-a16            int8 (W8A8)
+                                                measured / bound    measured / bound
+==============================================  ==================  ==================
+logits, max abs difference vs float32           2.21 / 4.0          6.84 / 10.0
 (logits of magnitude up to 38)
-logits, mean abs difference                     0.284        0.45
-argmax differs where float32's top-2 gap > 1.0  0 of 257     0
-(gap > 0.5: 0 of 320; > 0.25: 9 of 368)
-greedy (engine, batch of 8): first token equal  8/8          >= 7
-all 16 tokens equal float32's                   5/8          >= 4
-two runs of the int8 engine give equal tokens   yes          yes
-==============================================  ===========  =====
+logits, mean abs difference                     0.284 / 0.45        0.657 / 1.0
+argmax differs where float32's top-2 gap > GAP  0 of 257 / 0        0 of 182 / 0
+                                                (GAP 1.0)           (GAP 1.5; 8 of 257
+                                                                    at 1.0)
+greedy (engine, batch of 8): first token equal  8/8 / >= 7          7/8 / >= 6
+all 16 tokens equal float32's                   5/8 / >= 4          4/8 / >= 3
+two runs of the int8 engine give equal tokens   yes                 yes
+==============================================  ==================  ==================
 
 The bounds leave room for another CPU's chooser to pick other int8 backends (``int8pack`` rounds
 activations to bfloat16, which measured +0.1 % perplexity more than the exact backends).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -39,11 +45,23 @@ from tests import reference
 from tests.factories import engine_logits
 
 MAX_TOKENS = 16
-MAX_ABS_LOGITS = 4.0
-MEAN_ABS_LOGITS = 0.45
-ARGMAX_GAP = 1.0
-MIN_FIRST_MATCHES = 7
-MIN_FULL_MATCHES = 4
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_abs_logits: float
+    mean_abs_logits: float
+    argmax_gap: float  # where float32's top two differ by more, the argmax must agree
+    min_first_matches: int  # of 8 prompts
+    min_full_matches: int
+
+
+BOUNDS = {"int8-a16": Bounds(4.0, 0.45, 1.0, 7, 4), "int8": Bounds(10.0, 1.0, 1.5, 6, 3)}
+
+
+@pytest.fixture(scope="module", params=list(BOUNDS))
+def quantization(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -54,34 +72,39 @@ def sequences() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def logits(sequences) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(float32, int8) engine models' logits at every position of every sequence, one prefill each."""
-    backend = CpuAttentionBackend()
+def fp32_logits(sequences) -> list[torch.Tensor]:
+    """The float32 engine model's logits at every position of every sequence, one prefill each."""
     fp32 = load_model(reference.hf_dir(), "float32", "cpu", 256)
-    fp32_logits = [engine_logits(fp32, s, backend) for s in sequences]
-    del fp32
-    int8 = load_model(reference.hf_dir(), "float32", "cpu", 256, quantization="int8")
+    return [engine_logits(fp32, s, CpuAttentionBackend()) for s in sequences]
+
+
+@pytest.fixture(scope="module")
+def logits(sequences, fp32_logits, quantization) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(float32, int8) engine models' logits at every position of every sequence, one prefill each."""
+    int8 = load_model(reference.hf_dir(), "float32", "cpu", 256, quantization=quantization)
     linears = [m for m in int8.modules() if isinstance(m, Linear)]
     assert all(m.qweight is not None for m in linears) and len(linears) == 30 * 4 + 1
+    assert sum(m.activation_bits == 8 for m in linears) == (30 * 3 if quantization == "int8" else 0)
     assert {m.backend_for(n) for m in linears for n in (1, 16, 64)} <= set(INT8_BACKENDS)
-    return fp32_logits, [engine_logits(int8, s, backend) for s in sequences]
+    return fp32_logits, [engine_logits(int8, s, CpuAttentionBackend()) for s in sequences]
 
 
-def test_int8_logits_close_to_float32(logits):
+def test_int8_logits_close_to_float32(logits, quantization):
     fp32, int8 = logits
+    bounds = BOUNDS[quantization]
     diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(fp32, int8)])
-    assert diffs.max() <= MAX_ABS_LOGITS and diffs.mean() <= MEAN_ABS_LOGITS
+    assert diffs.max() <= bounds.max_abs_logits and diffs.mean() <= bounds.mean_abs_logits
     assert diffs.max() > 0  # quantised: not the float32 weights by mistake
 
 
-def test_int8_argmax_equals_float32_away_from_near_ties(logits):
+def test_int8_argmax_equals_float32_away_from_near_ties(logits, quantization):
     num_clear = num_positions = 0
     for a, b in zip(*logits):
         top2 = a.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > ARGMAX_GAP
+        clear = (top2[:, 0] - top2[:, 1]) > BOUNDS[quantization].argmax_gap
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
         num_clear, num_positions = num_clear + int(clear.sum()), num_positions + len(a)
-    assert num_clear > 0.5 * num_positions  # the gap leaves most positions checked
+    assert num_clear > 0.4 * num_positions  # the gap leaves most positions checked
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
@@ -94,8 +117,8 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[i
     return [list(r.output_token_ids) for r in requests]
 
 
-def test_int8_engine_serves_greedy_requests_deterministically():
-    """The engine as ``--quantization int8`` runs it (default backends, batch of 8): the same
+def test_int8_engine_serves_greedy_requests_deterministically(quantization):
+    """The engine as ``--quantization int8`` / ``int8-a16`` runs it (default backends, batch of 8): the same
     tokens on two runs, and as close to float32's as measured.
 
     Both runs go through one engine, without prefix caching: the linear chooser's plan picks a
@@ -103,11 +126,12 @@ def test_int8_engine_serves_greedy_requests_deterministically():
     machine is busy may measure again and pick others), so the same steps run the same kernels.
     """
     prompts = [reference.chat_ids(p) for p in reference.PROMPTS]
-    config = EngineConfig(quantization="int8", block_size=16, num_kv_blocks=128, max_model_len=256,
+    config = EngineConfig(quantization=quantization, block_size=16, num_kv_blocks=128, max_model_len=256,
                           enable_prefix_caching=False)
     engine = LLMEngine.from_config(config)
     first, second = greedy(engine, prompts, "a"), greedy(engine, prompts, "b")
     assert first == second
     fp32 = [reference.hf_greedy(p, MAX_TOKENS) for p in prompts]
-    assert sum(a[:1] == b[:1] for a, b in zip(first, fp32)) >= MIN_FIRST_MATCHES
-    assert sum(a == b for a, b in zip(first, fp32)) >= MIN_FULL_MATCHES
+    bounds = BOUNDS[quantization]
+    assert sum(a[:1] == b[:1] for a, b in zip(first, fp32)) >= bounds.min_first_matches
+    assert sum(a == b for a, b in zip(first, fp32)) >= bounds.min_full_matches

@@ -153,6 +153,7 @@ def test_quantising_a_non_float32_weight_is_refused():
 
 @pytest.mark.parametrize("backend", available)
 def test_int8_layer_under_torch_compile(backend):
+    torch._dynamo.reset()  # every layer compiled in this file counts towards one code object's recompile limit
     layer, _ = quantized_linear(40, 64, bias=True, seed=2)
     layer.set_plan((backend,))
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)

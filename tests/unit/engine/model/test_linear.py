@@ -279,7 +279,7 @@ def test_timed_calls_rotate_through_the_copies_backends_in_turn(monkeypatch):
     the caches."""
     seen = []
     monkeypatch.setattr(linear_chooser, "TIME_PER_CANDIDATE_S", 0.0)
-    monkeypatch.setattr(linear_chooser, "bind_backend", lambda backend, prepared, weight, bias, scale:
+    monkeypatch.setattr(linear_chooser, "bind_backend", lambda backend, prepared, weight, bias, scale, bits:
                         lambda x: seen.append((backend, prepared, weight.data_ptr())))
     weights = [torch.zeros(8, 4) for _ in range(3)]
     prepared = {"mkl": ["m0", "m1", "m2"], "torch": [None, None, None]}
