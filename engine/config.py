@@ -41,6 +41,13 @@ class EngineConfig:
                                                 "to fit.")
     max_model_len: int = setting(DEFAULT_MAX_MODEL_LEN, "Longest prompt + output in tokens; at most the model's "
                                                         "max_position_embeddings.")
+    # Sarathi-Serve's stall bound for a step that also decodes: a prompt prefilled beside running
+    # decodes (a decode worker's local prefill, a colocated engine's) is chunked to at most this
+    # many tokens per step, so no running stream waits a long prompt chunk's compute; steps
+    # without running decodes keep the whole token budget. 0: the token budget.
+    max_mixed_prefill_tokens: int = setting(0, "Most prompt tokens a step computes beside running decodes (0: the "
+                                               "token budget); longer prompts are chunked over more steps, so "
+                                               "decoding streams never wait a long chunk.")
     enable_chunked_prefill: bool = setting(True, "Split prompts over steps to fit the token budget.")
     enable_prefix_caching: bool = setting(True, "Reuse the KV of identical prompt prefixes in this worker's cache "
                                                 "(vLLM prefix caching).")
@@ -111,6 +118,9 @@ class EngineConfig:
                      "num_scheduler_steps", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_mixed_prefill_tokens < 0:
+            raise ValueError(f"max_mixed_prefill_tokens must be >= 0 (0: the token budget), got "
+                             f"{self.max_mixed_prefill_tokens}")
         if self.enable_overlap and self.tensor_parallel_size > 1:
             # Overlap packs finished requests' KV on the engine thread while the forward thread
             # runs the next pass: two threads would drive the ranks' collectives at once.

@@ -312,7 +312,10 @@ class LLMEngine:
             recent_step_time_s=self.step_stats.recent_step_time_s,
             max_num_seqs=self.config.max_num_seqs,
             cost_model=self.step_stats.model(
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                # The chunk a prompt gets beside running decodes (the router predicts local
+                # prefills on a decode worker with it): max_mixed_prefill_tokens when set.
+                max_num_batched_tokens=min(self.config.max_num_batched_tokens,
+                                           self.config.max_mixed_prefill_tokens or self.config.max_num_batched_tokens),
                 kv_bytes_per_token=self.spec.block_bytes / self.spec.block_size,
             ),
         )

@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.external_kv: dict[str, ExternalKV] = {}
+        self._prefill_budget = config.max_num_batched_tokens  # prompt tokens the step being built may still take
         # Every request until it is freed or aborted.
         self.requests: dict[str, Request] = {}
         # Preempted requests whose KV is in the engine's swap space, not yet back (resume_swapped).
@@ -115,10 +116,30 @@ class Scheduler:
         """Builds one step. Mutates the queues, block tables and preempted requests' state."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._prefill_budget = self._mixed_prefill_budget(budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         return out
+
+    def _mixed_prefill_budget(self, budget: int) -> int:
+        """The prompt tokens this step may compute: ``max_mixed_prefill_tokens`` when a running
+        request decodes in it (Sarathi-Serve's bound on what a decode waits for), else the whole
+        token budget. A chunk of one token (a prompt whose KV came from the pool) is not counted."""
+        cap = self.config.max_mixed_prefill_tokens if self.config.enable_chunked_prefill else 0
+        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+                       if r.status is RequestStatus.RUNNING):
+            return min(cap, budget)
+        return budget
+
+    def _prefill_chunk(self, n: int, budget: int) -> int:
+        """Tokens of a prompt with ``n`` left to compute that this step takes (a decode's 1 always
+        fits the budget); spends them from the step's prompt-token budget."""
+        if n <= 1:
+            return min(n, budget)
+        n = min(n, budget, self._prefill_budget)
+        self._prefill_budget -= n
+        return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled_ids: set[str] = set()
@@ -127,7 +148,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted by an earlier one
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._prefill_chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if n == 0:
+                continue
             table = self._allocate_with_lookahead(request, n)
             while table is None:
                 victim = self.preemption.victim(self.running)
@@ -203,7 +226,9 @@ class Scheduler:
         n = request.num_tokens - num_computed
         if n > budget and not self.config.enable_chunked_prefill and budget > 0:
             return None
-        n = min(n, budget)
+        if n > 1 and self._prefill_budget == 0 and not self.batching.admits_whole_batch:
+            return None  # this step's prompt tokens are spent: it starts next step
+        n = self._prefill_chunk(n, budget)
         # A hit covering the last token: that block is rewritten, so it is copied first.
         cow_last = hit.num_tokens > num_computed and num_computed // bs < len(hit.block_ids)
         total = max(num_computed + n, num_loaded)

@@ -152,6 +152,7 @@ OPTIONS: dict[str, tuple[tuple[str, ...], Reader]] = {
     "block_size": _at("engine.blockSize"),
     "max_num_batched_tokens": _at("engine.maxNumBatchedTokens"),
     "max_num_seqs": _at("engine.maxNumSeqs"),
+    "max_mixed_prefill_tokens": _at("engine.maxMixedPrefillTokens"),
     "num_scheduler_steps": _at("engine.numSchedulerSteps"),
     "attention_backend": _at("engine.attentionBackend"),
     "linear_backend": _at("engine.linearBackend"),

@@ -3,6 +3,8 @@ test_preemption.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 
 from core.block_hash import hash_block_chain
 from core.request import FinishReason, RequestStatus
@@ -42,6 +44,45 @@ def test_decodes_go_first_and_waiting_prefill_takes_the_rest_of_the_budget():
     s.add_request(b)
     out, _ = run_step(s)
     assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [(a.request_id, 1), (b.request_id, 9)]
+
+
+def test_prompts_beside_running_decodes_take_at_most_max_mixed_prefill_tokens_per_step():
+    """With running decodes a step computes at most max_mixed_prefill_tokens prompt tokens (two
+    waiting prompts share them); a step without decodes keeps the whole budget, and a prompt
+    whose KV came from the pool (one token left) is not held back."""
+    s = make_scheduler(max_num_batched_tokens=32, max_mixed_prefill_tokens=6, enable_prefix_caching=False)
+    first = make_request(20, max_tokens=1)
+    s.add_request(first)
+    out, _ = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [20]  # no decode running: the whole budget
+    a = make_request(4, max_tokens=8)
+    s.add_request(a)
+    run_step(s)  # a prefilled (nothing decodes yet), 1 output token
+    b, c = make_request(10, max_tokens=1), make_request(5, max_tokens=1)
+    s.add_request(b)
+    s.add_request(c)
+    steps = []
+    for _ in range(3):
+        out, _ = run_step(s)
+        steps.append([(x.request_id, x.num_new_tokens) for x in out.scheduled])
+    assert steps == [[(a.request_id, 1), (b.request_id, 6)],
+                     [(a.request_id, 1), (b.request_id, 4), (c.request_id, 2)],
+                     [(a.request_id, 1), (c.request_id, 3)]]
+    d = make_request(12, max_tokens=2)
+    s.add_request(d, ExternalKV(11, []))  # 11 of 12 tokens from the pool
+    e = make_request(9, max_tokens=1)
+    s.add_request(e)
+    out, _ = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [(a.request_id, 1), (d.request_id, 1),
+                                                                          (e.request_id, 6)]
+    while s.num_unfinished:
+        run_step(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_max_mixed_prefill_tokens_is_refused_below_zero():
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0 \\(0: the token budget\\), got -1"):
+        make_scheduler(max_mixed_prefill_tokens=-1)
 
 
 def test_requests_join_and_leave_every_step():
