@@ -131,7 +131,10 @@ class LinearPlan:
         shapes = {b: sum(b in plan for plan in self.choices.values()) for b in per_backend}
         parts = [f"{b} for {shapes[b]} shapes ({per_backend[b]} buckets)" for b in BACKENDS if b in per_backend]
         how = "read from the cache" if self.cached else f"chosen in {self.took_s:.1f} s"
-        return f"linear backends: {', '.join(parts) or 'none'}, {how}"
+        int8 = [key for key in self.choices if key.startswith("int8")]
+        w8a8 = sum(key.startswith("int8a8:") for key in int8)
+        quantized = f" (int8 weights: {len(int8)} shapes, {w8a8} of them with 8-bit activations)" if int8 else ""
+        return f"linear backends: {', '.join(parts) or 'none'}{quantized}, {how}"
 
 
 def shape_key(weight: torch.Tensor, activation_bits: int = 16) -> str:

@@ -320,8 +320,8 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     return 0;
 }
 
-/* W8A8: 8-bit activations too (the layers engine/model/loader.py marks: attention output, MLP),
- * VPDPBUSD, four k per int32 lane (twice VPDPWSSD's multiply-adds per instruction). Each row of
+/* W8A8: 8-bit activations too (the layers engine/model/loader.py marks for --quantization w8a8:
+ * attention output, MLP gate/up), VPDPBUSD, four k per int32 lane (twice VPDPWSSD's multiply-adds per instruction). Each row of
  * x is quantised symmetrically on its own scale to 8 bits and offset to unsigned bytes:
  *
  *     sx[m] = max_k |x[m, k]| / 127,   xq[m, k] = round(x[m, k] / sx[m]) in [-127, 127],

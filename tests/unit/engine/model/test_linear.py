@@ -254,6 +254,10 @@ def test_other_cpu_use_counts_a_child_process_and_subtracts_this_ones():
 def test_summary_counts_shapes_and_buckets():
     plan = LinearPlan({"a": ["onednn", "onednn", "mkl"], "b": ["onednn"]}, took_s=3.21)
     assert plan.summary() == "linear backends: onednn for 2 shapes (3 buckets), mkl for 1 shapes (1 buckets), chosen in 3.2 s"
+    quantized = LinearPlan({"int8:960x576": ["int8_cpu"], "int8a8:576x576": ["int8_cpu"], "int8a8:3072x576": ["int8_cpu"]},
+                           cached=True)
+    assert quantized.summary() == ("linear backends: int8_cpu for 3 shapes (3 buckets) (int8 weights: 3 shapes, 2 of "
+                                   "them with 8-bit activations), read from the cache")
 
 
 def test_a_single_candidate_is_chosen_without_timing(monkeypatch):
