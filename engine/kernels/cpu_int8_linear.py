@@ -198,18 +198,27 @@ def bind_int8_linear_packed(
                          f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, K] weight")
     if not (packed.is_contiguous() and scale.is_contiguous() and (bias is None or bias.is_contiguous())):
         raise ValueError("panels, scale and bias must be contiguous")
-    k = in_features
+    return _bound_call(kernel.int8_linear_packed, packed, in_features, num_out, scale, bias, "int8 linear")
 
+
+def _bound_call(gemm: Callable[..., int], packed: torch.Tensor, k: int, num_out: int, scale: torch.Tensor,
+                bias: torch.Tensor | None, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [M, k] float32 -> [M, num_out] float32`` through the C entry point ``gemm`` (the
+    ``int8_linear_packed`` signature) on weight tensors already checked; checks x at each call.
+
+    Raises (at the call):
+        ValueError: x is not float32 [M, k] on the CPU.
+        MemoryError: the kernel could not allocate its scratch.
+    """
     def call(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, num_out, dtype=torch.float32)
-        if kernel.int8_linear_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
-                                     torch.get_num_threads()):
-            raise MemoryError(f"int8 linear: no scratch for x {tuple(x.shape)}")
+        if gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                out.data_ptr(), m, num_out, k, torch.get_num_threads()):
+            raise MemoryError(f"{name}: no scratch for x {tuple(x.shape)}")
         return out
     return call
 
@@ -304,20 +313,7 @@ def bind_int8_linear_a8(
                          f"{None if bias is None else tuple(bias.shape)} do not fit a [{num_out}, {in_features}] weight")
     if not (packed.is_contiguous() and scale.is_contiguous() and (bias is None or bias.is_contiguous())):
         raise ValueError("packed bytes, scale and bias must be contiguous")
-    k = in_features
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be float32 [M, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
-        x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty(m, num_out, dtype=torch.float32)
-        if kernel.int8_linear_a8_packed(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
-                                        None if bias is None else bias.data_ptr(), out.data_ptr(), m, num_out, k,
-                                        torch.get_num_threads()):
-            raise MemoryError(f"int8 W8A8 linear: no scratch for x {tuple(x.shape)}")
-        return out
-    return call
+    return _bound_call(kernel.int8_linear_a8_packed, packed, in_features, num_out, scale, bias, "int8 W8A8 linear")
 
 
 def quantize_rows_u8(kernel: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

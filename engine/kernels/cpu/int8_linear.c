@@ -558,13 +558,6 @@ int int8_linear_packed(const float *x, const int8_t *packed, const float *scale,
     free(xp);
     return 0;
 }
-/* No W8A8 path on this build (it needs AVX512-VNNI): int8_linear_a8_available() says so. */
-int int8_linear_a8_available(void) { return 0; }
-int64_t int8_linear_a8_packed_bytes(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
-void int8_linear_a8_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (void)w; (void)packed; (void)N; (void)K; }
-int int8_linear_a8_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
-                          int64_t M, int64_t N, int64_t K, int num_threads)
-{ (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
 #else
 int int8_linear_panel_width(void) { return 0; }  /* no packed path on this build: int8_linear_f32 */
 int int8_linear_pack_pairs(void) { return 0; }
@@ -573,6 +566,9 @@ void int8_linear_pack(const int8_t *w, int8_t *packed, int64_t N, int64_t K) { (
 int int8_linear_packed(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int num_threads)
 { (void)x; (void)packed; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads; return -1; }
+#endif
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* No W8A8 path on this build (it needs AVX512-VNNI): int8_linear_a8_available() says so. */
 int int8_linear_a8_available(void) { return 0; }
 int64_t int8_linear_a8_packed_bytes(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
