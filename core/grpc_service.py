@@ -32,6 +32,10 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # 5 s timeout leaves room for a process starved of CPU on a loaded machine.
 KEEPALIVE_TIME_S = 2.0
 KEEPALIVE_TIMEOUT_S = 5.0
+# After its grace period a stopping server cancels the calls still running; a server that has not
+# stopped this much later (a call gRPC core still counts, a handler that ignores its cancellation)
+# is left behind with a warning, so stopping a service never hangs.
+STOP_MARGIN_S = 5.0
 
 
 def keepalive_channel_options(time_s: float = KEEPALIVE_TIME_S, timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple]:
@@ -161,9 +165,15 @@ class GrpcService:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self) -> None:
-        """Reports NOT_SERVING, then stops after in-flight RPCs finish or ``grace_s`` passes."""
+        """Reports NOT_SERVING, then stops after in-flight RPCs finish or ``grace_s`` passes (the
+        rest are cancelled). Returns within ``grace_s + STOP_MARGIN_S`` even when the server does
+        not stop (logged as a warning)."""
         await self.report_not_serving()
-        await self.server.stop(self.grace_s)
+        try:
+            await asyncio.wait_for(self.server.stop(self.grace_s), self.grace_s + STOP_MARGIN_S)
+        except TimeoutError:
+            log.warning("the gRPC server on %s had not stopped %g s after its %g s grace period: left behind",
+                        self.address, STOP_MARGIN_S, self.grace_s)
 
 
 async def run_until_signalled(

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from core import tracing
 from core.grpc_auth import api_key_gate
-from core.grpc_service import GrpcService
+from core.grpc_service import STOP_MARGIN_S, GrpcService
 from core.model_source import resolve_model
 from core.registry import WorkerRegistry
 from router.api.auth import ApiKeyMiddleware
@@ -148,7 +148,16 @@ class RouterServer:
             shutdown.abort()
             await shutdown.wait_idle(ABORT_FLUSH_S)
         self.uvicorn.should_exit = True
-        await asyncio.gather(self.grpc.stop(), self._http_task, return_exceptions=True)
+        await asyncio.gather(self.grpc.stop(), self._stop_http(), return_exceptions=True)
         await self.view.stop()
         await self.clients.close()
         await self.registry.close()
+
+    async def _stop_http(self) -> None:
+        """Waits for uvicorn to stop (it cuts connections still open after its graceful
+        timeout); past that and ``STOP_MARGIN_S`` it is cancelled, with a warning."""
+        limit_s = self.uvicorn.config.timeout_graceful_shutdown + STOP_MARGIN_S
+        try:
+            await asyncio.wait_for(self._http_task, limit_s)
+        except TimeoutError:
+            log.warning("the HTTP server on port %d had not stopped after %g s: cancelled", self.http_port, limit_s)

@@ -198,3 +198,29 @@ async def test_requests_that_finish_within_the_grace_period_finish_normally(rout
     assert workers.decode.num_cancelled == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
             and r.name.startswith(("router", "uvicorn"))] == []
+
+
+async def test_stop_returns_when_a_server_never_stops(router, caplog, monkeypatch) -> None:
+    """An HTTP server whose shutdown never ends and a gRPC server whose stop never completes (a
+    connection or call they keep waiting for) do not hang the router's stop: each is left
+    ``STOP_MARGIN_S`` after its own grace period, with a warning naming it."""
+    monkeypatch.setattr("router.server.STOP_MARGIN_S", 0.2)
+    monkeypatch.setattr("core.grpc_service.STOP_MARGIN_S", 0.2)
+    never = asyncio.Event()
+
+    async def hang(*args, **kwargs) -> None:
+        await never.wait()
+
+    grpc_stop = router.grpc.server.stop
+    monkeypatch.setattr(router.uvicorn, "shutdown", hang)
+    monkeypatch.setattr(router.grpc.server, "stop", hang)
+    with caplog.at_level(logging.WARNING):
+        await asyncio.wait_for(router.stop(), WAIT_S)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"the HTTP server on port {router.http_port} had not stopped after 1.2 s: cancelled" in warnings
+    assert f"the gRPC server on {router.grpc.address} had not stopped 0.2 s after its 1 s grace period: left behind" \
+        in warnings
+    assert router._http_task.cancelled()
+    await grpc_stop(0)
+    for server in router.uvicorn.servers:
+        server.close()
