@@ -2,7 +2,7 @@
 through the engine.
 
     .venv/bin/python benchmarks/quality.py --path alpaca_eval_805_gpt4_1106_preview_outputs.json \\
-        [--variants float32,bfloat16,int8,w8a8,kv-fp8,kv-int8] [--num-prompts 32] [--answer-tokens 256] [--greedy-tokens 32]
+        [--variants float32,bfloat16,int8,w8a16,kv-fp8,kv-int8] [--num-prompts 32] [--answer-tokens 256] [--greedy-tokens 32]
 
 ``--path``: AlpacaEval's reference outputs (a JSON array of ``{"instruction", "output"}``; the
 ``alpaca`` data set of docs/data.md). For each of the first ``--num-prompts`` rows, every variant
@@ -44,14 +44,14 @@ VARIANTS: dict[str, dict] = {
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
     "float16": dict(dtype="float16"),
-    # int8 weights, every activation at 16 bits or more
-    "int8": dict(dtype="float32", quantization="int8"),
     # int8 weights; the attention output's and the MLP gate/up's activations rounded to 8 bits per row
-    "w8a8": dict(dtype="float32", quantization="w8a8"),
-    # int8 through Tandem's kernel alone (with AVX512-VNNI: activations rounded to int16 per row)
-    "int8-cpu": dict(dtype="float32", quantization="int8", linear_backend="int8_cpu"),
-    # int8 through oneDNN's u8 x s8 GEMM, activations split into two bytes (AMX or VNNI CPUs only)
-    "int8-onednn": dict(dtype="float32", quantization="int8", linear_backend="int8_onednn"),
+    "int8": dict(dtype="float32", quantization="int8"),
+    # int8 weights, every activation at 16 bits or more (weight-only)
+    "w8a16": dict(dtype="float32", quantization="w8a16"),
+    # w8a16 through Tandem's kernel alone (with AVX512-VNNI: activations rounded to int16 per row)
+    "w8a16-cpu": dict(dtype="float32", quantization="w8a16", linear_backend="int8_cpu"),
+    # w8a16 through oneDNN's u8 x s8 GEMM, activations split into two bytes (AMX or VNNI CPUs only)
+    "w8a16-onednn": dict(dtype="float32", quantization="w8a16", linear_backend="int8_onednn"),
     "kv-fp8": dict(dtype="float32", kv_cache_dtype="fp8"),
     "kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
 }
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--path", type=Path, required=True, help="AlpacaEval reference outputs (JSON array)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--variants", default="float32,bfloat16,int8,w8a8,kv-fp8,kv-int8",
+    parser.add_argument("--variants", default="float32,bfloat16,int8,w8a16,kv-fp8,kv-int8",
                         help="comma-separated, the first is the reference: " + ", ".join(VARIANTS))
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--answer-tokens", type=int, default=256, help="reference answer tokens scored per prompt")

@@ -12,11 +12,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # engine.model.linear.BACKENDS: float weights (onednn, mkl, torch, fp32_cpu), then int8 weights (int8_cpu, ...).
 LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "int8_cpu", "int8_dequant", "int8pack",
                           "int8_onednn")
-# Weight quantisation (vLLM's --quantization): "int8" quantises the linear layers' weights at load
-# (engine.model.linear.quantize_int8), activations at 16 bits or more; "w8a8" also rounds the
-# attention output's and the MLP gate/up's activations to 8 bits per row
-# (engine.model.loader.W8A8_LAYERS); "fp8" is reserved for CUDA.
-QUANTIZATIONS = ("none", "int8", "w8a8", "fp8")
+# Weight quantisation (vLLM's --quantization): both int8 modes quantise the linear layers' weights at
+# load (engine.model.linear.quantize_int8). "int8" also rounds the attention output's and the MLP
+# gate/up's activations to 8 bits per row (W8A8 there, engine.model.loader.W8A8_LAYERS; W8A16
+# elsewhere); "w8a16" keeps every activation at 16 bits or more (weight-only); "fp8" is reserved
+# for CUDA.
+QUANTIZATIONS = ("none", "int8", "w8a16", "fp8")
+INT8_QUANTIZATIONS = ("int8", "w8a16")
 SCHEDULING_POLICIES = ("continuous", "static")
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = tuple(DTYPE_BYTES)
@@ -82,10 +84,11 @@ class EngineConfig:
                                           "on the model's shapes and keeps the fastest per shape and batch size.",
                                   choices=LINEAR_BACKEND_CHOICES)
     quantization: str = setting("none", "Weight quantisation: int8 quantises the linear layers' weights at load "
-                                        "(per output channel, symmetric; activations keep 16 bits or more); "
-                                        "w8a8 also rounds the attention output's and the MLP gate/up's "
-                                        "activations to 8 bits per token (faster where the CPU has VNNI, less "
-                                        "exact); fp8 is reserved for CUDA.", choices=QUANTIZATIONS)
+                                        "(per output channel, symmetric) and rounds the attention output's and "
+                                        "the MLP gate/up's activations to 8 bits per token (W8A8 there, fast "
+                                        "where the CPU has VNNI); w8a16 quantises the same weights and keeps "
+                                        "every activation at 16 bits or more (weight-only, closer to float32); "
+                                        "fp8 is reserved for CUDA.", choices=QUANTIZATIONS)
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" is the model's dtype; "fp8" (float8
     # e4m3fn) and "int8" store 8-bit K/V with one float32 scale per token and head
     # (engine.kv_cache.kv_quant, docs/quantization.md).
@@ -148,8 +151,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "fp8":
             where = "it needs CUDA (float8 GEMMs), and " if not self.device.startswith("cuda") else ""
-            raise ValueError(f"quantization 'fp8' is reserved: {where}it is not implemented yet; use 'none', 'int8' or 'w8a8' "
+            raise ValueError(f"quantization 'fp8' is reserved: {where}it is not implemented yet; use 'none', 'int8' or 'w8a16' "
                              f"(device {self.device!r})")
-        if self.quantization in ("int8", "w8a8") and self.dtype != "float32":
+        if self.quantization in INT8_QUANTIZATIONS and self.dtype != "float32":
             raise ValueError(f"quantization {self.quantization!r} takes float32 activations: it needs dtype "
                              f"'float32', got {self.dtype!r}")

@@ -42,7 +42,7 @@ weight [out, in] and one float32 scale per output channel, and runs through one 
   the activations in one byte per row, W8A8, the AlpacaEval perplexity rose 3.3 % over float32's
   where the 16-bit activations cost 0.5 %.)
 
-A layer quantised with ``activation_bits=8`` (W8A8: ``--quantization w8a8`` marks the attention
+A layer quantised with ``activation_bits=8`` (W8A8: ``--quantization int8`` marks the attention
 output and MLP gate/up projections, engine.model.loader) rounds each row of x to 8 bits on its own scale
 ``max|x[m]| / 127`` before the GEMM, whichever backend runs it, so its result is the GEMM of the
 8-bit x with the int8 weight on every backend (up to the order of the sums): ``int8_cpu`` runs
@@ -417,7 +417,7 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         plan = "none" if self.plan is None else ",".join(BACKENDS[c] for c in self.plan)
-        quantized = "" if self.qweight is None else ", int8" if self.activation_bits == 16 else ", int8 w8a8"
+        quantized = "" if self.qweight is None else ", int8 w8a16" if self.activation_bits == 16 else ", int8 w8a8"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quantized}, plan={plan}"
 
 

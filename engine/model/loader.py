@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engine.config import INT8_QUANTIZATIONS
 from engine.model.linear import planned_layers
 from engine.model.linear_chooser import LinearSetup, plan_linears
 from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
@@ -28,17 +29,17 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
     ``shard``: called on the loaded model while it is still on the CPU, before it moves to
     ``device`` and its linear layers are planned (a tensor-parallel rank keeps its slice: engine.parallel.layers).
 
-    ``quantization="int8"``: every linear layer (the fused QKV and gate/up projections, O, down and
-    the LM head) is quantised from the float32 checkpoint after sharding, before planning
-    (:func:`quantize_linears`); the embedding, the norms and the biases stay float32.
-    ``quantization="w8a8"``: the same, and the O and gate/up projections also round their
-    activations to 8 bits per row (:data:`W8A8_LAYERS`).
+    ``quantization="w8a16"``: every linear layer (the fused QKV and gate/up projections, O, down
+    and the LM head) is quantised from the float32 checkpoint after sharding, before planning
+    (:func:`quantize_linears`); the embedding, the norms and the biases stay float32; activations
+    keep 16 bits or more. ``quantization="int8"``: the same, and the O and gate/up projections
+    also round their activations to 8 bits per row (W8A8 there: :data:`W8A8_LAYERS`).
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
         ValueError: unsupported model_type, a weight missing from the checkpoint,
             ``max_positions`` beyond the model's ``max_position_embeddings``, or a quantization
-            other than "none", "int8" and "w8a8" (the int8 ones with a dtype other than float32).
+            other than "none", "int8" and "w8a16" (the int8 ones with a dtype other than float32).
     """
     int8 = quantization in INT8_QUANTIZATIONS
     if not (quantization == "none" or int8) or (int8 and dtype != "float32"):
@@ -79,19 +80,18 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
         shard(model)
     model = model.to(device).eval()
     if int8:
-        quantize_linears(model, w8a8=quantization == "w8a8")
+        quantize_linears(model, w8a8=quantization == "int8")
     if linear is not None:
         plan_linears(model, linear)
     return model
 
 
-# The layers whose activations ``--quantization w8a8`` rounds to 8 bits: the attention output and
+# The layers whose activations ``--quantization int8`` rounds to 8 bits: the attention output and
 # the MLP's gate/up, 59 % of a decoder layer's multiply-adds. QKV's input (the attention norm's
 # output) costs the most perplexity at 8 bits; down's (SiLU(gate) x up, with its outlier channels)
 # and the LM head's next; with down at 8 bits too a plain question got a wrong answer
 # (docs/quantization.md).
 W8A8_LAYERS = ("self_attn.o_proj", "mlp.gate_up_proj")
-INT8_QUANTIZATIONS = ("int8", "w8a8")
 
 
 def quantize_linears(model: LlamaForCausalLM, w8a8: bool = False) -> None:

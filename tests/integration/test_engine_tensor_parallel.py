@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import ExternalKV
 from engine.kv_connector import PoolIO
+from engine.model.linear import Linear
 from tests import reference
 from tests.integration.test_kv_pool_server import SMOLLM_BLOCK_BYTES, start_pool  # noqa: F401
 from tests.factories import run_all
@@ -179,3 +180,22 @@ def test_fp8_kv_crosses_degrees_with_its_scales(make_engine):
         follow.append_output_token(out[-1].new_token_ids[0])
         run_all(decode, [follow], {"b": ExternalKV(len(prompt), saved)})
         assert follow.output_token_ids == expected
+
+
+def test_tp2_int8_quantises_each_ranks_slice(make_engine):
+    """--quantization int8 at TP=2: each rank quantises its own slice of every linear layer (per
+    output channel, so a column-parallel slice keeps TP=1's scales), and its O and gate/up round
+    their input rows to 8 bits on the rank's slice (a row-parallel O sees half of each row, so
+    its scales, and some tokens, differ from TP=1's). Measured: the first token equals HF float32's
+    for 8 of 8 prompts, all 16 for 4 of 8 (TP=1 int8: 3 of 8)."""
+    engine = make_engine(2, quantization="int8")
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 30 * 4 + 1 and all(m.qweight is not None for m in linears)
+    assert sum(m.activation_bits == 8 for m in linears) == 30 * 2
+    o_proj = engine.runner.model.model.layers[0].self_attn.o_proj
+    assert tuple(o_proj.qweight.shape) == (576, 6 * 64)  # rank 0: its 6 of 9 query heads' columns
+    prompts = [reference.chat_ids(p) for p in reference.PROMPTS]
+    got = run_all(engine, [greedy(f"q{i}", p) for i, p in enumerate(prompts)])
+    hf = [reference.hf_greedy(p, MAX_TOKENS) for p in prompts]
+    assert sum(got[f"q{i}"][:1] == hf[i][:1] for i in range(len(prompts))) >= 7
+    assert engine.stats().num_used_blocks == 0

@@ -257,13 +257,13 @@ def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
 
 
 def test_loader_quantises_every_linear_layer_and_keeps_the_embedding_float(tmp_path):
-    """A tiny tied-head model: every Linear (the LM head too) becomes int8, the embedding stays
+    """--quantization w8a16 on a tiny tied-head model: every Linear (the LM head too) becomes int8, the embedding stays
     float32, and the logits equal those of the float32 model given the dequantised weights."""
     save_tiny_llama(tmp_path, tie_word_embeddings=True, attention_bias=True)
     dequantised = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, linear=None)
     for layer in [m for m in dequantised.modules() if isinstance(m, Linear)]:
         layer.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(layer.weight)), requires_grad=False)
-    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_cpu"), quantization="int8")
+    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_cpu"), quantization="w8a16")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 2 * 4 + 1 and all(m.qweight is not None and m.weight is None for m in linears)
     assert model.model.embed_tokens.weight.dtype == torch.float32
@@ -278,8 +278,8 @@ def test_loader_quantises_every_linear_layer_and_keeps_the_embedding_float(tmp_p
                                atol=atol, rtol=1e-5)
 
 
-def test_loader_w8a8_rounds_the_attention_output_and_gate_up_inputs(tmp_path):
-    """--quantization w8a8: O and gate/up round their inputs to 8 bits per row, QKV, down and the
+def test_loader_int8_rounds_the_attention_output_and_gate_up_inputs(tmp_path):
+    """--quantization int8: O and gate/up round their inputs to 8 bits per row, QKV, down and the
     LM head do not; through int8_dequant the logits equal those of the float32 model given the
     dequantised weights and the same rounding of those three layers' inputs. (Through the VNNI
     kernels the QKV rows' int16 rounding moves some 8-bit roundings of the next layer's input by a
@@ -291,7 +291,7 @@ def test_loader_w8a8_rounds_the_attention_output_and_gate_up_inputs(tmp_path):
             layer.weight = torch.nn.Parameter(dequantize_int8(*quantize_int8(layer.weight)), requires_grad=False)
             if name.endswith(W8A8_LAYERS):
                 layer.register_forward_pre_hook(lambda module, args: (quantize_rows_8bit(args[0]),))
-    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_dequant"), quantization="w8a8")
+    model = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("int8_dequant"), quantization="int8")
     bits = {name: m.activation_bits for name, m in model.named_modules() if isinstance(m, Linear)}
     assert bits == {**{f"model.layers.{i}.{n}": 8 if n in W8A8_LAYERS else 16 for i in range(2)
                        for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")},
@@ -300,24 +300,24 @@ def test_loader_w8a8_rounds_the_attention_output_and_gate_up_inputs(tmp_path):
     torch.testing.assert_close(engine_logits(model, PROMPT, backend), engine_logits(reference_model, PROMPT, backend),
                                atol=1e-4, rtol=1e-5)
     auto = load_model(tmp_path, "float32", "cpu", MAX_POSITIONS, LinearSetup("auto", use_cache=False),
-                      quantization="w8a8")
+                      quantization="int8")
     assert "int8pack" not in {m.backend_for(n) for m in auto.modules() if isinstance(m, Linear)
                               and m.activation_bits == 8 for n in (1, 16, 64)}
 
 
 def test_loader_refuses_int8_with_half_precision(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' or 'w8a8' with dtype float32"):
+    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' or 'w8a16' with dtype float32"):
         load_model(tmp_path, "bfloat16", "cpu", MAX_POSITIONS, quantization="int8")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'w8a8', 'fp8'\), got 'int4'"),
+    (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'w8a16', 'fp8'\), got 'int4'"),
     (dict(quantization="fp8"), r"quantization 'fp8' is reserved: it needs CUDA \(float8 GEMMs\), and it is not "
-                               r"implemented yet; use 'none', 'int8' or 'w8a8' \(device 'cpu'\)"),
+                               r"implemented yet; use 'none', 'int8' or 'w8a16' \(device 'cpu'\)"),
     (dict(quantization="fp8", device="cuda"), r"quantization 'fp8' is reserved: it is not implemented yet"),
     (dict(quantization="int8", dtype="bfloat16"), r"quantization 'int8' takes float32 activations: it needs "
                                                   r"dtype 'float32', got 'bfloat16'"),
-    (dict(quantization="w8a8", dtype="float16"), r"quantization 'w8a8' takes float32 activations"),
+    (dict(quantization="w8a16", dtype="float16"), r"quantization 'w8a16' takes float32 activations"),
 ])
 def test_config_refuses_bad_quantization_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -335,7 +335,7 @@ def test_workers_and_tandem_up_take_the_flag_and_refuse_unknown_values():
         assert params["quantization"].default == "none"
         result = CliRunner().invoke(command, ["--quantization", "int4"])
         assert result.exit_code == 2 and "Invalid value for '--quantization'" in result.output
-        assert "'none', 'int8', 'w8a8', 'fp8'" in result.output or "none, int8, w8a8, fp8" in result.output
+        assert "'none', 'int8', 'w8a16', 'fp8'" in result.output or "none, int8, w8a16, fp8" in result.output
 
 
 @pytest.mark.skipif("int8_onednn" not in available, reason="no oneDNN u8 x s8 inner product on this CPU (AMX or VNNI)")
