@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linear-backends", default="auto",
                         help="comma-separated GEMM backends, each path run with each (auto, onednn, mkl, torch)")
     parser.add_argument("--quantizations", default="none",
-                        help="comma-separated weight quantizations, each variant run with each (none, int8)")
+                        help="comma-separated weight quantizations, each variant run with each (none, int8, w8a16)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (the floor counts float32 bytes: halve it for bfloat16)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/decode_pass.json"))

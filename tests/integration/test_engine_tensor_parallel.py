@@ -187,7 +187,7 @@ def test_tp2_int8_quantises_each_ranks_slice(make_engine):
     output channel, so a column-parallel slice keeps TP=1's scales), and its O and gate/up round
     their input rows to 8 bits on the rank's slice (a row-parallel O sees half of each row, so
     its scales, and some tokens, differ from TP=1's). Measured: the first token equals HF float32's
-    for 8 of 8 prompts, all 16 for 4 of 8 (TP=1 int8: 3 of 8)."""
+    for 8 of 8 prompts, all 16 for 5 of 8 (TP=1 int8: 3 of 8)."""
     engine = make_engine(2, quantization="int8")
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 30 * 4 + 1 and all(m.qweight is not None for m in linears)
