@@ -5,6 +5,7 @@ one default per setting."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
 import time
@@ -312,8 +313,17 @@ def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bo
         config = ClusterConfig.from_options(**options, api_keys=api_keys, restart=restart)
         source = resolve_model(config.model)
     except (ValueError, FileNotFoundError) as err:
-        raise click.ClickException(str(err)) from None
+        raise click.ClickException(name_flags(str(err), params)) from None
     return config, source, prompts
+
+
+def name_flags(message: str, names) -> str:
+    """``message`` with each option field it names written as the flag that sets it
+    (``max_mixed_prefill_tokens must be >= 0`` -> ``--max-mixed-prefill-tokens must be >= 0``);
+    only names with an underscore, so that plain words stay words."""
+    for name in sorted((n for n in names if "_" in n), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", "--" + name.replace("_", "-"), message)
+    return message
 
 
 def _router_ports(kwargs: dict) -> dict[str, int]:
