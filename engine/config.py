@@ -15,8 +15,9 @@ LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "int8_cp
 # Weight quantisation (vLLM's --quantization): both int8 modes quantise the linear layers' weights at
 # load (engine.model.linear.quantize_int8). "int8" also rounds the attention output's and the MLP
 # gate/up's activations to 8 bits per row (W8A8 there, engine.model.loader.W8A8_LAYERS; W8A16
-# elsewhere); "w8a16" keeps every activation at 16 bits or more (weight-only); "fp8" is reserved
-# for CUDA.
+# elsewhere); "w8a16" keeps every activation at 16 bits or more (weight-only); "fp8" (CUDA only)
+# stores the weights in float8 e4m3 and rounds every GEMM's input rows to float8
+# (engine.model.fp8_linear).
 QUANTIZATIONS = ("none", "int8", "w8a16", "fp8")
 INT8_QUANTIZATIONS = ("int8", "w8a16")
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -88,7 +89,9 @@ class EngineConfig:
                                         "the MLP gate/up's activations to 8 bits per token (W8A8 there, fast "
                                         "where the CPU has VNNI); w8a16 quantises the same weights and keeps "
                                         "every activation at 16 bits or more (weight-only, closer to float32); "
-                                        "fp8 is reserved for CUDA.", choices=QUANTIZATIONS)
+                                        "fp8 (CUDA GPUs of compute capability 8.9+) stores the weights in "
+                                        "float8 e4m3 and rounds every GEMM's input rows to float8.",
+                                choices=QUANTIZATIONS)
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" is the model's dtype; "fp8" (float8
     # e4m3fn) and "int8" store 8-bit K/V with one float32 scale per token and head
     # (engine.kv_cache.kv_quant, docs/quantization.md).
@@ -149,10 +152,9 @@ class EngineConfig:
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization == "fp8":
-            where = "it needs CUDA (float8 GEMMs), and " if not self.device.startswith("cuda") else ""
-            raise ValueError(f"quantization 'fp8' is reserved: {where}it is not implemented yet; use 'none', 'int8' or 'w8a16' "
-                             f"(device {self.device!r})")
+        if self.quantization == "fp8" and not self.device.startswith("cuda"):
+            raise ValueError(f"quantization 'fp8' runs on CUDA GPUs with float8 GEMMs (compute capability 8.9 or "
+                             f"later), not on device {self.device!r}: use 'int8' or 'w8a16' there")
         if self.quantization in INT8_QUANTIZATIONS and self.dtype != "float32":
             raise ValueError(f"quantization {self.quantization!r} takes float32 activations: it needs dtype "
                              f"'float32', got {self.dtype!r}")

@@ -79,6 +79,7 @@ from engine.kernels.cpu_int8_linear import (a8_available, bind_int8_linear_a8, b
                                             quantize_rows_8bit, quantize_rows_u8, split_rows_u8)
 from engine.kernels.cpu_int8_linear import load_kernel as load_int8_kernel
 from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
+from engine.model.fp8_linear import fp8_linear, quantize_fp8
 
 BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
 FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu")  # float32 / bfloat16 / float16 weights
@@ -306,6 +307,8 @@ class Linear(nn.Module):
     2-D input of the weight's dtype runs through the backend its M bucket names. After
     :meth:`quantize_int8` the layer holds ``qweight`` (int8 [out, in]) and ``weight_scale``
     (float32 [out]) instead of ``weight`` and runs the int8 backends (float32 input and output).
+    After :meth:`quantize_fp8` it holds ``fp8_weight`` (``float8_e4m3fn`` [out, in]) and
+    ``weight_scale`` and runs :func:`engine.model.fp8_linear.fp8_linear` (x's dtype in and out).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -323,11 +326,14 @@ class Linear(nn.Module):
         self._bound_dtype: torch.dtype | None = None
         self.register_buffer("qweight", None)  # int8 [out, in] once quantised
         self.register_buffer("weight_scale", None)  # float32 [out] once quantised
+        self.register_buffer("fp8_weight", None)  # float8_e4m3fn [out, in] once quantised to fp8
         self.activation_bits = 16  # once quantised: 8 rounds x to 8 bits per row (W8A8)
 
     @property
     def gemm_weight(self) -> torch.Tensor:
-        """The weight the GEMM reads: ``qweight`` (int8) once quantised, else ``weight``."""
+        """The weight the GEMM reads: ``qweight`` (int8) or ``fp8_weight`` once quantised, else ``weight``."""
+        if self.fp8_weight is not None:
+            return self.fp8_weight
         return self.weight if self.qweight is None else self.qweight
 
     def quantize_int8(self, activation_bits: int = 16) -> None:
@@ -349,6 +355,15 @@ class Linear(nn.Module):
         qweight, scale = quantize_int8(self.weight)
         self.weight = None
         self.qweight, self.weight_scale = qweight, scale
+        self.clear_plan()
+
+    def quantize_fp8(self) -> None:
+        """Replaces ``weight`` by its per-channel float8 e4m3 quantisation
+        (:func:`engine.model.fp8_linear.quantize_fp8`); each GEMM then rounds its input rows to
+        float8 too (W8A8, ``--quantization fp8``). Clears the plan: no CPU backend runs float8.
+        Mutates this layer; a weight shared with another module stays float there."""
+        self.fp8_weight, self.weight_scale = quantize_fp8(self.weight)
+        self.weight = None
         self.clear_plan()
 
     def set_plan(self, plan: tuple[str, ...], weight: torch.Tensor | None = None) -> None:
@@ -393,6 +408,8 @@ class Linear(nn.Module):
             return bound[min(m_bucket(x.shape[0]), len(bound) - 1)](x)
         if self.qweight is not None:
             return self._forward_int8(x)
+        if self.fp8_weight is not None:
+            return fp8_linear(x, self.fp8_weight, self.weight_scale, self.bias)
         if self.plan is None or x.dim() != 2 or x.dtype != self._source.dtype:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
@@ -417,7 +434,8 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         plan = "none" if self.plan is None else ",".join(BACKENDS[c] for c in self.plan)
-        quantized = "" if self.qweight is None else ", int8 w8a16" if self.activation_bits == 16 else ", int8 w8a8"
+        quantized = ", fp8" if self.fp8_weight is not None else "" if self.qweight is None \
+            else ", int8 w8a16" if self.activation_bits == 16 else ", int8 w8a8"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{quantized}, plan={plan}"
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import INT8_QUANTIZATIONS
+from engine.model.fp8_linear import check_cuda_fp8
 from engine.model.linear import planned_layers
 from engine.model.linear_chooser import LinearSetup, plan_linears
 from engine.model.llama import LlamaForCausalLM, fuse_checkpoint
@@ -34,17 +35,22 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
     (:func:`quantize_linears`); the embedding, the norms and the biases stay float32; activations
     keep 16 bits or more. ``quantization="int8"``: the same, and the O and gate/up projections
     also round their activations to 8 bits per row (W8A8 there: :data:`W8A8_LAYERS`).
+    ``quantization="fp8"``: every linear layer's weight in float8 e4m3 and its input rows rounded
+    to float8 at each GEMM (:mod:`engine.model.fp8_linear`), any float ``dtype``; its GEMMs are
+    ``torch._scaled_mm`` on a CUDA GPU of compute capability 8.9 or later, the dequantised
+    reference on the CPU (tests); no backend plan.
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
         ValueError: unsupported model_type, a weight missing from the checkpoint,
-            ``max_positions`` beyond the model's ``max_position_embeddings``, or a quantization
-            other than "none", "int8" and "w8a16" (the int8 ones with a dtype other than float32).
+            ``max_positions`` beyond the model's ``max_position_embeddings``, a quantization
+            other than "none", "int8", "w8a16" and "fp8" (the int8 ones with a dtype other than
+            float32), or "fp8" on a CUDA GPU without float8 GEMMs (engine.model.fp8_linear.check_cuda_fp8).
     """
     int8 = quantization in INT8_QUANTIZATIONS
-    if not (quantization == "none" or int8) or (int8 and dtype != "float32"):
-        raise ValueError(f"quantization must be 'none', or {' or '.join(map(repr, INT8_QUANTIZATIONS))} with dtype "
-                         f"float32; got {quantization!r} with {dtype!r}")
+    if not (quantization in ("none", "fp8") or int8) or (int8 and dtype != "float32"):
+        raise ValueError(f"quantization must be 'none', 'fp8', or {' or '.join(map(repr, INT8_QUANTIZATIONS))} with "
+                         f"dtype float32; got {quantization!r} with {dtype!r}")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
@@ -81,7 +87,13 @@ def load_model(hf_dir: Path, dtype: str, device: str, max_positions: int,
     model = model.to(device).eval()
     if int8:
         quantize_linears(model, w8a8=quantization == "int8")
-    if linear is not None:
+    if quantization == "fp8":
+        layers = planned_layers(model)
+        if torch.device(device).type == "cuda":
+            check_cuda_fp8(device, [tuple(layer.gemm_weight.shape) for layer in layers])
+        for layer in layers:
+            layer.quantize_fp8()
+    elif linear is not None:
         plan_linears(model, linear)
     return model
 

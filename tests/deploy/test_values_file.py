@@ -113,8 +113,8 @@ def test_quantization_reaches_both_workers_from_the_flag_and_the_file(tmp_path: 
     values.write_text("model: {quantization: int8}\n")
     _, local = local_commands(["-f", str(values)])
     assert {p["quantization"] for p in local["prefill_worker"] + local["decode_worker"]} == {"int8"}
-    values.write_text("model: {quantization: fp8}\n")  # reserved: no CPU or CUDA implementation yet
-    with pytest.raises(ValueError, match=r"at /model/quantization: 'fp8' is not one of \['none', 'int8', 'w8a16'\]"):
+    values.write_text("model: {quantization: w8a8}\n")  # the name W8A8 int8 had before it became int8
+    with pytest.raises(ValueError, match=r"at /model/quantization: 'w8a8' is not one of \['none', 'int8', 'w8a16', 'fp8'\]"):
         load_values(values)
 
 

@@ -306,15 +306,14 @@ def test_loader_int8_rounds_the_attention_output_and_gate_up_inputs(tmp_path):
 
 
 def test_loader_refuses_int8_with_half_precision(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be 'none', or 'int8' or 'w8a16' with dtype float32"):
+    with pytest.raises(ValueError, match="quantization must be 'none', 'fp8', or 'int8' or 'w8a16' with dtype float32"):
         load_model(tmp_path, "bfloat16", "cpu", MAX_POSITIONS, quantization="int8")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(quantization="int4"), r"quantization must be one of \('none', 'int8', 'w8a16', 'fp8'\), got 'int4'"),
-    (dict(quantization="fp8"), r"quantization 'fp8' is reserved: it needs CUDA \(float8 GEMMs\), and it is not "
-                               r"implemented yet; use 'none', 'int8' or 'w8a16' \(device 'cpu'\)"),
-    (dict(quantization="fp8", device="cuda"), r"quantization 'fp8' is reserved: it is not implemented yet"),
+    (dict(quantization="fp8"), r"quantization 'fp8' runs on CUDA GPUs with float8 GEMMs \(compute capability 8.9 "
+                               r"or later\), not on device 'cpu': use 'int8' or 'w8a16' there"),
     (dict(quantization="int8", dtype="bfloat16"), r"quantization 'int8' takes float32 activations: it needs "
                                                   r"dtype 'float32', got 'bfloat16'"),
     (dict(quantization="w8a16", dtype="float16"), r"quantization 'w8a16' takes float32 activations"),
