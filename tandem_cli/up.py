@@ -319,10 +319,12 @@ def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bo
 
 def name_flags(message: str, names) -> str:
     """``message`` with each option field it names written as the flag that sets it
-    (``max_mixed_prefill_tokens must be >= 0`` -> ``--max-mixed-prefill-tokens must be >= 0``);
-    only names with an underscore, so that plain words stay words."""
-    for name in sorted((n for n in names if "_" in n), key=len, reverse=True):
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", "--" + name.replace("_", "-"), message)
+    (``max_mixed_prefill_tokens must be >= 0`` -> ``--max-mixed-prefill-tokens must be >= 0``,
+    ``needs dtype 'float32'`` -> ``needs --dtype 'float32'``): a name with an underscore
+    anywhere, a one-word name only before a quoted value, so that plain words stay words."""
+    for name in sorted(names, key=len, reverse=True):
+        after = r"(?!\w)" if "_" in name else r"(?= ')"
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}{after}", "--" + name.replace("_", "-"), message)
     return message
 
 

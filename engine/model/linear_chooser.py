@@ -349,10 +349,12 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
             if backend != setup.backend:
                 refused.append((key, weight, backend))
         if refused:
-            if setup.backend in INT8_BACKENDS:
-                hint = " (an int8 backend runs --quantization int8 layers only)"
+            if setup.backend in INT8_BACKENDS and any(weight.dtype == torch.int8 for _, weight, _ in refused):
+                hint = f" ({setup.backend} does not run the layers with 8-bit activations: --quantization int8's O and gate/up)"
+            elif setup.backend in INT8_BACKENDS:
+                hint = " (an int8 backend runs --quantization int8 / w8a16 layers only)"
             elif any(weight.dtype == torch.int8 for _, weight, _ in refused):
-                hint = " (a float backend cannot run --quantization int8 layers)"
+                hint = " (a float backend cannot run --quantization int8 / w8a16 layers)"
             else:
                 hint = ""
             log.warning("linear backend %s cannot run %d of %d weight shapes here%s; they run through %s",

@@ -33,12 +33,14 @@ def test_contradictory_flags_are_a_usage_error(flags: list[str], message: str) -
         (["--max-mixed-prefill-tokens", "-3"],
          "--max-mixed-prefill-tokens must be >= 0 (0: the token budget), got -3"),
         (["--quantization", "int8", "--dtype", "bfloat16"],
-         "quantization 'int8' takes float32 activations: it needs dtype 'float32', got 'bfloat16'"),
+         "--quantization 'int8' takes float32 activations: it needs --dtype 'float32', got 'bfloat16'"),
+        (["--quantization", "fp8"], "--quantization 'fp8' runs on CUDA GPUs with float8 GEMMs (compute capability "
+                                    "8.9 or later), not on --device 'cpu': use 'int8' or 'w8a16' there"),
     ],
 )
 def test_a_refused_setting_is_named_by_its_flag(flags: list[str], message: str) -> None:
-    """The engine's check names the field (max_mixed_prefill_tokens); tandem up names the flag
-    the user typed. One-word fields (dtype, quantization) read the same either way."""
+    """The engine's check names the field (max_mixed_prefill_tokens, dtype 'float32'); tandem up
+    names the flag the user typed."""
     ports = ["--http-port", "0", "--grpc-port", "0"]  # port 0 is not checked: a taken default port cannot answer first
     result = CliRunner().invoke(tandem_cli.main.main, ["up", *ports, *flags], terminal_width=200)
     assert result.exit_code == 1

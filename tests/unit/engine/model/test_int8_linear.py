@@ -191,6 +191,17 @@ def test_w8a8_layers_refuse_int8pack_and_say_so():
         quantized_linear(40, 64, bias=False, seed=1, activation_bits=4)
 
 
+def test_forcing_int8pack_on_w8a8_layers_names_them(caplog):
+    """--linear-backend int8pack with --quantization int8: the O and gate/up layers (8-bit rows)
+    fall back to int8_dequant, and the warning says why."""
+    layer, _ = quantized_linear(40, 64, bias=False, seed=1, activation_bits=8)
+    with caplog.at_level(logging.WARNING, logger=linear_chooser.__name__):
+        plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("int8pack", max_num_seqs=1, max_num_batched_tokens=1))
+    assert plan.choices == {"int8a8:40x64": ["int8_dequant"]}
+    assert "linear backend int8pack cannot run 1 of 1 weight shapes here (int8pack does not run the layers with " \
+           "8-bit activations: --quantization int8's O and gate/up)" in caplog.text
+
+
 @pytest.mark.parametrize("backend", W8A8_BACKENDS)
 def test_w8a8_layer_under_torch_compile(backend):
     torch._dynamo.reset()  # every layer compiled in this file counts towards one code object's recompile limit
@@ -238,7 +249,7 @@ def test_a_forced_float_backend_leaves_int8_layers_on_int8_dequant_with_a_warnin
         plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("onednn", max_num_seqs=1, max_num_batched_tokens=1))
     assert plan.choices == {"int8:48x64": ["int8_dequant"]}
     assert "linear backend onednn cannot run 1 of 1 weight shapes here (a float backend cannot run " \
-           "--quantization int8 layers); they run through int8:48x64 (torch.int8 on cpu: int8_dequant)" in caplog.text
+           "--quantization int8 / w8a16 layers); they run through int8:48x64 (torch.int8 on cpu: int8_dequant)" in caplog.text
 
 
 def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
@@ -250,7 +261,7 @@ def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
         plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("int8_cpu", max_num_seqs=1, max_num_batched_tokens=1))
     assert plan.choices == {"48x64": ["torch"]}
     assert "linear backend int8_cpu cannot run 1 of 1 weight shapes here (an int8 backend runs --quantization " \
-           "int8 layers only); they run through 48x64 (torch.float32 on cpu: torch)" in caplog.text
+           "int8 / w8a16 layers only); they run through 48x64 (torch.float32 on cpu: torch)" in caplog.text
 
 
 # --- the loader and the configuration ----------------------------------------------------------
