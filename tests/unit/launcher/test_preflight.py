@@ -60,13 +60,13 @@ def test_a_second_routers_port_in_use_names_its_flag() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "NoSuchModel"], f"model 'NoSuchModel' is neither the bundled '{DEFAULT_MODEL}', a .gguf file, "
+        (["--model", "NoSuchModel"], f"--model 'NoSuchModel' is neither the bundled '{DEFAULT_MODEL}', a .gguf file, "
                                      "nor a folder with config.json"),
-        (["--num-kv-blocks", "4"], "num_kv_blocks * block_size (64) cannot hold one max_model_len (2048) request "
+        (["--num-kv-blocks", "4"], "--num-kv-blocks * --block-size (64) cannot hold one --max-model-len (2048) request "
                                    "(--num-kv-blocks 4 --block-size 16 --max-model-len 2048 --max-num-seqs 64 "
                                    "--max-num-batched-tokens 2048)"),
-        (["--max-model-len", "8"], "default_max_tokens must be in [1, max_model_len=8), got 16"),
-        (["--num-threads", "-1"], "num_threads must be >= 0, got -1"),
+        (["--max-model-len", "8"], "--default-max-tokens must be in [1, --max-model-len=8), got 16"),
+        (["--num-threads", "-1"], "--num-threads must be >= 0, got -1"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args: list[str], message: str, tmp_path) -> None:
