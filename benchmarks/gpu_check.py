@@ -10,7 +10,7 @@
    weights of its shape (labelled as such in the table);
 5. the same at tensor-parallel size 2 (NCCL, eager and compiled) when two GPUs are visible; with
    one GPU the table says it was skipped.
-6. ``--quantization fp8``: ``torch._scaled_mm`` on the model's linear shapes against the CPU
+6. ``--quantization fp8`` (``benchmarks/gpu_check_fp8.py``): ``torch._scaled_mm`` on the model's linear shapes against the CPU
    reference, timed against bfloat16, and the engine with fp8 weights against HF's bfloat16
    greedy tokens (first-token agreement); skipped, saying why, below compute capability 8.9.
 
@@ -369,69 +369,6 @@ def e2e_row(device: torch.device, smoke: bool, model: str, compiled: bool = Fals
                note=f"{equal}/{len(prompts)} equal (ms: whole batch; engine built in {build_s:.1f} s)")
 
 
-FP8_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M's linear layers
-
-
-def fp8_rows(device: torch.device, model: str) -> list[Row]:
-    """``--quantization fp8``: ``torch._scaled_mm`` (row-wise scales, bfloat16 out) against the
-    dequantised CPU reference on SmolLM2's linear shapes at M = 64, timed against the bfloat16
-    ``F.linear``; then the engine with fp8 weights (bfloat16, Triton attention), its greedy tokens
-    against HF's bfloat16 (fp8 is not bit-exact: the row says how many first tokens agree)."""
-    import torch.nn.functional as F
-
-    from engine.model.fp8_linear import check_cuda_fp8, fp8_linear, quantize_fp8
-
-    try:
-        check_cuda_fp8(device, FP8_SHAPES)
-    except ValueError as err:
-        return [Row("fp8 GEMM (torch._scaled_mm)", "-", note=f"skipped: {err}")]
-    rows = []
-    for out_features, in_features in FP8_SHAPES:
-        weight = torch.randn(out_features, in_features, device=device) * 0.05
-        qweight, scale = quantize_fp8(weight)
-        x = torch.randn(64, in_features, device=device, dtype=torch.bfloat16)
-        got = fp8_linear(x, qweight, scale, None).float().cpu()
-        want = fp8_linear(x.cpu(), qweight.cpu(), scale.cpu(), None).float()
-        err = float((got - want).abs().max() / want.abs().max())
-        weight_bf16 = weight.to(torch.bfloat16)
-        rows.append(Row("fp8 GEMM (torch._scaled_mm) vs bf16 F.linear", f"{out_features}x{in_features}, M=64",
-                        triton_ms=median_ms(lambda: fp8_linear(x, qweight, scale, None), device, 50, 5),
-                        torch_ms=median_ms(lambda: F.linear(x, weight_bf16), device, 50, 5), rel_err=err,
-                        ok=err < 1e-2, note="rel_err: against the CPU reference (bf16 output rounding)"))
-    rows.append(_fp8_engine_row(device, model))
-    return rows
-
-
-def _fp8_engine_row(device: torch.device, model: str) -> Row:
-    from transformers import AutoModelForCausalLM
-
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-
-    max_tokens = 24
-    with tempfile.TemporaryDirectory() as scratch:
-        hf_dir, label = model_dir(model, False, Path(scratch))
-        config = EngineConfig(model=str(hf_dir), attention_backend="triton", device=str(device), dtype="bfloat16",
-                              quantization="fp8", block_size=16, num_kv_blocks=256, max_model_len=512,
-                              max_num_batched_tokens=512, enforce_eager=True)
-        engine = LLMEngine.from_config(config)
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
-        prompts = prompt_ids(hf_dir, hf_model.config.vocab_size)
-    try:
-        run_engine(engine, prompts[:1], 2)
-        start = time.perf_counter()
-        got = run_engine(engine, prompts, max_tokens)
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-    finally:
-        engine.shutdown()
-    want = [hf_greedy(hf_model, ids, max_tokens, device) for ids in prompts]
-    first = sum(g[:1] == w[:1] for g, w in zip(got, want))
-    full = sum(g == w for g, w in zip(got, want))
-    return Row("end-to-end fp8 weights vs HF bf16", f"{label}: {len(prompts)} prompts x {max_tokens} tok",
-               triton_ms=elapsed_ms, ok=2 * first >= len(prompts),
-               note=f"first token equal {first}/{len(prompts)}, all {max_tokens} equal {full}/{len(prompts)}")
-
-
 def tensor_parallel_rows(device: torch.device, model: str) -> list[Row]:
     """TP=2 greedy vs HF (eager and compiled) when the device has two GPUs; else one row saying so."""
     if torch.cuda.device_count() < 2:
@@ -496,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if not smoke:  # the compiled forward (torch.compile per layer, inductor + Triton) on CUDA
         rows.append(report(e2e_row(device, smoke, args.model, compiled=True)))
         rows += [report(row) for row in tensor_parallel_rows(device, args.model)]
+        sys.modules.setdefault("gpu_check", sys.modules[__name__])  # gpu_check_fp8 imports this module's helpers
+        from gpu_check_fp8 import fp8_rows
+
         rows += [report(row) for row in fp8_rows(device, args.model)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter, smoke)"
     text = f"{name}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)\n{format_table(rows)}"

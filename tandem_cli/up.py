@@ -9,7 +9,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import click
@@ -317,7 +317,7 @@ def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bo
     return config, source, prompts
 
 
-def name_flags(message: str, names) -> str:
+def name_flags(message: str, names: Iterable[str]) -> str:
     """``message`` with each option field it names written as the flag that sets it
     (``max_mixed_prefill_tokens must be >= 0`` -> ``--max-mixed-prefill-tokens must be >= 0``,
     ``needs dtype 'float32'`` -> ``needs --dtype 'float32'``): a name with an underscore
