@@ -171,7 +171,7 @@ class GrpcService:
         await self.report_not_serving()
         try:
             await asyncio.wait_for(self.server.stop(self.grace_s), self.grace_s + STOP_MARGIN_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             log.warning("the gRPC server on %s had not stopped %g s after its %g s grace period: left behind",
                         self.address, STOP_MARGIN_S, self.grace_s)
 

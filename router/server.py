@@ -159,5 +159,5 @@ class RouterServer:
         limit_s = self.uvicorn.config.timeout_graceful_shutdown + STOP_MARGIN_S
         try:
             await asyncio.wait_for(self._http_task, limit_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             log.warning("the HTTP server on port %d had not stopped after %g s: cancelled", self.http_port, limit_s)
