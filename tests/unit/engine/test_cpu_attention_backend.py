@@ -135,8 +135,8 @@ def test_every_layer_of_a_step_shares_one_plan(use_kernel):
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens", [ALL_DECODE, MIXED], ids=["all-decode", "mixed"])
-def test_bfloat16_goes_through_sdpa(q_lens, ctx_lens):
-    """The kernel is float32-only: a bf16 cache takes the gather + SDPA path even with the kernel on."""
+def test_bfloat16_matches_sdpa(q_lens, ctx_lens):
+    """bfloat16 K/V through the kernels (decode rows and prompt chunks) against SDPA in bfloat16."""
     step = make_step(q_lens, ctx_lens, dtype=torch.bfloat16, seed=2)
     out, cache = run(CpuAttentionBackend(use_kernel=True), step)
     expected, expected_cache = run(TorchAttentionBackend(), step)
