@@ -272,22 +272,24 @@ def _given(name: str) -> bool:
 
 
 def _prepare_cpu_kernel() -> None:
-    """Compiles the CPU attention kernel once per machine before the workers start (they would
-    otherwise each compile it, silently, in their logs) and says so on the first start."""
-    from engine.kernels.cpu_decode_attention import SOURCE, library_path, load_kernel
+    """Compiles the CPU attention kernels (decode and prefill) once per machine before the workers
+    start (they would otherwise each compile them, silently, in their logs) and says so on the
+    first start."""
+    from engine.kernels import cpu_build, cpu_decode_attention, cpu_prefill_attention
 
-    if SOURCE.is_file() and library_path().exists():
-        return
-    started = time.perf_counter()
-    with console.status("compiling the CPU paged-attention kernel (first start on this machine only)"):
-        kernel = load_kernel()
-    if kernel is None:
-        console.print("[yellow]the CPU paged-attention kernel is unavailable (no working C compiler, or its "
-                      "source is not installed): the workers use gather + SDPA attention (slower); "
-                      "see the worker logs[/]")
-    else:
-        console.print(f"compiled the CPU paged-attention kernel in {time.perf_counter() - started:.1f} s "
-                      f"({library_path()})")
+    for module, name, fallback in ((cpu_decode_attention, "paged-attention", "gather + SDPA attention"),
+                                   (cpu_prefill_attention, "prefill-attention", "SDPA for prompt chunks")):
+        if module.SOURCE.is_file() and cpu_build.library_path(module.SOURCE).exists():
+            continue
+        started = time.perf_counter()
+        with console.status(f"compiling the CPU {name} kernel (first start on this machine only)"):
+            kernel = module.load_kernel()
+        if kernel is None:
+            console.print(f"[yellow]the CPU {name} kernel is unavailable (no working C compiler, or its source is "
+                          f"not installed): the workers use {fallback} (slower); see the worker logs[/]")
+        else:
+            console.print(f"compiled the CPU {name} kernel in {time.perf_counter() - started:.1f} s "
+                          f"({cpu_build.library_path(module.SOURCE)})")
 
 
 def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bool,
