@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -176,12 +177,25 @@ class GrpcService:
                         self.address, STOP_MARGIN_S, self.grace_s)
 
 
+def freeze_start_up_heap() -> int:
+    """Collects once, then moves every object still alive (the model and its modules, the imported
+    libraries: ~400,000 in a worker) out of the cyclic collector's reach (``gc.freeze``), as
+    vLLM's engine does after its start-up. Python's oldest-generation collection walks every
+    tracked object: 189 ms in a SmolLM2-135M worker (2-core AMD Zen 4), a pause of the engine
+    thread that a token stream sees as one long gap, triggered by the objects serving allocates.
+    After the freeze it walks only what serving made. Returns the number of frozen objects."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def run_until_signalled(
     start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
 ) -> None:
-    """Awaits ``start()``, waits for SIGTERM or SIGINT, then awaits ``stop()``. When ``start()``
-    raises, ``stop()`` still runs (what started, such as a gRPC server or the engine thread, would
-    otherwise keep the process alive and unready) and the error propagates."""
+    """Awaits ``start()``, freezes the start-up heap (:func:`freeze_start_up_heap`), waits for
+    SIGTERM or SIGINT, then awaits ``stop()``. When ``start()`` raises, ``stop()`` still runs
+    (what started, such as a gRPC server or the engine thread, would otherwise keep the process
+    alive and unready) and the error propagates."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,6 +209,7 @@ async def run_until_signalled(
         except Exception as err:  # the start-up error is the one to report
             log.warning("stopping after the failed start-up: %s: %s", type(err).__name__, err)
         raise
+    log.info("froze %d start-up objects out of the garbage collector's passes", freeze_start_up_heap())
     await stopping.wait()
     log.info("signal received, stopping")
     await stop()
