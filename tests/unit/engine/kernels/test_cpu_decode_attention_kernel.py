@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.cpu_attention import CpuAttentionBackend
-from engine.kernels import cpu_build, cpu_decode_attention
+from engine.kernels import cpu_build, cpu_decode_attention, cpu_prefill_attention
 from engine.kernels.cpu_decode_attention import load_kernel, paged_decode_attention_cpu
 
 # Both sides accumulate fp32 dot products and softmax in fp32, in different orders (the kernel
@@ -226,7 +226,7 @@ def test_without_a_compiler_returns_none_and_the_backend_falls_back(decode_kerne
     assert not any(tmp_path.rglob("*.so"))
 
     fallback = CpuAttentionBackend()
-    assert fallback._kernel is None
+    assert fallback._kernel is None and fallback._prefill_kernel is None
     ctx = [1, 16, 17, 40]
     query, kv_cache, meta = decode_batch(ctx, 3, 64, 16, pad_columns=2, seed=11)
     meta.slot_mapping = torch.tensor([int(meta.block_tables[i, (c - 1) // 16]) * 16 + (c - 1) % 16
@@ -245,13 +245,15 @@ def test_a_missing_kernel_source_falls_back_with_a_warning(tmp_path, monkeypatch
     """An install without the C source (package data left out) keeps gather + SDPA: no crash."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_decode_attention, "SOURCE", tmp_path / "cpu" / "paged_decode_attention.c")
-    fresh_kernel(monkeypatch, cpu_decode_attention.SOURCE)
+    monkeypatch.setattr(cpu_prefill_attention, "SOURCE", tmp_path / "cpu" / "paged_prefill_attention.c")
+    fresh_kernel(monkeypatch, cpu_decode_attention.SOURCE, cpu_prefill_attention.SOURCE)
     with pytest.raises(FileNotFoundError, match="not installed"):
         cpu_decode_attention.library_path()
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         assert load_kernel() is None
     assert "unavailable" in caplog.text and "not installed" in caplog.text
-    assert CpuAttentionBackend()._kernel is None
+    backend = CpuAttentionBackend()
+    assert backend._kernel is None and backend._prefill_kernel is None
     assert not any(tmp_path.rglob("*.so"))
 
 def test_a_shared_header_is_part_of_the_library_key_and_must_be_installed(tmp_path):
@@ -269,11 +271,15 @@ def test_a_shared_header_is_part_of_the_library_key_and_must_be_installed(tmp_pa
         cpu_build.library_path(source)
 
 
-def fresh_kernel(monkeypatch, source=None) -> None:
-    """The attention kernel as a new process finds it: not loaded yet (of ``source``, default its own)."""
-    kernel = cpu_decode_attention._KERNEL
-    monkeypatch.setattr(cpu_decode_attention, "_KERNEL", cpu_build.CachedKernel(
-        source or kernel.source, kernel.name, kernel.fallback, kernel.declare))
+def fresh_kernel(monkeypatch, source=None, prefill_source=None) -> None:
+    """The attention kernels as a new process finds them: not loaded yet (the decode kernel of
+    ``source``, the prefill one of ``prefill_source``, default their own). The backend loads both,
+    so a test that makes loading fail must not leave the prefill kernel's failure cached for the
+    tests after it in this process."""
+    for module, src in ((cpu_decode_attention, source), (cpu_prefill_attention, prefill_source)):
+        kernel = module._KERNEL
+        monkeypatch.setattr(module, "_KERNEL", cpu_build.CachedKernel(
+            src or kernel.source, kernel.name, kernel.fallback, kernel.declare))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
