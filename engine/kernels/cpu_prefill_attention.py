@@ -81,7 +81,8 @@ def paged_prefill_attention_cpu(
     q_len, num_heads = query.shape[0], query.shape[1]
     if query.dim() != 3 or query.shape[2] != head_dim or num_heads % num_kv_heads or query.stride(2) != 1 \
             or query.stride(1) != head_dim:
-        raise ValueError(f"query {tuple(query.shape)} strides {query.stride()} does not fit cache {tuple(kv_cache.shape)}")
+        raise ValueError(f"query {tuple(query.shape)} strides {query.stride()} does not fit cache "
+                         f"{tuple(kv_cache.shape)}")
     if blocks.dtype != torch.int64 or blocks.dim() != 1 or not blocks.is_contiguous() \
             or not q_len <= ctx <= blocks.shape[0] * block_size or q_len < 1:
         raise ValueError(f"need 1 <= q_len ({q_len}) <= ctx ({ctx}) <= {blocks.shape[0]} blocks x {block_size} "

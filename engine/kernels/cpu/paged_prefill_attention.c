@@ -14,9 +14,10 @@
  * p % block_size.
  *
  * Why a kernel: torch's CPU flash attention ran a 97-token chunk of a 9-head, 64-dim model at
- * 27-50 GFLOPS on a 2-core AMD Zen 4 (a tenth of the FMA peak): at that size its per-call and
- * per-block work dominate. Here the scores and the weighted sum are register-blocked GEMM tiles
- * (broadcast one query value, multiply-add it into vectors of keys), as a BLAS micro-kernel does:
+ * 27-50 GFLOPS on a 2-core AMD Zen 4 (a tenth to a fifth of the FMA peak): at that size its
+ * per-call and per-block work dominate. Here the scores and the weighted sum are register-blocked
+ * GEMM tiles (broadcast one query value, multiply-add it into vectors of keys), as a BLAS
+ * micro-kernel does:
  *
  * 1. K transposed once per call into a scratch KT [num_kv_heads][head_dim][ctx_pad] (float32), so
  *    that VEC consecutive keys' d-th values are one vector load;
@@ -167,7 +168,8 @@ DEFINE_SCORES(5) DEFINE_SCORES(6) DEFINE_SCORES(7) DEFINE_SCORES(8)
 #endif
 typedef void (*scores_fn)(const float *const *, const float *, int64_t, int, int64_t, float, float *, int64_t);
 #if MR > 4
-static const scores_fn SCORES[MR + 1] = {0, scores_1, scores_2, scores_3, scores_4, scores_5, scores_6, scores_7, scores_8};
+static const scores_fn SCORES[MR + 1] = {0, scores_1, scores_2, scores_3, scores_4,
+                                         scores_5, scores_6, scores_7, scores_8};
 #else
 static const scores_fn SCORES[MR + 1] = {0, scores_1, scores_2, scores_3, scores_4};
 #endif
@@ -282,11 +284,14 @@ int NAME(                                                                       
                 for (int r0 = 0; r0 < mt; r0 += ot) {                                              \
                     const int rt = mt - r0 < ot ? mt - r0 : ot;                                    \
                     if (nv == 128 / VEC)                                                           \
-                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim, inv + r0, o + r0, 128 / VEC); \
+                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim,  \
+                             inv + r0, o + r0, 128 / VEC);                                                   \
                     else if (nv == 64 / VEC)                                                       \
-                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim, inv + r0, o + r0, 64 / VEC); \
+                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim,  \
+                             inv + r0, o + r0, 64 / VEC);                                                   \
                     else                                                                           \
-                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim, inv + r0, o + r0, nv); \
+                        WSUM(s + r0 * ctx_pad, ctx_pad, rt, n_max, v_cache, table, block_size, row, g * head_dim,  \
+                             inv + r0, o + r0, nv);                                                   \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
