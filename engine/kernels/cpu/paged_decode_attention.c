@@ -35,12 +35,6 @@
 #include <immintrin.h>
 #endif
 
-/* bfloat16 -> float32: the bfloat16 bits are the float32's upper half. */
-static inline float bf16_to_f32(uint16_t x)
-{
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
 /* float8 e4m3fn -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
  * subnormal (m x 2^-9). 0x7f / 0xff (NaN) are never written (kv_write_q8 saturates at 448). */
 static inline float fp8_to_f32(uint8_t x)
@@ -91,21 +85,7 @@ typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
 typedef int8_t vec_i8 __attribute__((vector_size(VEC)));
 typedef uint8_t vec_u8 __attribute__((vector_size(VEC)));
 
-static inline vec_f vload_f32(const float *p)
-{
-    vec_f v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline vec_f vload_bf16(const uint16_t *p)
-{
-    vec_u16 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    vec_u32 w = __builtin_convertvector(h, vec_u32) << 16;
-    vec_f v;
-    __builtin_memcpy(&v, &w, sizeof v);
-    return v;
-}
+#include "vec_ops.h"
 /* Sign-extended and converted by two instructions (GCC turned the generic vector convert into a
  * scalar vcvtsi2ss per value: int8 K/V decode attention ran 3x slower than fp8's). */
 static inline vec_f vload_i8(const int8_t *p)
@@ -160,30 +140,6 @@ static inline vec_f vload_fp8(const uint8_t *p)
     return v - c;
 }
 #endif
-/* a * b + c, rounded once where the CPU has FMA. */
-static inline vec_f vfma(vec_f a, vec_f b, vec_f c)
-{
-#if defined(__AVX512F__)
-    return (vec_f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-    return (vec_f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-static inline vec_f vbroadcast(float x)
-{
-#if defined(__AVX512F__)
-    return (vec_f)_mm512_set1_ps(x);
-#elif defined(__AVX2__)
-    return (vec_f)_mm256_set1_ps(x);
-#else
-    vec_f v;
-    for (int i = 0; i < VEC; ++i) v[i] = x; /* GCC builds this lane by lane (insertps) on x86 */
-    return v;
-#endif
-}
-
 /* Asks for the cache lines of bytes [p, p + bytes) (64-byte lines; an 8-bit head row with its
  * scale may straddle one more line than its length suggests). locality 3 into L1, 2 into L2. */
 #define PREFETCH_SPAN(p, bytes, locality)                                                           \

@@ -58,41 +58,8 @@ typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
 
 #include "vec_exp.h"
 
-static inline vec_f vload_f32(const float *p)
-{
-    vec_f v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline vec_f vload_bf16(const uint16_t *p)
-{
-    vec_u16 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    vec_u32 w = __builtin_convertvector(h, vec_u32) << 16;
-    vec_f v;
-    __builtin_memcpy(&v, &w, sizeof v);
-    return v;
-}
-static inline float bf16_to_f32(uint16_t x)
-{
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
-/* a * b + c, rounded once where the CPU has FMA (GCC at -std=c11 does not contract a * b + c). */
-static inline vec_f vfma(vec_f a, vec_f b, vec_f c)
-{
-#if defined(__AVX512F__)
-    return (vec_f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-    return (vec_f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-static inline vec_f vbroadcast(float x)
-{
-    return (vec_f){0} + x;
-}
+#include "vec_ops.h"
+
 static inline float vsum_lanes(vec_f v)
 {
     float s = 0.0f;

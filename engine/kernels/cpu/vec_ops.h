@@ -1,0 +1,52 @@
+/* Loads, multiply-add and broadcast on the vector lanes of the including kernel. The includer
+ * defines VEC (floats per vector), vec_f, vec_u16 and vec_u32 (GCC/Clang vector types of VEC
+ * lanes) and includes <immintrin.h> where the CPU has AVX2 or AVX-512 first; used by
+ * paged_decode_attention.c and paged_prefill_attention.c. A kernel's compiled library is cached by
+ * its source and the local headers it includes (cpu_build.py). */
+#ifndef TANDEM_VEC_OPS_H
+#define TANDEM_VEC_OPS_H
+/* bfloat16 -> float32: the bfloat16 bits are the float32's upper half. */
+static inline float bf16_to_f32(uint16_t x)
+{
+    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
+    return v.f;
+}
+static inline vec_f vload_f32(const float *p)
+{
+    vec_f v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline vec_f vload_bf16(const uint16_t *p)
+{
+    vec_u16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    vec_u32 w = __builtin_convertvector(h, vec_u32) << 16;
+    vec_f v;
+    __builtin_memcpy(&v, &w, sizeof v);
+    return v;
+}
+/* a * b + c, rounded once where the CPU has FMA (GCC at -std=c11 does not contract a * b + c). */
+static inline vec_f vfma(vec_f a, vec_f b, vec_f c)
+{
+#if defined(__AVX512F__)
+    return (vec_f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec_f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+static inline vec_f vbroadcast(float x)
+{
+#if defined(__AVX512F__)
+    return (vec_f)_mm512_set1_ps(x);
+#elif defined(__AVX2__)
+    return (vec_f)_mm256_set1_ps(x);
+#else
+    vec_f v;
+    for (int i = 0; i < VEC; ++i) v[i] = x; /* GCC builds this lane by lane (insertps) on x86 */
+    return v;
+#endif
+}
+#endif
