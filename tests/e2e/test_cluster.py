@@ -174,16 +174,22 @@ def test_unknown_model_and_malformed_json(cluster, probe):
     assert reply.status_code == 400
 
 
-def test_stream_disconnect_frees_decode_blocks_within_a_second(cluster, probe):
+def test_stream_disconnect_frees_decode_blocks_at_the_next_pass(cluster, probe):
+    """A client leaving mid-stream aborts the request at the decode worker's next pass boundary:
+    its blocks go back and it stops within a few tokens of the disconnect instead of running
+    its 500. (Counted in tokens, not seconds: one pass takes ~30 ms on a quiet machine and over
+    a second on a CI machine whose two cores run other tests beside the cluster.)"""
     body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 500, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    generated_before = probe.decode_stats().num_generated_tokens
+    lines: list[str] = []
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as r:
-        chunks = 0
         for line in r.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks >= 5:
+            lines.append(line)
+            if sum(one.startswith("data: ") for one in lines) >= 5:  # the first token and 4 decoded
                 break
-        assert probe.decode_stats().num_used_blocks > 0
-    closed = time.monotonic()
-    poll_until(lambda: probe.decode_stats().num_used_blocks == 0, timeout_s=1.0, message="decode blocks freed")
-    assert time.monotonic() - closed < 1.0
+        poll_until(lambda: probe.decode_stats().num_used_blocks > 0, timeout_s=30,
+                   message=f"the decode worker holding the open stream's blocks (stream so far: {lines})")
+    poll_until(lambda: probe.decode_stats().num_used_blocks == 0, timeout_s=60, message="decode blocks freed")
+    generated = probe.decode_stats().num_generated_tokens - generated_before
+    assert 4 <= generated < 64, lines
