@@ -184,12 +184,17 @@ def test_stream_disconnect_frees_decode_blocks_at_the_next_pass(cluster, probe):
     generated_before = probe.decode_stats().num_generated_tokens
     lines: list[str] = []
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as r:
-        for line in r.iter_lines():
+        # Held, not a bare `for line in r.iter_lines()`: the loop's break would drop the last
+        # reference to the generator, and closing it closes the connection, a disconnect that
+        # raced the check below (and won once the router and decode worker were quick).
+        stream = r.iter_lines()
+        for line in stream:
             lines.append(line)
             if sum(one.startswith("data: ") for one in lines) >= 5:  # the first token and 4 decoded
                 break
         poll_until(lambda: probe.decode_stats().num_used_blocks > 0, timeout_s=30,
                    message=f"the decode worker holding the open stream's blocks (stream so far: {lines})")
+        stream.close()
     poll_until(lambda: probe.decode_stats().num_used_blocks == 0, timeout_s=60, message="decode blocks freed")
     generated = probe.decode_stats().num_generated_tokens - generated_before
     assert 4 <= generated < 64, lines
