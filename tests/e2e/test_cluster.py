@@ -4,7 +4,6 @@ real SmolLM2-135M-Instruct model, against the Hugging Face reference, through re
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx

@@ -150,23 +150,6 @@ static inline vec_f vload_fp8(const uint8_t *p)
             __builtin_prefetch((const void *)a_, 0, (locality));                                    \
     } while (0)
 
-/* The sum of v's VEC lanes as a tree (halves added pairwise): log2(VEC) dependent vector adds
- * where a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
-static inline float vsum(vec_f v)
-{
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v); /* in registers; generic halves went through the stack */
-#elif defined(__AVX2__)
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-#else
-    float total = 0.0f;
-    for (int i = 0; i < VEC; ++i) total += v[i];
-    return total;
-#endif
-}
-
 /* One (sequence, KV head) unit with the vector path: head_dim = NV x VEC, NV a compile-time
  * constant at each call (always inlined), so a row's accumulators stay in registers. Scores of
  * the group's query heads for every context token, their softmax, then per query head the

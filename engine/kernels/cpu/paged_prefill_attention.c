@@ -60,13 +60,6 @@ typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
 
 #include "vec_ops.h"
 
-static inline float vsum_lanes(vec_f v)
-{
-    float s = 0.0f;
-    for (int i = 0; i < VEC; ++i) s += v[i];
-    return s;
-}
-
 static inline vec_f vmax(vec_f a, vec_f b)
 {
 #if defined(__AVX512F__)
@@ -96,7 +89,7 @@ static float softmax_prefix(float *s, int64_t n, int64_t len)
         __builtin_memcpy(s + t, &e, sizeof e);
         sum += e;
     }
-    float total = vsum_lanes(sum);
+    float total = vsum(sum);
     if (body < n) {  /* the tail through one vector; its lanes past n are dropped */
         const vec_f e = vexp_nonpositive(vload_f32(s + body) - vm);
         for (int64_t t = body; t < n; ++t) { s[t] = e[t - body]; total += s[t]; }

@@ -1,4 +1,4 @@
-/* Loads, multiply-add and broadcast on the vector lanes of the including kernel. The includer
+/* Loads, multiply-add, broadcast and the lane sum on the vector lanes of the including kernel. The includer
  * defines VEC (floats per vector), vec_f, vec_u16 and vec_u32 (GCC/Clang vector types of VEC
  * lanes) and includes <immintrin.h> where the CPU has AVX2 or AVX-512 first; used by
  * paged_decode_attention.c and paged_prefill_attention.c. A kernel's compiled library is cached by
@@ -47,6 +47,22 @@ static inline vec_f vbroadcast(float x)
     vec_f v;
     for (int i = 0; i < VEC; ++i) v[i] = x; /* GCC builds this lane by lane (insertps) on x86 */
     return v;
+#endif
+}
+/* The sum of v's VEC lanes as a tree (halves added pairwise): log2(VEC) dependent vector adds
+ * where a lane-by-lane sum is VEC dependent scalar adds, the longest chain of a dot product. */
+static inline float vsum(vec_f v)
+{
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v); /* in registers; generic halves went through the stack */
+#elif defined(__AVX2__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+    float total = 0.0f;
+    for (int i = 0; i < VEC; ++i) total += v[i];
+    return total;
 #endif
 }
 #endif
