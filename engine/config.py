@@ -9,8 +9,9 @@ from core.model_source import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
 from core.settings import setting
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-# engine.model.linear.BACKENDS: float weights (onednn, mkl, torch, fp32_cpu), then int8 weights (int8_cpu, ...).
-LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "int8_cpu", "int8_dequant", "int8pack",
+# engine.model.linear.BACKENDS: float weights (onednn, mkl, torch, fp32_cpu, fp32_stream), then int8 weights
+# (int8_cpu, ...).
+LINEAR_BACKEND_CHOICES = ("auto", "onednn", "mkl", "torch", "fp32_cpu", "fp32_stream", "int8_cpu", "int8_dequant", "int8pack",
                           "int8_onednn")
 # Weight quantisation (vLLM's --quantization): both int8 modes quantise the linear layers' weights at
 # load (engine.model.linear.quantize_int8). "int8" also rounds the attention output's and the MLP
@@ -80,7 +81,7 @@ class EngineConfig:
               "measured no faster.")
     # GEMM backend of the linear layers (engine.model.linear): "auto" measures the candidates on
     # the model's shapes once per machine and keeps the fastest per shape and M bucket; "onednn",
-    # "mkl", "torch" or "fp32_cpu" forces one wherever it can run.
+    # "mkl", "torch", "fp32_cpu" or "fp32_stream" forces one wherever it can run.
     linear_backend: str = setting("auto", "GEMM backend of the linear layers; auto measures them once per machine "
                                           "on the model's shapes and keeps the fastest per shape and batch size.",
                                   choices=LINEAR_BACKEND_CHOICES)

@@ -32,6 +32,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp32_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.fp32_linear.restype = ctypes.c_int
     lib.fp32_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.fp32_linear_stream.restype = ctypes.c_int
+    lib.fp32_linear_stream.argtypes = lib.fp32_linear.argtypes
     lib.bf16_linear_pack.restype = None
     lib.bf16_linear_pack.argtypes = lib.fp32_linear_pack.argtypes
     lib.bf16_linear.restype = ctypes.c_int
@@ -87,6 +89,7 @@ def fp32_linear_cpu(
     packed: torch.Tensor,  # [ceil(N / NR), K', NR], x's dtype, from pack_weight
     out_features: int,  # N
     bias: torch.Tensor | None,  # [N], x's dtype
+    stream: bool = False,  # float32 only: the streaming schedule (same result, bit for bit)
 ) -> torch.Tensor:  # [M, N], x's dtype
     """``x @ weight.T + bias`` with float32 products and sums, ``weight`` as :func:`pack_weight`
     packed it. In bfloat16 each output is the float32 sum rounded once to bfloat16 (nearest even).
@@ -101,7 +104,7 @@ def fp32_linear_cpu(
     """
     if x.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} does not fit [M, K]")
-    return bind_fp32_linear(kernel, packed, x.shape[1], out_features, bias, x.dtype)(x)
+    return bind_fp32_linear(kernel, packed, x.shape[1], out_features, bias, x.dtype, stream)(x)
 
 
 def bind_fp32_linear(
@@ -111,6 +114,7 @@ def bind_fp32_linear(
     out_features: int,  # N
     bias: torch.Tensor | None,  # [N], dtype
     dtype: torch.dtype,  # float32 or bfloat16: x's, the weight's, the output's
+    stream: bool = False,  # float32 only: the streaming schedule (fp32_linear_stream; same result)
 ) -> Callable[[torch.Tensor], torch.Tensor]:  # x [M, K] -> [M, N], dtype
     """:func:`fp32_linear_cpu` with the weight and bias checked and bound once: ``x ->
     x @ weight.T + bias``, each call checking ``x`` alone (a decode step's ~120 GEMM calls spent
@@ -118,7 +122,8 @@ def bind_fp32_linear(
     was not contiguous is copied here.
 
     Raises:
-        ValueError: as :func:`fp32_linear_cpu`, here for the weight and bias, at the call for x.
+        ValueError: as :func:`fp32_linear_cpu`, here for the weight and bias, at the call for x;
+            ``stream`` with bfloat16.
         MemoryError: at the call, as :func:`fp32_linear_cpu`.
     """
     if dtype not in DTYPES or packed.dtype != dtype or (bias is not None and bias.dtype != dtype):
@@ -136,7 +141,10 @@ def bind_fp32_linear(
     if not packed.is_contiguous():
         raise ValueError("the packed weight must be contiguous")
     bias = None if bias is None else bias.contiguous()
-    linear = kernel.fp32_linear if dtype == torch.float32 else kernel.bf16_linear
+    if stream and dtype != torch.float32:
+        raise ValueError(f"the streaming schedule runs float32 only, got {dtype}")
+    linear = (kernel.fp32_linear_stream if stream else kernel.fp32_linear) if dtype == torch.float32 \
+        else kernel.bf16_linear
     k, n = in_features, out_features
 
     def call(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,12 @@ the layout it reads fastest:
   built for decode's small M, where the libraries' general kernels leave bandwidth or FMA
   throughput unused. Float32 or bfloat16 weights (a bfloat16 one widened as it is read, on any
   AVX2 CPU).
+- ``fp32_stream``: the same kernel, weight layout and result (bit for bit) as ``fp32_cpu`` on
+  another schedule, float32 only: each panel's K is cut into chunks that every row block runs
+  over in turn, so the weight streams from DRAM at an even pace under the multiply-adds instead
+  of being read in the first row block and reused from the caches by the later ones. Which
+  schedule is faster depends on the CPU and M; a layer whose plan names both keeps one packed
+  copy.
 
 A layer quantised to int8 (:meth:`Linear.quantize_int8`, ``--quantization int8``) keeps an int8
 weight [out, in] and one float32 scale per output channel, and runs through one of:
@@ -82,12 +88,16 @@ from engine.kernels.cpu_int8_linear import pack_weight as pack_int8_weight
 from engine.model.fp8_linear import fp8_linear, quantize_fp8
 
 BACKENDS = LINEAR_BACKEND_CHOICES[1:]  # the tie order too (engine.model.linear_chooser.fastest)
-FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu")  # float32 / bfloat16 / float16 weights
+FLOAT_BACKENDS = ("onednn", "mkl", "torch", "fp32_cpu", "fp32_stream")  # float32 / bfloat16 / float16 weights
 INT8_BACKENDS = ("int8_cpu", "int8_dequant", "int8pack", "int8_onednn")  # int8 weights with float32 scales
 assert BACKENDS == FLOAT_BACKENDS + INT8_BACKENDS
 # The backends with a prepared weight copy, by their index in BACKENDS (planned_linear's arguments).
-_ONEDNN, _MKL, _FP32_CPU, _INT8_CPU, _INT8_ONEDNN = (
-    BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu", "int8_cpu", "int8_onednn"))
+_ONEDNN, _MKL, _FP32_CPU, _FP32_STREAM, _INT8_CPU, _INT8_ONEDNN = (
+    BACKENDS.index(b) for b in ("onednn", "mkl", "fp32_cpu", "fp32_stream", "int8_cpu", "int8_onednn"))
+# Backends that run one kernel on one prepared weight and give the same result bit for bit: a
+# plan naming several prepares the weight once (Linear.set_plan), and the chooser picks among them
+# by time alone (engine.model.linear_chooser.fastest).
+SAME_RESULT = {"fp32_stream": "fp32_cpu"}
 # The /proc/cpuinfo flags of the int8 dot-product instructions oneDNN's u8 x s8 kernels need.
 _INT8_DOT_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni"})
 # The M (tokens) MKL tunes its packed layout for; any M is correct with it.
@@ -130,6 +140,8 @@ def backend_supports(backend: str, weight: torch.Tensor, activation_bits: int = 
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bf16())
     if backend == "fp32_cpu":
         return weight.dtype in (torch.float32, torch.bfloat16) and load_fp32_kernel() is not None
+    if backend == "fp32_stream":
+        return weight.dtype == torch.float32 and load_fp32_kernel() is not None
     if backend == "int8_cpu":
         return load_int8_kernel() is not None
     if backend == "int8_onednn":
@@ -172,7 +184,7 @@ def prepare_weight(backend: str, weight: torch.Tensor, activation_bits: int = 16
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_BATCH_HINT)
     if backend == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    if backend == "fp32_cpu":
+    if backend in ("fp32_cpu", "fp32_stream"):
         return pack_weight(load_fp32_kernel(), weight)
     if backend == "int8_cpu" and packed_path(load_int8_kernel()):
         return pack_int8_weight(load_int8_kernel(), weight)
@@ -220,7 +232,7 @@ def _run_int8(backend: str, x: torch.Tensor, prepared: torch.Tensor | None, qwei
 
 
 # The backends whose per-call work bind_backend does once (run_backend binds them per call).
-_BINDABLE = ("int8_cpu", "fp32_cpu", "onednn")
+_BINDABLE = ("int8_cpu", "fp32_cpu", "fp32_stream", "onednn")
 
 
 def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -249,8 +261,9 @@ def bind_backend(backend: str, prepared: torch.Tensor | None, weight: torch.Tens
                 return packed(x)
             return int8_linear_cpu(kernel, x, weight, scale, bias)
         return int8_packed
-    if backend == "fp32_cpu":
-        return bind_fp32_linear(load_fp32_kernel(), prepared, weight.shape[1], weight.shape[0], bias, weight.dtype)
+    if backend in ("fp32_cpu", "fp32_stream"):
+        return bind_fp32_linear(load_fp32_kernel(), prepared, weight.shape[1], weight.shape[0], bias, weight.dtype,
+                                stream=backend == "fp32_stream")
     if backend == "onednn":
         op = torch.ops.mkldnn._linear_pointwise
         return lambda x: op(x, prepared, bias, "none", [], "")
@@ -377,11 +390,12 @@ class Linear(nn.Module):
         weight = (self.gemm_weight if weight is None else weight).detach()
         prepared: list[torch.Tensor | None] = [None] * len(BACKENDS)
         bits = self.activation_bits
-        for name in set(plan):
+        for name in sorted(set(plan), key=lambda b: b in SAME_RESULT):  # a shared copy's owner first
             if name not in BACKENDS or not backend_supports(name, weight, bits):
                 raise ValueError(f"linear backend {name!r} cannot run a {weight.dtype} weight on {weight.device}"
                                  + (" with 8-bit activations" if bits == 8 else ""))
-            prepared[BACKENDS.index(name)] = prepare_weight(name, weight, bits)
+            shared = prepared[BACKENDS.index(SAME_RESULT[name])] if name in SAME_RESULT else None
+            prepared[BACKENDS.index(name)] = shared if shared is not None else prepare_weight(name, weight, bits)
         self._source = weight  # the weight the plan was prepared from (MKL reads its shape)
         self.prepared = prepared
         self.plan = tuple(BACKENDS.index(name) for name in plan)
@@ -413,8 +427,10 @@ class Linear(nn.Module):
         if self.plan is None or x.dim() != 2 or x.dtype != self._source.dtype:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
+            cpu_weight = self.prepared[_FP32_CPU] if self.prepared[_FP32_CPU] is not None \
+                else self.prepared[_FP32_STREAM]
             return planned_linear(x, self._source, self.bias, None, self.prepared[_ONEDNN],
-                                  self.prepared[_MKL], self.prepared[_FP32_CPU], list(self.plan))
+                                  self.prepared[_MKL], cpu_weight, list(self.plan))
         code = self.plan[min(m_bucket(x.shape[0]), len(self.plan) - 1)]
         return run_backend(BACKENDS[code], x, self.prepared[code], self._source, self.bias)
 
@@ -445,11 +461,11 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cpu_weight: torch.Tensor | None, plan: list[int], activation_bits: int = 16) -> torch.Tensor:
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
     (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
-    onednn (int8_onednn's for a quantised layer), mkl and, in ``cpu_weight``, fp32_cpu's (a float
-    layer's) or int8_cpu's (a quantised one's); ``activation_bits`` 8 for a W8A8 layer)."""
+    onednn (int8_onednn's for a quantised layer), mkl and, in ``cpu_weight``, fp32_cpu's and
+    fp32_stream's (a float layer's: one packed copy) or int8_cpu's (a quantised one's); ``activation_bits`` 8 for a W8A8 layer)."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
-    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _INT8_CPU: cpu_weight,
-                _INT8_ONEDNN: onednn_weight}.get(code)
+    prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _FP32_STREAM: cpu_weight,
+                _INT8_CPU: cpu_weight, _INT8_ONEDNN: onednn_weight}.get(code)
     return run_backend(BACKENDS[code], x, prepared, weight, bias, scale, activation_bits)
 
 

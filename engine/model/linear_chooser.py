@@ -39,8 +39,8 @@ from torch import nn
 
 from core.model_source import cache_dir
 from engine.config import EngineConfig
-from engine.model.linear import (BACKENDS, INT8_BACKENDS, LINEAR_BACKEND_CHOICES, Linear, backend_supports, bucket_m,
-                                 bind_backend, fallback_backend, m_bucket, planned_layers, prepare_weight)
+from engine.model.linear import (BACKENDS, INT8_BACKENDS, LINEAR_BACKEND_CHOICES, SAME_RESULT, Linear, backend_supports,
+                                 bind_backend, bucket_m, fallback_backend, m_bucket, planned_layers, prepare_weight)
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +199,17 @@ def time_backends_ms(prepared: dict[str, list[torch.Tensor | None]], weights: li
 
 def fastest(times_ms: dict[str, float]) -> str:
     """The fastest backend; one within TIE_MARGIN of an earlier one in BACKENDS' order loses to it
-    (a measured tie is noise: keep the order's preference, not a coin flip per machine)."""
+    (a measured tie is noise: keep the order's preference, not a coin flip per machine). Backends
+    that give the same result bit for bit (engine.model.linear.SAME_RESULT: schedules of one
+    kernel) stand as one in that order, with their faster member's time: which of them runs
+    changes the speed only, so the faster one is kept however small its lead."""
+    members: dict[str, str] = {}  # the order's entry -> its fastest member
+    for backend, ms in times_ms.items():
+        entry = SAME_RESULT.get(backend, backend)
+        if entry not in members or ms < times_ms[members[entry]]:
+            members[entry] = backend
     best = min(times_ms.values())
-    return next(b for b in BACKENDS if b in times_ms and times_ms[b] <= best * (1 + TIE_MARGIN))
+    return next(members[b] for b in BACKENDS if b in members and times_ms[members[b]] <= best * (1 + TIE_MARGIN))
 
 
 def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, ...]) -> LinearPlan:
@@ -216,7 +224,10 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
             choices[key] = runnable * num_buckets
             continue
         weights = [weight] + [weight.clone() for _ in range(num_weight_copies(weight) - 1)]
-        prepared = {b: [prepare_weight(b, w, bits) for w in weights] for b in runnable}
+        prepared: dict[str, list[torch.Tensor | None]] = {}
+        for b in sorted(runnable, key=lambda b: b in SAME_RESULT):  # a shared layout is prepared once
+            owner = SAME_RESULT.get(b)
+            prepared[b] = prepared[owner] if owner in prepared else [prepare_weight(b, w, bits) for w in weights]
         # Buckets past MAX_TIMED_M are all timed at it: once, shared by them.
         timed_m = [min(bucket_m(k), MAX_TIMED_M) for k in range(num_buckets)]
         by_m = {m: time_backends_ms(prepared, weights, m, bits) for m in dict.fromkeys(timed_m)}
@@ -228,8 +239,8 @@ def measure(shapes: dict[str, tuple[torch.Tensor, int]], candidates: tuple[str, 
 
 
 # Changed when the way a plan is measured changes, so plans cached the old way are measured again.
-PLAN_FORMAT = ("7: the bound calls a layer makes timed (bind_backend), W8A8 layers apart; one plan per shape set, "
-               "read for any number of buckets it covers")
+PLAN_FORMAT = ("8: the bound calls a layer makes timed (bind_backend), W8A8 layers apart; one plan per shape set, "
+               "read for any number of buckets it covers; fp32_stream a candidate")
 # Plans also depend on Tandem's own kernels: float32 layers' on engine.kernels.cpu_fp32_linear,
 # int8 layers' on engine.kernels.cpu_int8_linear.
 _KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"

@@ -45,6 +45,30 @@ def test_kernel_equals_f_linear(kernel, shape, num_tokens, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), **FP32_TOL)
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (50, 24), (7, 13), (33, 1), (96, 200)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 8, 9, 16, 17, 24, 33, 40])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_streaming_schedule_gives_the_same_result_bit_for_bit(kernel, shape, num_tokens, bias):
+    """fp32_linear_stream sums the same products in the same order as fp32_linear: K chunks of 64
+    rows (K = 1, 13, 200 and 576 leave a partial last chunk or none), row groups of two blocks (M
+    past 16 takes several), prefetches stopped before the end of the packed weight."""
+    weight = make(*shape, seed=shape[0] + num_tokens)
+    x = torch.randn(num_tokens, shape[1], generator=torch.Generator().manual_seed(num_tokens))
+    b = torch.randn(shape[0]) if bias else None
+    packed = pack_weight(kernel, weight)
+    out = fp32_linear_cpu(kernel, x, packed, shape[0], b, stream=True)
+    assert out.shape == (num_tokens, shape[0]) and out.dtype == torch.float32
+    assert torch.equal(out, fp32_linear_cpu(kernel, x, packed, shape[0], b))
+    torch.testing.assert_close(out, F.linear(x, weight, b), **FP32_TOL)
+
+
+def test_the_streaming_schedule_is_float32_only(kernel):
+    weight = make(40, 32, seed=3).bfloat16()
+    with pytest.raises(ValueError, match="float32 only"):
+        bind_fp32_linear(kernel, pack_weight(kernel, weight), 32, 40, None, torch.bfloat16, stream=True)
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (50, 24), (7, 13)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("num_tokens", [1, 3, 6, 8, 16, 17])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

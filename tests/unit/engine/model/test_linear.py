@@ -157,6 +157,31 @@ def test_fastest_breaks_ties_by_backend_order():
     assert fastest({"torch": 0.5, "mkl": 1.0}) == "torch"
 
 
+def test_schedules_of_one_kernel_compete_on_time_alone():
+    """fp32_stream gives fp32_cpu's result bit for bit: the faster of the two is kept however
+    small its lead, and the pair stands at fp32_cpu's place in the order against the others."""
+    assert fastest({"fp32_cpu": 1.0, "fp32_stream": 0.97}) == "fp32_stream"
+    assert fastest({"fp32_cpu": 0.97, "fp32_stream": 1.0}) == "fp32_cpu"
+    assert fastest({"onednn": 1.05, "fp32_cpu": 1.0, "fp32_stream": 0.97}) == "onednn"  # a tie with onednn
+    assert fastest({"onednn": 1.2, "fp32_cpu": 1.0, "fp32_stream": 0.97}) == "fp32_stream"
+    assert fastest({"torch": 1.0, "fp32_stream": 0.5}) == "fp32_stream"  # without fp32_cpu timed
+
+
+@pytest.mark.skipif(not backend_supports("fp32_stream", torch.empty(1, 1)), reason="no working C compiler here")
+def test_a_plan_naming_both_schedules_packs_the_weight_once():
+    layer = make_linear(bias=True)
+    layer.set_plan(("fp32_stream", "fp32_cpu", "fp32_stream"))
+    packed = layer.prepared[BACKENDS.index("fp32_cpu")]
+    assert packed is not None and layer.prepared[BACKENDS.index("fp32_stream")] is packed
+    assert [layer.backend_for(m) for m in (1, 2, 3, 16)] == ["fp32_stream", "fp32_cpu", "fp32_stream", "fp32_stream"]
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x[:2]), layer(x)[:2])  # bucket 1 (fp32_cpu) and 2 (fp32_stream) agree bit for bit
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **FP32_TOL)
+    bf16 = make_linear(bias=False, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'fp32_stream' cannot run a torch.bfloat16 weight"):
+        bf16.set_plan(("fp32_stream",))
+
+
 def test_forced_backend_plan_covers_every_bucket():
     model = torch.nn.Sequential(make_linear(True), make_linear(False, seed=1, out=32))
     plan = choose_plan(model, LinearSetup(available[0], max_num_seqs=4, max_num_batched_tokens=64))
