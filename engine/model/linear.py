@@ -462,7 +462,8 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """A planned :class:`Linear` as one opaque op for ``torch.compile``: x [M, in] -> [M, out]
     (``weight`` int8 with its ``scale`` for a quantised layer; ``*_weight`` the prepared copies of
     onednn (int8_onednn's for a quantised layer), mkl and, in ``cpu_weight``, fp32_cpu's and
-    fp32_stream's (a float layer's: one packed copy) or int8_cpu's (a quantised one's); ``activation_bits`` 8 for a W8A8 layer)."""
+    fp32_stream's (a float layer's: one packed copy) or int8_cpu's (a quantised one's);
+    ``activation_bits`` 8 for a W8A8 layer)."""
     code = plan[min(m_bucket(x.shape[0]), len(plan) - 1)]
     prepared = {_ONEDNN: onednn_weight, _MKL: mkl_weight, _FP32_CPU: cpu_weight, _FP32_STREAM: cpu_weight,
                 _INT8_CPU: cpu_weight, _INT8_ONEDNN: onednn_weight}.get(code)
