@@ -124,13 +124,15 @@ class LinearPlan:
     # Cores the machine's other processes kept busy, on average, while it was measured (above
     # BUSY_OTHER_CORES: measured busy).
     other_cores: float = 0.0
+    forced: bool = False  # named by --linear-backend, not measured
 
     def summary(self) -> str:
         """One line for the start-up log: "onednn for 5 shapes (24 buckets), mkl for ..."."""
         per_backend = Counter(b for plan in self.choices.values() for b in plan)
         shapes = {b: sum(b in plan for plan in self.choices.values()) for b in per_backend}
         parts = [f"{b} for {shapes[b]} shapes ({per_backend[b]} buckets)" for b in BACKENDS if b in per_backend]
-        how = "read from the cache" if self.cached else f"chosen in {self.took_s:.1f} s"
+        how = "forced by --linear-backend" if self.forced else "read from the cache" if self.cached \
+            else f"chosen in {self.took_s:.1f} s"
         int8 = [key for key in self.choices if key.startswith("int8")]
         w8a8 = sum(key.startswith("int8a8:") for key in int8)
         quantized = f" (int8 weights: {len(int8)} shapes, {w8a8} of them with 8-bit activations)" if int8 else ""
@@ -354,8 +356,9 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
     if setup.backend != "auto":
         choices, refused = {}, []
         for key, (weight, num_buckets) in shapes.items():
-            backend = (setup.backend if backend_supports(setup.backend, weight, activation_bits_of(key))
-                       else fallback_backend(weight))
+            bits = activation_bits_of(key)
+            backend = next((b for b in (setup.backend, SAME_RESULT.get(setup.backend)) if b
+                            and backend_supports(b, weight, bits)), fallback_backend(weight))
             choices[key] = [backend] * num_buckets
             if backend != setup.backend:
                 refused.append((key, weight, backend))
@@ -366,12 +369,15 @@ def choose_plan(model: nn.Module, setup: LinearSetup) -> LinearPlan:
                 hint = " (an int8 backend runs --quantization int8 / w8a16 layers only)"
             elif any(weight.dtype == torch.int8 for _, weight, _ in refused):
                 hint = " (a float backend cannot run --quantization int8 / w8a16 layers)"
+            elif setup.backend == "fp32_stream":
+                hint = " (fp32_stream runs float32 weights only; fp32_cpu is the same kernel for bfloat16)"
             else:
                 hint = ""
-            log.warning("linear backend %s cannot run %d of %d weight shapes here%s; they run through %s",
+            log.warning("linear backend %s cannot run %d of %d weight shapes here%s; instead: %s",
                         setup.backend, len(refused), len(shapes), hint,
-                        ", ".join(f"{key} ({weight.dtype} on {weight.device}: {backend})" for key, weight, backend in refused))
-        return LinearPlan(choices)
+                        ", ".join(f"{key} {weight.dtype} on {weight.device} through {backend}"
+                                  for key, weight, backend in refused))
+        return LinearPlan(choices, forced=True)
     dtype = next(iter(shapes.values()))[0].dtype
     path = plan_path(machine_key(dtype, shapes))
     if not setup.use_cache:

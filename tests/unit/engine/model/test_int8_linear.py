@@ -249,7 +249,7 @@ def test_a_forced_float_backend_leaves_int8_layers_on_int8_dequant_with_a_warnin
         plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("onednn", max_num_seqs=1, max_num_batched_tokens=1))
     assert plan.choices == {"int8:48x64": ["int8_dequant"]}
     assert "linear backend onednn cannot run 1 of 1 weight shapes here (a float backend cannot run " \
-           "--quantization int8 / w8a16 layers); they run through int8:48x64 (torch.int8 on cpu: int8_dequant)" in caplog.text
+           "--quantization int8 / w8a16 layers); instead: int8:48x64 torch.int8 on cpu through int8_dequant" in caplog.text
 
 
 def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
@@ -261,7 +261,7 @@ def test_a_forced_int8_backend_on_a_float_model_says_it_runs_torch(caplog):
         plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("int8_cpu", max_num_seqs=1, max_num_batched_tokens=1))
     assert plan.choices == {"48x64": ["torch"]}
     assert "linear backend int8_cpu cannot run 1 of 1 weight shapes here (an int8 backend runs --quantization " \
-           "int8 / w8a16 layers only); they run through 48x64 (torch.float32 on cpu: torch)" in caplog.text
+           "int8 / w8a16 layers only); instead: 48x64 torch.float32 on cpu through torch" in caplog.text
 
 
 # --- the loader and the configuration ----------------------------------------------------------

@@ -5,6 +5,7 @@ measurement, the per-machine cache."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -187,6 +188,20 @@ def test_forced_backend_plan_covers_every_bucket():
     plan = choose_plan(model, LinearSetup(available[0], max_num_seqs=4, max_num_batched_tokens=64))
     # 4 seqs -> buckets 0..2; 64 tokens -> buckets 0..6 (no LM head here: every layer sees prefill).
     assert plan.choices == {f"{OUT}x{IN}": [available[0]] * 7, f"32x{IN}": [available[0]] * 7}
+
+
+@pytest.mark.skipif(not backend_supports("fp32_stream", torch.empty(1, 1)), reason="no working C compiler here")
+def test_forced_fp32_stream_on_a_bfloat16_model_runs_fp32_cpu_and_says_why(caplog):
+    """The streaming schedule is float32 only: a bfloat16 layer forced onto it takes the same
+    kernel's other schedule (which widens bfloat16 weights), not F.linear, and the log says why."""
+    layer = make_linear(bias=False, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=linear_chooser.__name__):
+        plan = choose_plan(torch.nn.Sequential(layer), LinearSetup("fp32_stream", 2, 2))
+    assert set(plan.choices[f"{OUT}x{IN}"]) == {"fp32_cpu"}
+    assert plan.summary() == "linear backends: fp32_cpu for 1 shapes (2 buckets), forced by --linear-backend"
+    assert (f"linear backend fp32_stream cannot run 1 of 1 weight shapes here (fp32_stream runs float32 weights "
+            f"only; fp32_cpu is the same kernel for bfloat16); instead: {OUT}x{IN} torch.bfloat16 on cpu through "
+            f"fp32_cpu") in caplog.text
 
 
 def test_setup_rejects_unknown_backend():
