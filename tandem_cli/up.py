@@ -165,8 +165,9 @@ def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prom
         record = cluster_record.write([r.http_url for r in getattr(cluster, "routers", None) or []]
                                       or [cluster.http_url], config.log_dir)  # tandem status finds it
         where = f"  Ray actors on {sorted({s.node_ip for s in cluster.services})}" if use_ray else ""
+        # soft_wrap: no line breaks inserted into the URLs (a piped console is 80 columns wide)
         console.print(f"[green]Tandem is up[/]: {_api_line(cluster)}  "
-                      f"Redis {cluster.redis_url}  logs {config.log_dir}{where}")
+                      f"Redis {cluster.redis_url}  logs {Path(config.log_dir).resolve()}{where}", soft_wrap=True)
         _print_metrics(getattr(cluster, "metrics_urls", None) or {"router": f"{cluster.http_url}/metrics"})
         if demo:
             _print_demo(asyncio.run(_demo(cluster, source.name, prompts, max_tokens)))
@@ -243,7 +244,7 @@ def _print_metrics(urls: dict[str, str]) -> None:
     """Where each process serves Prometheus metrics (the router's also shows the whole cluster)."""
     if urls:
         console.print("metrics: " + "  ".join(f"{name} {url}" for name, url in urls.items())
-                      + "  (router: the whole cluster; `tandem status` shows it live)")
+                      + "  (router: the whole cluster; `tandem status` shows it live)", soft_wrap=True)
 
 
 def _catch_stop_signals() -> tuple[threading.Event, list[int]]:
