@@ -98,8 +98,9 @@ def fp32_linear_cpu(
     mismatch would read past a tensor rather than fail).
 
     Raises:
-        ValueError: a tensor with another dtype, device or shape than the above, or a packed
-            tensor that does not hold ``out_features`` channels of ``x``'s K.
+        ValueError: a tensor with another dtype, device or shape than the above, a packed
+            tensor that does not hold ``out_features`` channels of ``x``'s K, or ``stream``
+            with bfloat16.
         MemoryError: the kernel could not allocate its scratch (M x K floats).
     """
     if x.dim() != 2:

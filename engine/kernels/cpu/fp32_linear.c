@@ -168,22 +168,27 @@ static inline void store_row_bf16(uint16_t *row, int64_t n0, int64_t N, const ui
  * the panel's elements of type W_T widened by LOADW, each row stored by STORE. The loops over rows
  * are unrolled in full so that GCC keeps c0/c1 in registers (a loop it leaves rolled indexes them,
  * and it then stores them to the stack at every k). */
+/* c0/c1[0..MT) += rows k0..k1 of xp ([K][MT]) times the panel pw (W_T elements widened by LOADW),
+ * PREFETCHT1-ing the same rows of pf (NULL: none) one 64-byte line at a time. Shared by the
+ * micro-kernels below and the streaming schedule's chunk kernels. */
+#define PANEL_FMA(MT, W_T, LOADW, xp, pw, k0, k1, pf)                                              \
+    for (int64_t k = (k0); k < (k1); k++) {                                                        \
+        vec_f b0 = LOADW((pw) + k * NR), b1 = LOADW((pw) + k * NR + VEC);                          \
+        if (pf)                                                                                    \
+            for (int l = 0; l < NR * (int)sizeof(W_T); l += 64)                                    \
+                __builtin_prefetch((const char *)((pf) + k * NR) + l, 0, 2);                       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
+            vec_f a = bcast((xp) + k * MT + i);                                                    \
+            c0[i] = fma_f(a, b0, c0[i]); c1[i] = fma_f(a, b1, c1[i]);                              \
+        }                                                                                          \
+    }
 #define DEFINE_MICRO_KERNEL(NAME, MT, W_T, LOADW, Y_T, STORE)                                       \
 static void NAME##_##MT(const float *xp, int64_t K, const W_T *pw, const Y_T *bias,                \
                         Y_T *y, int64_t N, int64_t n0, const W_T *next)                            \
 {                                                                                                  \
     vec_f c0[MT], c1[MT];                                                                          \
     _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) { c0[i] = (vec_f){0}; c1[i] = (vec_f){0}; } \
-    for (int64_t k = 0; k < K; k++) {                                                              \
-        vec_f b0 = LOADW(pw + k * NR), b1 = LOADW(pw + k * NR + VEC);                              \
-        if (next) /* the next panel's k-th row, one 64-byte line at a time */                       \
-            for (int l = 0; l < NR * (int)sizeof(W_T); l += 64)                                    \
-                __builtin_prefetch((const char *)(next + k * NR) + l, 0, 2);                       \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
-            vec_f a = bcast(xp + k * MT + i);                                                      \
-            c0[i] = fma_f(a, b0, c0[i]); c1[i] = fma_f(a, b1, c1[i]);                              \
-        }                                                                                          \
-    }                                                                                              \
+    PANEL_FMA(MT, W_T, LOADW, xp, pw, 0, K, next) /* next: the next panel's rows */                 \
     _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) STORE(y + i * N, n0, N, bias, c0[i], c1[i]); \
 }
 #define DEFINE_MICRO_KERNELS(NAME, W_T, LOADW, Y_T, STORE)                                          \
@@ -218,6 +223,15 @@ DEFINE_MICRO_KERNELS(micro_f32, float, loadv, float, store_row)
 DEFINE_MICRO_KERNELS(micro_bf16, uint16_t, loadv_bf16, uint16_t, store_row_bf16)
 #endif
 
+/* xp <- x's rows in ``blocks`` blocks of nearly equal size, each block's rows interleaved ([K][rows],
+ * block b at xp + m0 * K) and widened to float32 by TO_F32. */
+#define INTERLEAVE_ROWS(x, xp, M, K, blocks, TO_F32)                                               \
+    for (int64_t b = 0; b < (blocks); b++) {                                                       \
+        int64_t m0 = b * (M) / (blocks), m1 = (b + 1) * (M) / (blocks), mt = m1 - m0;              \
+        for (int64_t k = 0; k < (K); k++)                                                          \
+            for (int64_t i = 0; i < mt; i++) (xp)[m0 * (K) + k * mt + i] = TO_F32((x)[(m0 + i) * (K) + k]); \
+    }
+
 /* y[M, N] = x[M, K] @ w^T + bias (bias may be NULL), w as the pack function left it; see the top.
  * The M rows are cut into ceil(M / MR_MAX) blocks of nearly equal size (16 -> 6 + 5 + 5), each
  * block's rows interleaved into float32 scratch ([K][rows], widened by TO_F32). Returns 0, or -1
@@ -229,11 +243,7 @@ int NAME(const T *x, const T *packed, const T *bias, T *y, int64_t M, int64_t N,
     int64_t blocks = (M + MR_MAX - 1) / MR_MAX;                                                    \
     float *xp = malloc((size_t)(M * K) * sizeof(float));                                           \
     if (!xp) return -1;                                                                            \
-    for (int64_t b = 0; b < blocks; b++) {                                                         \
-        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;                      \
-        for (int64_t k = 0; k < K; k++)                                                            \
-            for (int64_t i = 0; i < mt; i++) xp[m0 * K + k * mt + i] = TO_F32(x[(m0 + i) * K + k]); \
-    }                                                                                              \
+    INTERLEAVE_ROWS(x, xp, M, K, blocks, TO_F32)                                                   \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                          \
     for (int64_t p = 0; p < panels; p++)                                                           \
         for (int64_t b = 0; b < blocks; b++) {                                                     \
@@ -281,16 +291,7 @@ static void chunk_f32_##MT(const float *xp, int64_t k0, int64_t k1, const float 
         c0[i] = first ? (vec_f){0} : loadv(acc + i * NR);                                          \
         c1[i] = first ? (vec_f){0} : loadv(acc + i * NR + VEC);                                    \
     }                                                                                              \
-    for (int64_t k = k0; k < k1; k++) {                                                            \
-        vec_f b0 = loadv(pw + k * NR), b1 = loadv(pw + k * NR + VEC);                              \
-        if (ahead)                                                                                 \
-            for (int l = 0; l < NR * (int)sizeof(float); l += 64)                                  \
-                __builtin_prefetch((const char *)(ahead + k * NR) + l, 0, 2);                      \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                    \
-            vec_f a = bcast(xp + k * MT + i);                                                      \
-            c0[i] = fma_f(a, b0, c0[i]); c1[i] = fma_f(a, b1, c1[i]);                              \
-        }                                                                                          \
-    }                                                                                              \
+    PANEL_FMA(MT, float, loadv, xp, pw, k0, k1, ahead)                                             \
     _Pragma("GCC unroll 16") for (int i = 0; i < MT; i++) {                                        \
         storev(acc + i * NR, c0[i]); storev(acc + i * NR + VEC, c1[i]);                            \
     }                                                                                              \
@@ -325,11 +326,7 @@ int fp32_linear_stream(const float *x, const float *packed, const float *bias, f
     const float *end = packed + panels * K * NR;
     float *xp = malloc((size_t)(M * K) * sizeof(float));
     if (!xp) return -1;
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks, mt = m1 - m0;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t i = 0; i < mt; i++) xp[m0 * K + k * mt + i] = x[(m0 + i) * K + k];
-    }
+    INTERLEAVE_ROWS(x, xp, M, K, blocks, F32_IDENTITY)
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         float acc[STREAM_GROUP * NR] __attribute__((aligned(64)));
