@@ -5,8 +5,10 @@ against what the machine has, and the pool's NVMe tier against its disk.
 overrides), so a values file with a GPU cluster's sizes cannot push a laptop into the kernel's
 out-of-memory killer. Per process (resident set, worst case: every KV block and pool slot used):
 
-- a worker rank: its share of the weights (``--dtype``), its paged KV cache (``--num-kv-blocks``
-  x block bytes, split between tensor-parallel ranks) and :data:`PROCESS_BYTES` of its own;
+- a worker rank: its share of the weights (``--dtype``), on a CPU the copies its linear layers'
+  GEMM backends prepare from them (:data:`PREPARED_COPIES`), its paged KV cache
+  (``--num-kv-blocks`` x block bytes, split between tensor-parallel ranks) and
+  :data:`PROCESS_BYTES` of its own;
 - a KV pool node: its DRAM arena (``--pool-capacity-bytes``, committed as blocks arrive; it lives
   in ``/dev/shm``, whose size is checked too) and its process;
 - a router (its tokenizer), the private Redis.
@@ -32,6 +34,13 @@ MIB, GIB = 1 << 20, 1 << 30
 # cluster, 2-core x86-64, torch 2.13 CPU (worker ~700 MiB, router ~315 MiB, pool ~40 MiB,
 # redis ~4 MiB), rounded up.
 PROCESS_BYTES = {"worker": 768 * MIB, "router": 384 * MIB, "kv_pool": 64 * MIB, "redis": 16 * MIB}
+# Copies of the weights a CPU worker's linear layers keep beside them, one per GEMM backend their
+# plans use (engine.model.linear.Linear.set_plan: a weight reordered for oneDNN, packed for
+# Tandem's kernels or MKL): ``auto`` may mix two backends in one layer's M buckets, a named backend
+# prepares one copy, ``torch`` none. In process, SmolLM2-135M float32 (513 MiB of linear weights):
+# resident 1086 MiB with torch, 1844-1848 MiB with one backend, 2362 MiB with auto. An int8 model's
+# copies are of its int8 weights (a quarter of float32's; 1449 MiB resident with auto).
+PREPARED_COPIES = {"auto": 2, "torch": 0}
 USABLE_FRACTION = 0.9  # of the available memory a cluster may plan to take (the rest: everything else)
 
 
@@ -120,15 +129,23 @@ def size(num_bytes: float) -> str:
 
 
 def worker_need(role: str, count: int, tp: int, num_kv_blocks: int, block_size: int, shape: ModelShape, dtype: str,
-                flags: str, on_gpu: bool = False, kv_cache_dtype: str = "auto") -> Need:
+                flags: str, on_gpu: bool = False, kv_cache_dtype: str = "auto", linear_backend: str = "auto",
+                quantization: str = "none") -> Need:
     """``count`` workers of ``role`` with ``tp`` ranks each (each rank a process). ``on_gpu``:
     weights and KV cache live in GPU memory, the host keeps the process only. ``kv_cache_dtype``:
-    as --kv-cache-dtype (8-bit blocks are about a quarter of float32's)."""
+    as --kv-cache-dtype (8-bit blocks are about a quarter of float32's). ``linear_backend``: as
+    --linear-backend (the GEMM copies a CPU worker prepares, :data:`PREPARED_COPIES`), of int8
+    weights under ``quantization`` int8 or w8a16."""
     block_bytes = shape.kv_block_bytes(block_size, dtype, kv_cache_dtype)
     kv = num_kv_blocks * block_bytes // tp
     parts = [("process", PROCESS_BYTES["worker"])]
     if not on_gpu:
-        parts = [("weights", shape.weight_bytes(dtype) // tp),
+        weights = shape.weight_bytes(dtype) // tp
+        copies = PREPARED_COPIES.get(linear_backend, 1)
+        copy_bytes = shape.weight_bytes("float32") // 4 // tp if quantization in ("int8", "w8a16") else weights
+        gemm = [(f"GEMM copies ({copies} x {'int8 ' if copy_bytes != weights else ''}weights, --linear-backend "
+                 f"{linear_backend})", copies * copy_bytes)] if copies else []
+        parts = [("weights", weights), *gemm,
                  (f"KV cache ({num_kv_blocks} blocks x {size(block_bytes)}"
                   + (f" / {tp} ranks)" if tp > 1 else ")"), kv)] + parts
     name = f"{role} worker ranks" if tp > 1 else f"{role} workers"
@@ -149,7 +166,10 @@ def cluster_needs(config, shape: ModelShape, workers_on_gpu: bool = False) -> tu
                  + (f", --{role}-tp {tp}" if tp > 1 else ""))
         kv_dtype = config.engine.kv_cache_dtype
         flags += f", --kv-cache-dtype {kv_dtype}" if kv_dtype != "auto" else ""
-        needs.append(worker_need(role, count, tp, blocks, block_size, shape, dtype, flags, workers_on_gpu, kv_dtype))
+        linear = config.engine_config(role).linear_backend
+        flags += f", --linear-backend {linear}" if not workers_on_gpu else ""
+        needs.append(worker_need(role, count, tp, blocks, block_size, shape, dtype, flags, workers_on_gpu, kv_dtype,
+                                 linear, config.engine.quantization))
     arena = config.pool.capacity_bytes
     needs.append(Need("KV pool nodes", config.num_pool_nodes, arena + PROCESS_BYTES["kv_pool"],
                       (("DRAM arena", arena), ("process", PROCESS_BYTES["kv_pool"])),
@@ -250,10 +270,13 @@ def _container_need(container: Mapping, env: Mapping[str, str], shape: ModelShap
         blocks, dtype = int(env[f"{prefix}NUM_KV_BLOCKS"]), env.get(f"{prefix}DTYPE") or "float32"
         tp = int(env.get(f"{prefix}TENSOR_PARALLEL_SIZE") or 1)
         on_gpu = (env.get(f"{prefix}DEVICE") or "cpu").startswith("cuda")
+        linear = env.get(f"{prefix}LINEAR_BACKEND") or "auto"
         ranks = worker_need(role, 1, tp, blocks, int(env.get(f"{prefix}BLOCK_SIZE") or 16), shape, dtype,
                             f"{role}.numKvBlocks {blocks}, model.dtype {dtype}, {role}.device "
-                            f"{env.get(f'{prefix}DEVICE') or 'cpu'}", on_gpu,
-                            env.get(f"{prefix}KV_CACHE_DTYPE") or "auto")
+                            f"{env.get(f'{prefix}DEVICE') or 'cpu'}"
+                            + ("" if on_gpu else f", engine.linearBackend {linear}"), on_gpu,
+                            env.get(f"{prefix}KV_CACHE_DTYPE") or "auto", linear,
+                            env.get(f"{prefix}QUANTIZATION") or "none")
         return Need(f"{role} worker", 1, ranks.total_bytes, ranks.parts, ranks.flags)  # the ranks share one pod
     if "-m kv_pool" in command and env.get("POOL_ARENA_PERCENT") and (resources.get("requests") or {}).get("memory"):
         request = quantity(resources["requests"]["memory"])

@@ -35,9 +35,10 @@ def test_cpu_decode_pods_too_small_for_their_kv_cache_are_named(tools, smollm2, 
                       "         resources: {requests: {cpu: '2', memory: 4Gi}, limits: {memory: 4Gi}}}\n"
                       "kvPool: {dram: 1Gi, arenaPercent: 95}\n")
     assert pod_shortfalls(helm_template(tools, "-f", str(values)), smollm2) == [
-        "Deployment tandem-decode: memory 4Gi is below the 12.5 GiB its decode worker will take (decode worker: 1 x "
-        "12.5 GiB (weights 513.1 MiB + KV cache (16384 blocks x 720.0 KiB) 11.2 GiB + process 768.0 MiB)  "
-        "[decode.numKvBlocks 16384, model.dtype float32, decode.device cpu])",
+        "Deployment tandem-decode: memory 4Gi is below the 13.5 GiB its decode worker will take (decode worker: 1 x "
+        "13.5 GiB (weights 513.1 MiB + GEMM copies (2 x weights, --linear-backend auto) 1.0 GiB + KV cache (16384 "
+        "blocks x 720.0 KiB) 11.2 GiB + process 768.0 MiB)  [decode.numKvBlocks 16384, model.dtype float32, "
+        "decode.device cpu, engine.linearBackend auto])",
         "StatefulSet tandem-kv-pool: memory 1Gi is below the 1.0 GiB its KV pool node will take (KV pool node: 1 x "
         "1.0 GiB (DRAM arena 972.8 MiB + process 64.0 MiB)  [kvPool.dram 1Gi, kvPool.arenaPercent 95])",
     ]

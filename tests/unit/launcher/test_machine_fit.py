@@ -63,15 +63,34 @@ def test_each_process_is_counted_with_weights_kv_arena_and_its_own_memory() -> N
                                         pool_capacity_bytes=2 * GIB, num_decode_workers=2, decode_tp=2)
     needs = {n.name: n for n in cluster_needs(config, SMOLLM2)}
     assert list(needs) == ["prefill workers", "decode worker ranks", "KV pool nodes", "routers", "Redis"]
-    prefill = needs["prefill workers"]
-    assert (prefill.count, prefill.each_bytes) == (1, 538_060_032 + 512 * BLOCK_BYTES + PROCESS_BYTES["worker"])
+    prefill = needs["prefill workers"]  # the weights and, with --linear-backend auto, two GEMM copies of them
+    assert (prefill.count, prefill.each_bytes) == (1, 3 * 538_060_032 + 512 * BLOCK_BYTES + PROCESS_BYTES["worker"])
     decode = needs["decode worker ranks"]  # 2 workers x 2 ranks, each rank half the weights and blocks
-    assert (decode.count, decode.each_bytes) == (4, 538_060_032 // 2 + 1024 * BLOCK_BYTES // 2 + 768 * MIB)
+    assert (decode.count, decode.each_bytes) == (4, 3 * (538_060_032 // 2) + 1024 * BLOCK_BYTES // 2 + 768 * MIB)
     assert needs["KV pool nodes"].each_bytes == 2 * GIB + 64 * MIB and needs["routers"].each_bytes == 384 * MIB
     fit = check(config, SMOLLM2, available_bytes=64 * GIB)
     assert fit.memory_bytes == sum(n.count * n.each_bytes for n in needs.values()) and fit.problems() == []
     on_gpu = {n.name: n for n in cluster_needs(config, SMOLLM2, workers_on_gpu=True)}
     assert on_gpu["decode worker ranks"].each_bytes == PROCESS_BYTES["worker"]  # weights and KV on the GPU
+
+
+@pytest.mark.parametrize("linear_backend, quantization, copy_bytes", [
+    ("auto", "none", 2 * 538_060_032),  # oneDNN's reordered copy and Tandem's packed one
+    ("onednn", "none", 538_060_032),
+    ("torch", "none", 0),  # F.linear reads the weights themselves
+    ("auto", "int8", 2 * (538_060_032 // 4)),  # copies of the int8 weights
+])
+def test_a_cpu_worker_counts_the_gemm_copies_its_linear_backend_prepares(linear_backend, quantization,
+                                                                         copy_bytes) -> None:
+    config = ClusterConfig.from_options(model="m", num_kv_blocks=1024, linear_backend=linear_backend,
+                                        quantization=quantization)
+    decode = {n.name: n for n in cluster_needs(config, SMOLLM2)}["decode workers"]
+    copies = {what: n for what, n in decode.parts if what.startswith("GEMM copies")}
+    assert sum(copies.values()) == copy_bytes
+    assert decode.each_bytes == 538_060_032 + copy_bytes + 1024 * BLOCK_BYTES + PROCESS_BYTES["worker"]
+    assert f"--linear-backend {linear_backend}" in decode.flags
+    on_gpu = {n.name: n for n in cluster_needs(config, SMOLLM2, workers_on_gpu=True)}["decode workers"]
+    assert on_gpu.each_bytes == PROCESS_BYTES["worker"]  # a GPU worker's copies live in GPU memory
 
 
 def test_a_cluster_beyond_the_memory_is_refused_naming_the_options_that_size_it() -> None:
@@ -82,9 +101,9 @@ def test_a_cluster_beyond_the_memory_is_refused_naming_the_options_that_size_it(
                               "available (90% of it: 14.4 GiB)"]
     message = fit.message()
     assert message.startswith("this cluster does not fit this machine:\n  memory: ")
-    assert ("decode workers: 2 x 12.5 GiB (weights 513.1 MiB + KV cache (16384 blocks x 720.0 KiB) 11.2 GiB + "
-            "process 768.0 MiB)  [--num-decode-workers 2, --num-kv-blocks 16384, --block-size 16, --dtype float32]"
-            ) in message
+    assert ("decode workers: 2 x 13.5 GiB (weights 513.1 MiB + GEMM copies (2 x weights, --linear-backend auto) "
+            "1.0 GiB + KV cache (16384 blocks x 720.0 KiB) 11.2 GiB + process 768.0 MiB)  [--num-decode-workers 2, "
+            "--num-kv-blocks 16384, --block-size 16, --dtype float32, --linear-backend auto]") in message
     assert "KV pool nodes: 1 x 8.1 GiB (DRAM arena 8.0 GiB + process 64.0 MiB)" in message
     assert message.endswith("or pass --force to start anyway")
 
@@ -100,13 +119,13 @@ def test_an_nvme_tier_beyond_the_disk_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_smallest_values_file_in_the_docs_fits_a_laptop(monkeypatch) -> None:
-    """values-local.yaml (docs/deploy.md) with the real model: within 90 % of the 6 GiB an 8 GiB
+    """values-local.yaml (docs/deploy.md) with the real model: within 90 % of the 8 GiB a 16 GiB
     laptop has free."""
-    result = up("-f", str(LOCAL_VALUES), "--print-config", available=6 * GIB, monkeypatch=monkeypatch)
+    result = up("-f", str(LOCAL_VALUES), "--print-config", available=8 * GIB, monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
     comments = [line for line in result.output.splitlines() if line.startswith("#")]
     assert comments[0] == "# this machine: fits"
-    assert "# total 4.9 GiB of memory; available 6.0 GiB (plans up to 5.4 GiB)" in comments
+    assert "# total 6.9 GiB of memory; available 8.0 GiB (plans up to 7.2 GiB)" in comments
 
 
 def test_the_chart_sized_values_file_is_refused_before_anything_starts(tmp_path: Path, monkeypatch) -> None:
@@ -117,8 +136,8 @@ def test_the_chart_sized_values_file_is_refused_before_anything_starts(tmp_path:
     assert result.exit_code == 1, result.output
     lines = result.output.splitlines()
     assert lines[0] == "Error: this cluster does not fit this machine:"
-    assert lines[1].startswith("  memory: the processes will take 47.6 GiB; this machine has 16.0 GiB available")
-    assert any(line.startswith("  decode workers: 2 x 12.5 GiB") and "--num-kv-blocks 16384" in line for line in lines)
+    assert lines[1].startswith("  memory: the processes will take 51.6 GiB; this machine has 16.0 GiB available")
+    assert any(line.startswith("  decode workers: 2 x 13.5 GiB") and "--num-kv-blocks 16384" in line for line in lines)
     assert not logs.exists()  # nothing started, no log opened
 
 
@@ -143,8 +162,8 @@ def test_print_config_shows_the_sums_and_the_verdict(tmp_path: Path, monkeypatch
     result = up("-f", str(values), "--print-config", available=16 * GIB, monkeypatch=monkeypatch)
     assert result.exit_code == 0, result.output
     comments = [line for line in result.output.splitlines() if line.startswith("#")]
-    assert comments[0].startswith("# this machine: memory: the processes will take 47.6 GiB")
-    assert "# total 47.6 GiB of memory; available 16.0 GiB (plans up to 14.4 GiB)" in comments
+    assert comments[0].startswith("# this machine: memory: the processes will take 51.6 GiB")
+    assert "# total 51.6 GiB of memory; available 16.0 GiB (plans up to 14.4 GiB)" in comments
 
 
 def test_a_values_file_keeps_tandem_ups_sizes_where_it_says_nothing(tmp_path: Path) -> None:
