@@ -116,7 +116,8 @@ class Fit:
                 + "\nwhat each process will take (the options that size it in brackets):\n  "
                 + self.report().replace("\n", "\n  ")
                 + "\nlower those options (in a values file: decode/prefill.numKvBlocks, .replicas, kvPool.dram, "
-                  "kvPool.nvme, router.replicas), or pass --force to start anyway")
+                  "kvPool.nvme, router.replicas; a named --linear-backend keeps one GEMM copy of the weights, "
+                  "torch none, at some speed), or pass --force to start anyway")
 
 
 def size(num_bytes: float) -> str:
