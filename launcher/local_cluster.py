@@ -26,7 +26,7 @@ from launcher.commands import pool_node_args, service_argv, service_env, shared_
 from launcher.config import ClusterConfig
 from launcher.ports import free_port
 from launcher.readiness import grpc_ready, http_ready, redis_ready, router_sees
-from launcher.supervisor import StartInterrupted, Supervisor
+from launcher.supervisor import ServiceStartError, StartInterrupted, Supervisor, log_cause
 
 
 @dataclass
@@ -262,14 +262,14 @@ class LocalCluster:
         while time.monotonic() < deadline:
             self._stop_if_interrupted(service.name)
             if service.process.poll() is not None:
-                tail = service.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{service.name} exited with code {service.process.returncode}; "
-                                   f"log {service.log_path}:\n{tail}")
+                cause = log_cause(service.log_path.read_text(errors="replace")[-20000:])
+                raise ServiceStartError(f"{service.name} exited with code {service.process.returncode}"
+                                        + (f": {cause}" if cause else "") + f"; log {service.log_path}")
             if ready():
                 on_progress(f"{service.name} ready")
                 return
             time.sleep(0.2)  # polling a child's health, not synchronising threads
-        raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; log {service.log_path}")
+        raise ServiceStartError(f"{service.name} not healthy after {timeout_s:.0f} s; log {service.log_path}")
 
     def _stop_if_interrupted(self, starting: str) -> None:
         if self.interrupted():

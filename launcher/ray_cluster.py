@@ -34,7 +34,7 @@ from launcher.commands import service_argv, service_env, worker_threads
 from launcher.config import ClusterConfig
 from launcher.local_cluster import LocalCluster
 from launcher.readiness import grpc_ready, http_ready
-from launcher.supervisor import ServiceExited, StartInterrupted, Supervisor
+from launcher.supervisor import ServiceExited, ServiceStartError, StartInterrupted, Supervisor, log_cause
 
 ACTOR_START_TIMEOUT_S = 120.0  # an actor not placed by then: the cluster lacks the resources
 
@@ -214,7 +214,7 @@ class RayCluster:
             try:
                 info = ray.get(infos[service.name], timeout=max(1.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(
+                raise ServiceStartError(
                     f"Ray could not place {service.name} (requests {resources[service.name]}) within "
                     f"{ACTOR_START_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
                 ) from None
@@ -253,15 +253,15 @@ class RayCluster:
                 raise StartInterrupted(service.name)
             code = ray.get(service.actor.poll.remote())
             if code is not None:
-                tail = ray.get(service.actor.log_tail.remote())
-                raise RuntimeError(f"{service.name} exited with code {code}; "
-                                   f"log {service.log_path} on {service.node_ip}:\n{tail}")
+                cause = log_cause(ray.get(service.actor.log_tail.remote()))
+                raise ServiceStartError(f"{service.name} exited with code {code}" + (f": {cause}" if cause else "")
+                                        + f"; log {service.log_path} on {service.node_ip}")
             if service.ready():
                 on_progress(f"{service.name} ready")
                 return
             time.sleep(0.2)  # polling a service's health, not synchronising threads
-        raise RuntimeError(f"{service.name} not healthy after {timeout_s:.0f} s; "
-                           f"log {service.log_path} on {service.node_ip}")
+        raise ServiceStartError(f"{service.name} not healthy after {timeout_s:.0f} s; "
+                                f"log {service.log_path} on {service.node_ip}")
 
     def supervise(self) -> list[str]:
         """One supervision pass (see :meth:`LocalCluster.supervise`): Redis, then the services.

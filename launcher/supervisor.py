@@ -32,6 +32,29 @@ class ServiceExited(RuntimeError):
     """A service exited and the cluster must stop (critical, restarts off, or budget spent)."""
 
 
+class ServiceStartError(RuntimeError):
+    """A service exited, or did not become healthy in time, while the cluster was starting (the
+    message names it, the cause its log gives and the log's path)."""
+
+
+def log_cause(text: str) -> str:
+    """The last error a service's log ``text`` gives, on one line: of its JSON lines (the
+    services' log format) the last at level error or above, its message and the last line of its
+    traceback (``exc``); else the last non-empty line. "" when there is none."""
+    import json
+
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            exc = [x for x in str(entry.get("exc") or "").splitlines() if x.strip()]
+            return str(entry.get("msg", "")) + (f": {exc[-1].strip()}" if exc else "")
+    return lines[-1].strip()[:500] if lines else ""
+
+
 class StartInterrupted(RuntimeError):
     """SIGINT or SIGTERM arrived while the cluster was starting: nothing more is started; the
     caller stops what already was."""

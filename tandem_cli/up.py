@@ -22,8 +22,9 @@ from core.model_source import resolve_model
 from core.settings import options
 from launcher.config import SECTIONS, ClusterConfig
 from launcher.local_cluster import LocalCluster
+from launcher.ports import free_port
 from launcher.preflight import PreflightError, check_engine_sizes, check_ports_free
-from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
+from launcher.supervisor import RestartPolicy, ServiceExited, ServiceStartError, StartInterrupted
 
 console = Console()
 
@@ -185,6 +186,8 @@ def up(demo: bool, prompts_path: Path | None, data_folder: Path | None, num_prom
     except StartInterrupted as err:
         console.print(f"[yellow]{err}[/]")
         raise click.exceptions.Exit(128 + signals[0]) from None  # as a shell reports a signal: 130 for SIGINT
+    except ServiceStartError as err:  # a service exited or never became healthy: its cause, not a traceback
+        raise click.ClickException(str(err)) from None
     finally:
         if record is not None:
             cluster_record.remove(record)
@@ -309,6 +312,9 @@ def _prepare(params: dict, prompts_path: Path | None, num_prompts: int, demo: bo
         api_keys = load_api_keys(options.pop("api_keys"), options.pop("api_key_file"))
         if check_ports:
             check_ports_free(options["host"], _router_ports(options))
+            for key in ("http_port", "grpc_port"):  # 0: a free port, chosen here so the launcher knows it
+                if options[key] == 0 and options["num_routers"] <= 1:
+                    options[key] = free_port()
         check_engine_sizes(*(options[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                                   "max_num_batched_tokens", "max_model_len")))
         prompts = _demo_prompts(prompts_path, num_prompts) if demo else []

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import tandem_cli.main
 import tandem_cli.up
 from launcher.ports import free_port
-from launcher.supervisor import RestartPolicy, ServiceExited, StartInterrupted
+from launcher.supervisor import RestartPolicy, ServiceExited, ServiceStartError, StartInterrupted
 
 
 class FakeCluster:
@@ -93,3 +93,23 @@ def test_a_signal_during_start_up_stops_without_the_banner(run_up, signal_handle
     assert result.output.splitlines() == [
         "start-up interrupted while starting decode; nothing more is started", "stopped"]
     assert cluster.stopped and "Tandem is up" not in result.output
+
+
+def test_a_service_that_fails_to_start_is_one_error_line_with_its_cause(run_up):
+    cause = ("kv_pool exited with code 1: kv_pool failed: redis.exceptions.ConnectionError: Error 111 connecting "
+             "to 127.0.0.1:1. Connection refused.; log logs/kv_pool.log")
+
+    def fail():
+        raise ServiceStartError(cause)
+
+    result, cluster = run_up([], on_start=fail)
+    assert result.exit_code == 1
+    assert " ".join(result.output.split()).endswith(f"stopped Error: {cause}")  # no traceback
+    assert "Traceback" not in result.output and cluster.stopped
+
+
+def test_port_0_starts_the_router_on_a_free_port_the_launcher_knows(run_up):
+    result, cluster = run_up([["all well"], ServiceExited("router exited (0)")], "--http-port", "0", "--grpc-port", "0")
+    assert result.exit_code == 1
+    http_port, grpc_port = cluster.config.http_port, cluster.config.grpc_port
+    assert 0 < http_port < 65536 and 0 < grpc_port < 65536 and http_port != grpc_port
