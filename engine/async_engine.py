@@ -172,8 +172,7 @@ class AsyncEngine:
             return
         for output in outputs:
             self.num_generated_tokens += len(output.new_token_ids)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_all, outputs)
+        self._send(outputs)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -201,8 +200,11 @@ class AsyncEngine:
         return failed
 
     def _deliver(self, output: RequestOutput) -> None:
+        self._send([output])
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put, output)
+        self._loop.call_soon_threadsafe(self._put_all, outputs)
 
     def _put_all(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

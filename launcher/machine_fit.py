@@ -143,9 +143,10 @@ def worker_need(role: str, count: int, tp: int, num_kv_blocks: int, block_size: 
     if not on_gpu:
         weights = shape.weight_bytes(dtype) // tp
         copies = PREPARED_COPIES.get(linear_backend, 1)
-        copy_bytes = shape.weight_bytes("float32") // 4 // tp if quantization in ("int8", "w8a16") else weights
-        gemm = [(f"GEMM copies ({copies} x {'int8 ' if copy_bytes != weights else ''}weights, --linear-backend "
-                 f"{linear_backend})", copies * copy_bytes)] if copies else []
+        int8 = quantization in ("int8", "w8a16")  # copies of the int8 weights: one byte per parameter
+        copy_bytes = shape.num_params // tp if int8 else weights
+        gemm = [(f"GEMM copies ({copies} x {'int8 ' if int8 else ''}weights, --linear-backend {linear_backend})",
+                 copies * copy_bytes)] if copies else []
         parts = [("weights", weights), *gemm,
                  (f"KV cache ({num_kv_blocks} blocks x {size(block_bytes)}"
                   + (f" / {tp} ranks)" if tp > 1 else ")"), kv)] + parts

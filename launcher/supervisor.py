@@ -19,6 +19,7 @@ heartbeats and answers health checks.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -41,8 +42,6 @@ def log_cause(text: str) -> str:
     """The last error a service's log ``text`` gives, on one line: of its JSON lines (the
     services' log format) the last at level error or above, its message and the last line of its
     traceback (``exc``); else the last non-empty line. "" when there is none."""
-    import json
-
     lines = [line for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         try:
