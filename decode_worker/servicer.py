@@ -43,7 +43,8 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     """Decode: the KV connector takes the request over and gives the KV it starts from
     (:meth:`KVConnector.load_for_decode`: a manifest's blocks fetched off the step loop, a resumed
     request's stored prefix, or nothing when colocated); the request joins the running batch at
-    the next step and every new token is streamed. A refused request (malformed, a manifest of
+    the next step and every new token is streamed; a handed-over request (with a manifest) is
+    told ``started`` first, as the pass that admits it begins. A refused request (malformed, a manifest of
     another KV spec) ends with ``INVALID_ARGUMENT``; a failed KV load under
     ``--kv-load-failure-policy fail`` with ``UNAVAILABLE`` and the reason in trailing metadata.
 
@@ -74,8 +75,12 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         context.add_done_callback(lambda _: self.engine.abort(request.request_id))
         prefills_here = start.manifest is None  # colocated or resumed: this worker computes the prompt
         try:
-            async for output in self.engine.generate(engine_request, external):
-                if output.new_token_ids:
+            # A handed-over request: say when its first pass here begins (the router paces the
+            # prefill's first token by it).
+            async for output in self.engine.generate(engine_request, external, notify_start=not prefills_here):
+                if output.started:
+                    yield decode_worker_pb2.DecodeResponse(started=decode_worker_pb2.Started())
+                elif output.new_token_ids:
                     logprobs = [token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs) for s in output.logprobs]
                     prompt = [token_logprob_to_proto(s.token_id, s.logprob, s.top_logprobs)
                               for s in output.prompt_logprobs or ()]

@@ -56,6 +56,8 @@ class AsyncEngine:
         self._stopping = False
         self._stats = engine.stats()
         engine.structured.on_ready = self._wakeup.set  # a compiled grammar wakes an idle loop
+        engine.on_pass_start = self._on_pass_start
+        self._start_watch: set[str] = set()  # requests whose callers asked for a started marker
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -96,8 +98,11 @@ class AsyncEngine:
         """Snapshot taken after the latest step."""
         return self._stats
 
-    async def generate(self, request: Request, external_kv: ExternalKV | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until it finishes.
+    async def generate(self, request: Request, external_kv: ExternalKV | None = None,
+                       notify_start: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes. With ``notify_start``, first one
+        output with ``started`` set and no tokens, as the pass that admits the request begins
+        (a decode worker pacing a disaggregated stream's first token by it; docs/engine.md).
 
         Cancelling the consumer (client gone) aborts the request in the engine, freeing its
         blocks at the next step boundary.
@@ -110,6 +115,8 @@ class AsyncEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[rid] = stream
+        if notify_start:
+            self._start_watch.add(rid)
         self._inbox.put(("add", request, external_kv))
         self._wakeup.set()
         try:
@@ -121,6 +128,7 @@ class AsyncEngine:
                 if output.finished:
                     return
         finally:
+            self._start_watch.discard(rid)
             if self._streams.pop(rid, None) is not None and not request.is_finished:
                 self.abort(rid)
 
@@ -173,6 +181,15 @@ class AsyncEngine:
         for output in outputs:
             self.num_generated_tokens += len(output.new_token_ids)
         self._send(outputs)
+
+    def _on_pass_start(self, request_ids: list[str]) -> None:
+        """Engine thread, just before a forward: a started marker to each caller among
+        ``request_ids`` that asked for one, in one wake-up (none when nobody asked)."""
+        watched = [rid for rid in request_ids if rid in self._start_watch]
+        if watched:
+            for rid in watched:
+                self._start_watch.discard(rid)
+            self._send([RequestOutput(rid, [], started=True) for rid in watched])
 
     def _drain_inbox(self) -> None:
         while True:

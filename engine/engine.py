@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,9 @@ class LLMEngine:
         self._refused: list[RequestOutput] = []
         self.step_stats = StepStats()
         self._pass_started_s = 0.0  # perf_counter() at the end of the last forward (see _record)
+        # Called on the engine thread with the ids of the requests a pass admits, just before
+        # its forward starts (AsyncEngine tells the callers that asked; must not block).
+        self.on_pass_start: Callable[[list[str]], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, save_kv_on_finish: bool = False,
@@ -179,6 +182,7 @@ class LLMEngine:
         out, substep = self._schedule(), 0
         while not out.is_empty:
             self._swap_out(out)
+            self._announce(out)
             runner_output = self._record(self.runner.execute(out))
             yield self._finish(self.scheduler.update_from_output(out, runner_output))
             out, substep = self._next_step(out, substep)
@@ -217,6 +221,7 @@ class LLMEngine:
         out, substep = self._schedule(), 0
         if out.is_empty:
             return
+        self._announce(out)
         running = self._executor.submit(self.runner.run, self.runner.prepare(out))
         while True:
             self.scheduler.commit_scheduled(out)
@@ -232,9 +237,15 @@ class LLMEngine:
             if following.is_empty:
                 yield outputs
                 return
+            self._announce(following)
             running = self._executor.submit(self.runner.run, prepared)
             yield outputs
             out = following
+
+    def _announce(self, out: SchedulerOutput) -> None:
+        """Tells ``on_pass_start`` which requests the pass about to run admits."""
+        if out.admitted_request_ids and self.on_pass_start is not None:
+            self.on_pass_start(out.admitted_request_ids)
 
     def _record(self, runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Feeds the pass's timing to the cost model (engine thread only), called as its forward

@@ -126,6 +126,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Of those, the ones whose KV is to be swapped out rather than recomputed.
     swap_outs: list[SwapOut] = field(default_factory=list)
+    # Requests this step admits from waiting (their first chunk, or their first token after KV
+    # loaded from the pool): LLMEngine.on_pass_start hears of them before the forward pass.
+    admitted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -176,3 +179,6 @@ class RequestOutput:
     logprobs: list[SampledToken] = field(default_factory=list)
     # With its first token, when the request asked for prompt logprobs: prompt tokens 1.. in order.
     prompt_logprobs: list[SampledToken] | None = None
+    # A marker with no tokens: the pass that admits the request has begun (its next token ends
+    # it). Sent only to callers that asked (AsyncEngine.generate's ``notify_start``).
+    started: bool = False

@@ -253,6 +253,7 @@ class Scheduler:
         self.running.append(request)
         if n:
             out.scheduled.append(scheduled_request(request, n, table.block_ids))
+            out.admitted_request_ids.append(request.request_id)
         return n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -38,6 +38,10 @@ class RouterConfig:
             always (colocated only without a live prefill worker) or never (always colocated).
         ttft_slo_s: TTFT target in seconds for admission and placement; 0: none.
         tbt_slo_s: time-between-tokens target in seconds (a decode step); 0: none.
+        first_token_hold_s: the longest the router holds a prefill's first token while the decode
+            worker has not started its first pass for the request (it streams the token then, so
+            tokens 1 and 2 come one decode pass apart, not the handoff plus a pass and a half);
+            0: streamed as soon as the prefill answers (lowest TTFT).
         max_queue_s: admission refuses a request that cannot meet the SLOs only when the work
             queued ahead of it takes longer than this to drain (seconds).
         prefix_cache_blocks: blocks remembered per worker in the router's view of worker prefix
@@ -74,6 +78,8 @@ class RouterConfig:
                                           "always; never (colocated).", choices=DISAGGREGATION_MODES)
     ttft_slo_s: float = setting(0.0, "TTFT SLO in seconds for placement and admission (0: none).")
     tbt_slo_s: float = setting(0.0, "Time-between-tokens SLO in seconds (0: none).")
+    first_token_hold_s: float = setting(0.2, "Longest hold of a prefill's first token until the decode worker starts "
+                                             "the request (0: stream it at once).")
     max_queue_s: float = setting(0.5, "Refuse (429) a request that cannot meet the SLOs only when the queue ahead "
                                       "takes longer than this.")
     prefix_cache_blocks: int = setting(8192, "Blocks remembered per worker in the prefix view.")
@@ -110,7 +116,7 @@ class RouterConfig:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-        for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s"):
+        for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s", "first_token_hold_s"):
             if not getattr(self, name) >= 0:  # also refuses NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_blocks < 1:

@@ -1,8 +1,10 @@
 """One request through the cluster, shared by both front-ends (docs/design.md §2, steps 2-6).
 
-``generate`` picks a prefill worker, streams the first token as soon as Prefill answers (TTFT),
-hands the KV manifest to a decode worker and streams its tokens, detokenized and filtered by stop
-strings. Whatever happens (finish, stop string, error, client gone) the decode stream is
+``generate`` picks a prefill worker, hands the KV manifest and the first token Prefill sampled
+to a decode worker and streams the tokens, detokenized and filtered by stop strings. The first
+token is held until the decode worker starts the request's first pass there (its ``started``
+event), at most ``first_token_hold_s``: the client then gets tokens 1 and 2 one decode pass apart
+rather than the handoff plus a pass and a half (0 streams it as soon as Prefill answers). Whatever happens (finish, stop string, error, client gone) the decode stream is
 cancelled; a manifest no decode worker answered for is dropped at the decode worker it was meant
 for (``DropManifest``: its KV connector releases it in the pool unless a Decode took it over).
 
@@ -18,6 +20,7 @@ that hangs (stops heartbeating) fails its waiting calls the same way (router.wor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -38,7 +41,7 @@ from router.placement.prediction import Placement
 from router.placement.placer import Placer
 from router.tokenizer import ModelTokenizer
 from router.api.validation import ValidatedRequest
-from router.workers.clients import DecodeTokens, PrefillResult, WorkerClients
+from router.workers.clients import DecodeStarted, DecodeTokens, PrefillResult, WorkerClients
 from router.workers.loss import stream_unless_lost, unless_lost
 from router.workers.view import WorkerView
 
@@ -105,9 +108,9 @@ class _Run:
     arrival_time_s: float  # time.monotonic()
     output: OutputProcessor
     num_cached_tokens: int = 0
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # until the first token went to the client
     last_token_time_s: float = 0.0
-    sent_first_token: bool = False
+    sent_first_token: bool = False  # the first token exists (a prefill answered, or a decode worker sent it)
     # Worker-facing ids of every attempt (released in the pool at the end); the decode attempt
     # after a successful prefill reuses that prefill's id (its manifest's scoped blocks).
     attempt_ids: list[str] = field(default_factory=list)
@@ -127,9 +130,11 @@ class Generation:
         metrics: RouterMetrics,
         placer: Placer,
         timeout_s: float,
+        first_token_hold_s: float = 0.0,
     ):
         self.view, self.clients, self.tokenizer = view, clients, tokenizer
         self.metrics, self.placer, self.timeout_s = metrics, placer, timeout_s
+        self.first_token_hold_s = first_token_hold_s
         self.shutdown = Shutdown()  # router.server stops through it (router.shutdown)
         self.fallbacks = ColocatedFallbacks(metrics)  # colocated for want of a prefill worker
 
@@ -175,7 +180,7 @@ class Generation:
                 self.view.workers("prefill"), self.view.workers("decode"),
             )
             self.fallbacks.placed(len(self.view.workers("prefill")), run.placement.prefill is None)
-            prefill = None
+            prefill, held = None, None
             if run.placement.prefill is not None:  # disaggregated; else colocated on the decode worker
                 prefill = await self._prefill(run)
                 if prefill is not None:  # None: no prefill worker left after a failure
@@ -184,10 +189,15 @@ class Generation:
                     # it at the first token; else (a stop string too) it handed the manifest over.
                     if run.output.finish_reason is None or run.output.stopped_by_string:
                         run.undelivered = _Handoff(run.attempt_ids[-1], prefill, run.placement.decode.address)
-                    yield first
+                    if run.output.finish_reason is None and self.first_token_hold_s > 0:
+                        held = first  # released as the decode worker starts (_release_first)
+                    else:
+                        self._first_token_sent(run)
+                        yield first
             if prefill is None or run.output.finish_reason is None:
-                async with contextlib.aclosing(self._decode(run, prefill)) as deltas:
-                    async for delta in deltas:
+                async with (contextlib.aclosing(self._decode(run, prefill)) as deltas,
+                            contextlib.aclosing(self._release_first(run, held, deltas)) as paced):
+                    async for delta in paced:
                         if delta.text or delta.token_ids:
                             yield delta
             yield self._finished(run)
@@ -263,15 +273,49 @@ class Generation:
         raise RouterError(f"{failure.message} (after {MAX_PREFILL_ATTEMPTS} attempts)", ErrorKind.UNAVAILABLE)
 
     def _first_token(self, run: _Run, prefill: PrefillResult) -> TextDelta:
-        self._mark_first_token(run, prefill.num_cached_tokens)
+        """Accepts the prefill's first token (its prefill leaves the placer's queue now); the
+        client's TTFT counts when it is sent (:meth:`_first_token_sent`)."""
+        run.sent_first_token = True
+        self.placer.first_token(run.placement, time.monotonic() - run.arrival_time_s)
         logprobs = () if prefill.first_token_logprob is None else (prefill.first_token_logprob,)
         return _delta(run.output.add_tokens([prefill.first_token_id]), logprobs, prefill.prompt_logprobs)
 
-    def _mark_first_token(self, run: _Run, num_cached_tokens: int) -> None:
+    def _first_token_sent(self, run: _Run) -> None:
         now_s = time.monotonic()
-        run.ttft_s, run.last_token_time_s, run.sent_first_token = now_s - run.arrival_time_s, now_s, True
-        self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), num_cached_tokens)
-        self.placer.first_token(run.placement, run.ttft_s)
+        run.ttft_s, run.last_token_time_s = now_s - run.arrival_time_s, now_s
+        self.metrics.first_token(run.ttft_s, len(run.request.prompt_token_ids), run.num_cached_tokens)
+
+    def _mark_first_token(self, run: _Run, num_cached_tokens: int) -> None:
+        """A decode worker's first token (colocated): accepted and sent at once."""
+        run.sent_first_token, run.num_cached_tokens = True, num_cached_tokens
+        self.placer.first_token(run.placement, time.monotonic() - run.arrival_time_s)
+        self._first_token_sent(run)
+
+    async def _release_first(
+        self, run: _Run, held: TextDelta | None, deltas: AsyncIterator[TextDelta]
+    ) -> AsyncIterator[TextDelta]:
+        """``deltas``, after ``held`` (the prefill's first token, when held): that goes out with
+        the decode worker's first event (``started``, as the pass computing token 2 begins; or
+        its tokens, its end or an error) or after ``first_token_hold_s``, whichever is first."""
+        if held is None:
+            async for delta in deltas:
+                yield delta
+            return
+        pending = asyncio.ensure_future(anext(deltas, None))
+        try:
+            await asyncio.wait((pending,), timeout=self.first_token_hold_s)
+            self._first_token_sent(run)
+            yield held
+            delta = await pending
+        finally:  # the client left (or shutdown aborted) while it was held: stop the decode stream
+            if not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+        if delta is None:
+            return
+        yield delta
+        async for delta in deltas:
+            yield delta
 
     async def _decode(self, run: _Run, prefill: PrefillResult | None) -> AsyncIterator[TextDelta]:
         """Yields one TextDelta per decode message. When the decode worker breaks before the end,
@@ -321,10 +365,11 @@ class Generation:
                 async for event in stream_unless_lost(stream, self.view.loss.lost_event(worker.address), worker.address):
                     if prefill is not None:  # the worker answered: its KV connector holds the manifest
                         run.undelivered = None
-                    if isinstance(event, DecodeTokens):
+                    if isinstance(event, DecodeStarted):
+                        yield TextDelta("", ())  # no tokens: releases a held first token
+                    elif isinstance(event, DecodeTokens):
                         first = not run.sent_first_token
                         if first:  # colocated: this worker prefilled
-                            run.num_cached_tokens = event.num_cached_tokens
                             self._mark_first_token(run, event.num_cached_tokens)
                         step = run.output.add_tokens(event.token_ids)
                         if not first:

@@ -82,7 +82,8 @@ class RouterServer:
         # A worker marked down after a failure comes back only once it answers health checks.
         self.view = WorkerView(self.registry, config.worker_refresh_interval_s, probe=self.clients.health)
         self.generation = Generation(
-            self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s
+            self.view, self.clients, self.tokenizer, self.metrics, self._placer(), config.request_timeout_s,
+            config.first_token_hold_s,
         )
         self.metrics.registry.register(ClusterCollector(self.view))  # the cluster view on /metrics
         await self.view.start()

@@ -76,6 +76,11 @@ def logprobs_from_proto(messages) -> tuple[TokenLogprob, ...]:
 
 
 @dataclass(frozen=True)
+class DecodeStarted:
+    """A handed-over request's first pass on the decode worker has begun (before its tokens)."""
+
+
+@dataclass(frozen=True)
 class DecodeFinished:
     finish_reason: FinishReason
     num_output_tokens: int  # the first token included
@@ -106,7 +111,8 @@ def _router_error(role: str, address: str, err: grpc.aio.AioRpcError, timeout_s:
 
 
 class DecodeStream:
-    """One Decode server stream: iterate for DecodeTokens, then one DecodeFinished."""
+    """One Decode server stream: iterate for (with a manifest) one DecodeStarted, DecodeTokens,
+    then one DecodeFinished."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, timeout_s: float, address: str = "",
                  request_id: str | None = None):
@@ -115,7 +121,7 @@ class DecodeStream:
         self._address = address
         self._request_id = request_id
 
-    async def __aiter__(self) -> AsyncIterator[DecodeTokens | DecodeFinished]:
+    async def __aiter__(self) -> AsyncIterator[DecodeStarted | DecodeTokens | DecodeFinished]:
         """Raises RouterError on a request error; WorkerFailedError when the worker broke or the
         stream ended without ``finished``."""
         try:
@@ -124,6 +130,8 @@ class DecodeStream:
                     tokens = response.tokens
                     yield DecodeTokens(tuple(tokens.token_ids), logprobs_from_proto(tokens.logprobs),
                                        logprobs_from_proto(tokens.prompt_logprobs), tokens.num_cached_tokens)
+                elif response.WhichOneof("event") == "started":
+                    yield DecodeStarted()
                 elif response.WhichOneof("event") == "finished":
                     done = response.finished
                     yield DecodeFinished(finish_reason_from_proto(done.finish_reason), done.num_output_tokens)

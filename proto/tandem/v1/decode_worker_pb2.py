@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import prefill_worker_pb2 as tandem_dot_v1_dot_prefill__worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/v1/decode_worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1etandem/v1/prefill_worker.proto\"R\n\x13\x44ropManifestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.tandem.v1.KVManifest\"(\n\x14\x44ropManifestResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xe4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\'\n\x08manifest\x18\x05 \x01(\x0b\x32\x15.tandem.v1.KVManifest\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x42\x11\n\x0f_first_token_id\"k\n\x0e\x44\x65\x63odeResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12\'\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x97\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"U\n\x08\x46inished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\r2\xf1\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12O\n\x08GetStats\x12 .tandem.v1.GetWorkerStatsRequest\x1a!.tandem.v1.GetWorkerStatsResponse\x12O\n\x0c\x44ropManifest\x12\x1e.tandem.v1.DropManifestRequest\x1a\x1f.tandem.v1.DropManifestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/v1/decode_worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1etandem/v1/prefill_worker.proto\"R\n\x13\x44ropManifestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.tandem.v1.KVManifest\"(\n\x14\x44ropManifestResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xe4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\'\n\x08manifest\x18\x05 \x01(\x0b\x32\x15.tandem.v1.KVManifest\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x42\x11\n\x0f_first_token_id\"\x92\x01\n\x0e\x44\x65\x63odeResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12\'\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x13.tandem.v1.FinishedH\x00\x12%\n\x07started\x18\x03 \x01(\x0b\x32\x12.tandem.v1.StartedH\x00\x42\x07\n\x05\x65vent\"\t\n\x07Started\"\x97\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"U\n\x08\x46inished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\r2\xf1\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12O\n\x08GetStats\x12 .tandem.v1.GetWorkerStatsRequest\x1a!.tandem.v1.GetWorkerStatsResponse\x12O\n\x0c\x44ropManifest\x12\x1e.tandem.v1.DropManifestRequest\x1a\x1f.tandem.v1.DropManifestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,12 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DROPMANIFESTRESPONSE']._serialized_end=224
   _globals['_DECODEREQUEST']._serialized_start=227
   _globals['_DECODEREQUEST']._serialized_end=455
-  _globals['_DECODERESPONSE']._serialized_start=457
-  _globals['_DECODERESPONSE']._serialized_end=564
-  _globals['_TOKENCHUNK']._serialized_start=567
-  _globals['_TOKENCHUNK']._serialized_end=718
-  _globals['_FINISHED']._serialized_start=720
-  _globals['_FINISHED']._serialized_end=805
-  _globals['_DECODEWORKER']._serialized_start=808
-  _globals['_DECODEWORKER']._serialized_end=1049
+  _globals['_DECODERESPONSE']._serialized_start=458
+  _globals['_DECODERESPONSE']._serialized_end=604
+  _globals['_STARTED']._serialized_start=606
+  _globals['_STARTED']._serialized_end=615
+  _globals['_TOKENCHUNK']._serialized_start=618
+  _globals['_TOKENCHUNK']._serialized_end=769
+  _globals['_FINISHED']._serialized_start=771
+  _globals['_FINISHED']._serialized_end=856
+  _globals['_DECODEWORKER']._serialized_start=859
+  _globals['_DECODEWORKER']._serialized_end=1100
 # @@protoc_insertion_point(module_scope)
