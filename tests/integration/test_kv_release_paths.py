@@ -68,9 +68,11 @@ class FakeEngine:
         self.kv_cache = torch.zeros(2, 2, 8, BLOCK_SIZE, 2, 8)
         self.external: list = []
         self.fail_with: BaseException | None = None
+        self.notified: list[bool] = []  # notify_start of each generate call
 
-    async def generate(self, request, external_kv):
+    async def generate(self, request, external_kv, notify_start=False):
         self.external.append(external_kv)
+        self.notified.append(notify_start)
         if external_kv is not None:
             unpack_blocks(self.kv_cache, list(range(len(external_kv.payloads))), external_kv.payloads)
         if self.fail_with is not None:
@@ -81,6 +83,8 @@ class FakeEngine:
             saved = [bytes([i + 1]) * self.spec.block_bytes for i in range(num_blocks)]
             yield RequestOutput(request.request_id, [5], True, FinishReason.LENGTH, saved_kv=saved)
             return
+        if notify_start:
+            yield RequestOutput(request.request_id, [], started=True)
         for token_id in DECODE_TOKENS:
             request.append_output_token(token_id)
             yield RequestOutput(request.request_id, [token_id], request.is_finished, request.finish_reason)
@@ -187,7 +191,9 @@ def test_finish_the_decode_connector_releases_once_after_loading(cluster):
     assert cluster.pool_state() == (1, 3, 1, 0, stored(cluster, 2))
     assert cluster.releases == {} and prefill.manifest.pool_address
     responses = asyncio.run(cluster.run_decode(cluster.decode_request("req-finish", prefill)))
-    assert [r.tokens.token_ids[0] for r in responses[:-1]] == DECODE_TOKENS
+    # A handed-over request: told started (the router releases the first token on it), then its tokens.
+    assert cluster.decode.engine.notified == [True] and responses[0].WhichOneof("event") == "started"
+    assert [r.tokens.token_ids[0] for r in responses[1:-1]] == DECODE_TOKENS
     assert responses[-1].finished.num_output_tokens == 1 + len(DECODE_TOKENS)
     assert cluster.decode.engine.external[0].num_tokens == len(PROMPT)  # every block came from the pool
     assert cluster.releases == {"req-finish": 1}
@@ -209,7 +215,7 @@ def test_abort_during_prefill_the_prefill_connector_releases_once(cluster):
 def test_abort_during_decode_is_not_released_again(cluster):
     prefill = asyncio.run(cluster.run_prefill("req-gone"))
     responses = asyncio.run(cluster.run_decode(cluster.decode_request("req-gone", prefill), max_responses=1))
-    assert len(responses) == 1  # the client left after one token
+    assert len(responses) == 1  # the client left after the started event
     assert cluster.releases == {"req-gone": 1}
     cluster.assert_idle(stored(cluster, 2))
 
