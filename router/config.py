@@ -13,6 +13,8 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "cache_aware", "predicted_lat
 DISAGGREGATION_MODES = ("auto", "always", "never")
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")  # HTTP paths served without an API key
 TOOL_CALL_PARSERS = ("hermes",)  # router.output.tool_calls's formats a model writes by itself
+# A held first token waits for about one decode pass; a hold of seconds is a misconfiguration.
+MAX_FIRST_TOKEN_HOLD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class RouterConfig:
         first_token_hold_s: the longest the router holds a prefill's first token while the decode
             worker has not started its first pass for the request (it streams the token then, so
             tokens 1 and 2 come one decode pass apart, not the handoff plus a pass and a half);
-            0: streamed as soon as the prefill answers (lowest TTFT).
+            0: streamed as soon as the prefill answers (lowest TTFT); at most MAX_FIRST_TOKEN_HOLD_S.
         max_queue_s: admission refuses a request that cannot meet the SLOs only when the work
             queued ahead of it takes longer than this to drain (seconds).
         prefix_cache_blocks: blocks remembered per worker in the router's view of worker prefix
@@ -116,7 +118,9 @@ class RouterConfig:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-        for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s", "first_token_hold_s"):
+        if not 0 <= self.first_token_hold_s <= MAX_FIRST_TOKEN_HOLD_S:  # also refuses NaN and inf
+            raise ValueError(f"first_token_hold_s must be in [0, {MAX_FIRST_TOKEN_HOLD_S:g}], got {self.first_token_hold_s}")
+        for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s"):
             if not getattr(self, name) >= 0:  # also refuses NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_blocks < 1:

@@ -21,6 +21,9 @@ from router.config import RouterConfig
         ({"ttft_slo_s": -1.0}, "ttft_slo_s must be >= 0, got -1.0"),
         ({"tbt_slo_s": float("nan")}, "tbt_slo_s must be >= 0, got nan"),
         ({"max_queue_s": -0.1}, "max_queue_s must be >= 0, got -0.1"),
+        ({"first_token_hold_s": -1.0}, "first_token_hold_s must be in [0, 10], got -1.0"),
+        ({"first_token_hold_s": float("inf")}, "first_token_hold_s must be in [0, 10], got inf"),
+        ({"first_token_hold_s": float("nan")}, "first_token_hold_s must be in [0, 10], got nan"),
         ({"prefix_cache_blocks": 0}, "prefix_cache_blocks must be >= 1, got 0"),
         ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of ('hermes',), got 'mistral'"),
     ],
@@ -37,3 +40,4 @@ def test_defaults() -> None:
     assert (config.routing_policy, config.disaggregation, config.ttft_slo_s, config.tbt_slo_s) == (
         "predicted_latency", "auto", 0.0, 0.0)
     assert (config.chat_template, config.tool_call_parser) == ("", "hermes")
+    assert config.first_token_hold_s == 0.2
