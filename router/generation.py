@@ -4,9 +4,10 @@
 to a decode worker and streams the tokens, detokenized and filtered by stop strings. The first
 token is held until the decode worker starts the request's first pass there (its ``started``
 event), at most ``first_token_hold_s``: the client then gets tokens 1 and 2 one decode pass apart
-rather than the handoff plus a pass and a half (0 streams it as soon as Prefill answers). Whatever happens (finish, stop string, error, client gone) the decode stream is
-cancelled; a manifest no decode worker answered for is dropped at the decode worker it was meant
-for (``DropManifest``: its KV connector releases it in the pool unless a Decode took it over).
+rather than the handoff plus a pass and a half (0 streams it as soon as Prefill answers).
+Whatever happens (finish, stop string, error, client gone) the decode stream is cancelled; a
+manifest no decode worker answered for is dropped at the decode worker it was meant for
+(``DropManifest``: its KV connector releases it in the pool unless a Decode took it over).
 
 Failures: a worker that breaks an RPC or a stream is marked down in the view at once. A
 failed prefill is retried once on another prefill worker (or, when none is left, prefilled by the
