@@ -102,7 +102,7 @@ class AsyncEngine:
                        notify_start: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. With ``notify_start``, first one
         output with ``started`` set and no tokens, as the pass that admits the request begins
-        (a decode worker pacing a disaggregated stream's first token by it; docs/engine.md).
+        (a decode worker pacing a disaggregated stream's first token by it; docs/routing.md).
 
         Cancelling the consumer (client gone) aborts the request in the engine, freeing its
         blocks at the next step boundary.
