@@ -44,8 +44,8 @@ class DecodeServicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     (:meth:`KVConnector.load_for_decode`: a manifest's blocks fetched off the step loop, a resumed
     request's stored prefix, or nothing when colocated); the request joins the running batch at
     the next step and every new token is streamed; a handed-over request (with a manifest) is
-    told ``started`` first, as the pass that admits it begins. A refused request (malformed, a manifest of
-    another KV spec) ends with ``INVALID_ARGUMENT``; a failed KV load under
+    told ``started`` first, as the pass that admits it begins. A refused request (malformed, a
+    manifest of another KV spec) ends with ``INVALID_ARGUMENT``; a failed KV load under
     ``--kv-load-failure-policy fail`` with ``UNAVAILABLE`` and the reason in trailing metadata.
 
     DropManifest: the router gave up delivering a manifest here (the client left, or the Decode

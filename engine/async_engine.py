@@ -187,8 +187,7 @@ class AsyncEngine:
         ``request_ids`` that asked for one, in one wake-up (none when nobody asked)."""
         watched = [rid for rid in request_ids if rid in self._start_watch]
         if watched:
-            for rid in watched:
-                self._start_watch.discard(rid)
+            self._start_watch.difference_update(watched)
             self._send([RequestOutput(rid, [], started=True) for rid in watched])
 
     def _drain_inbox(self) -> None:

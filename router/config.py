@@ -119,7 +119,8 @@ class RouterConfig:
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
         if not 0 <= self.first_token_hold_s <= MAX_FIRST_TOKEN_HOLD_S:  # also refuses NaN and inf
-            raise ValueError(f"first_token_hold_s must be in [0, {MAX_FIRST_TOKEN_HOLD_S:g}], got {self.first_token_hold_s}")
+            raise ValueError(f"first_token_hold_s must be in [0, {MAX_FIRST_TOKEN_HOLD_S:g}], "
+                             f"got {self.first_token_hold_s}")
         for name in ("ttft_slo_s", "tbt_slo_s", "max_queue_s"):
             if not getattr(self, name) >= 0:  # also refuses NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

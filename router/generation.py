@@ -298,23 +298,20 @@ class Generation:
         """``deltas``, after ``held`` (the prefill's first token, when held): that goes out with
         the decode worker's first event (``started``, as the pass computing token 2 begins; or
         its tokens, its end or an error) or after ``first_token_hold_s``, whichever is first."""
-        if held is None:
-            async for delta in deltas:
-                yield delta
-            return
-        pending = asyncio.ensure_future(anext(deltas, None))
-        try:
-            await asyncio.wait((pending,), timeout=self.first_token_hold_s)
-            self._first_token_sent(run)
-            yield held
-            delta = await pending
-        finally:  # the client left (or shutdown aborted) while it was held: stop the decode stream
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
-        if delta is None:
-            return
-        yield delta
+        if held is not None:
+            pending = asyncio.ensure_future(anext(deltas, None))
+            try:
+                await asyncio.wait((pending,), timeout=self.first_token_hold_s)
+                self._first_token_sent(run)
+                yield held
+                first = await pending
+            finally:  # the client left (or shutdown aborted) while it was held: stop the decode stream
+                if not pending.done():
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+            if first is None:
+                return
+            yield first
         async for delta in deltas:
             yield delta
 

@@ -45,11 +45,13 @@ class GatedClients(FakeClients):
         super().__init__(answer)
         self.with_started = with_started
         self.streams: list[GatedStream] = []
+        self.decode_called = asyncio.Event()
 
     def decode(self, address, request_id, request, prefill, timeout_s, output_token_ids=()):
         self.decode_calls.append((address, request_id, prefill is not None, tuple(output_token_ids)))
         start = 1 if prefill is not None else len(output_token_ids)
         self.streams.append(GatedStream(self.answer, start, self.with_started and prefill is not None))
+        self.decode_called.set()
         return self.streams[-1]
 
 
@@ -63,8 +65,7 @@ async def paced_generation(tokenizer, hold_s: float, with_started: bool = True) 
 async def stream_ready(clients: GatedClients) -> GatedStream:
     """The decode stream, once the router iterates it and it waits at its gate."""
     async def ready() -> GatedStream:
-        while not clients.streams:
-            await asyncio.sleep(0)
+        await clients.decode_called.wait()
         await clients.streams[-1].waiting.wait()
         return clients.streams[-1]
 
