@@ -78,6 +78,9 @@ static inline float row_scale(const void *row, int head_dim)
 #define VEC 8
 #define ACC_VECS 8
 #endif
+#ifndef SEQUENCE_UNITS_PER_THREAD
+#define SEQUENCE_UNITS_PER_THREAD 2 /* sequences per thread from which a unit is a whole sequence */
+#endif
 #define MAX_NV (128 / VEC) /* the most vectors in one row (head_dim 128) */
 typedef float vec_f __attribute__((vector_size(VEC * sizeof(float))));
 typedef uint16_t vec_u16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
@@ -255,7 +258,12 @@ static void softmax_rows(float *scores, int rows, int64_t ctx)
     for (int j = 0; j < rows; ++j) {
         float *sj = scores + (int64_t)j * ctx;
         float m = -INFINITY;
-        for (int64_t t = 0; t < ctx; ++t) m = sj[t] > m ? sj[t] : m;
+        if (body > 0) { /* the maximum of the body by vectors (exact in any order), then the tail */
+            vec_f mv = vload_f32(sj);
+            for (int64_t t = VEC; t < body; t += VEC) mv = vmax(mv, vload_f32(sj + t));
+            for (int i = 0; i < VEC; ++i) m = mv[i] > m ? mv[i] : m;
+        }
+        for (int64_t t = body; t < ctx; ++t) m = sj[t] > m ? sj[t] : m;
         vec_f sum = (vec_f){0};
         for (int64_t t = 0; t < body; t += VEC) {
             const vec_f e = vexp_nonpositive(vload_f32(sj + t) - m);
@@ -270,14 +278,117 @@ static void softmax_rows(float *scores, int rows, int64_t ctx)
             for (int64_t t = body; t < ctx; ++t) { sj[t] = e[t - body]; total += sj[t]; }
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
+        const vec_f invv = vbroadcast(inv);
+        for (int64_t t = 0; t < body; t += VEC) {
+            const vec_f e = vload_f32(sj + t) * invv;
+            __builtin_memcpy(sj + t, &e, sizeof e);
+        }
+        for (int64_t t = body; t < ctx; ++t) sj[t] *= inv;
     }
+}
+
+
+/* One whole sequence, every KV head (large batches): each token's K (and V) row of all the heads
+ * is read as one contiguous run, a block's rows one after another, where a (sequence, KV head)
+ * unit reads a 1 / num_kv_heads slice of each. With each token's K row the same row of the next
+ * block is asked for (into L1) and this token's V row (into L2). Scores as in DEFINE_UNIT_VECTOR,
+ * [num_kv_heads x group, ctx]; the weighted sum of V rows block by block, every KV head's chunk of
+ * query heads in turn, accumulating in the output rows (o, [num_kv_heads x group, head_dim],
+ * zeroed first), so each block's V rows are read from DRAM once and each head's sums keep
+ * DEFINE_UNIT_VECTOR's order (the same results bit for bit). */
+#define DEFINE_UNIT_SEQUENCE(NAME, KV_T, VLOAD, SCALE_OF)                                           \
+static inline __attribute__((always_inline)) void NAME(                                             \
+    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t ctx,    \
+    int num_kv_heads, int64_t row, int64_t hrow, int group, int block_size, float scale,            \
+    float *scores, float *o, int NV)                                                                \
+{                                                                                                   \
+    const int head_dim = NV * VEC;                                                                  \
+    const int heads = num_kv_heads * group;                                                         \
+    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);                                          \
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
+        const int64_t offset = table[t0 / block_size] * block_size * row;                           \
+        const KV_T *kb = k_cache + offset, *vb = v_cache + offset;                                  \
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
+        const KV_T *k_next = t0 + block_size < ctx ?                                                \
+            k_cache + table[t0 / block_size + 1] * block_size * row : NULL;                         \
+        for (int64_t i0 = 0; i0 < n; i0 += VEC) {                                                   \
+            const int m = n - i0 < VEC ? (int)(n - i0) : VEC;                                       \
+            for (int g = 0; g < num_kv_heads; ++g) {                                                \
+                float ks[VEC];                                                                      \
+                for (int ii = 0; ii < VEC; ++ii)                                                    \
+                    ks[ii] = ii < m ? SCALE_OF(kb + (i0 + ii) * row + g * hrow, head_dim) * scale : 0.0f; \
+                for (int j = 0; j < group; ++j) {                                                   \
+                    const float *qj = q + (int64_t)(g * group + j) * head_dim;                      \
+                    vec_f qr[MAX_NV];                                                               \
+                    _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) qr[c] = vload_f32(qj + c * VEC); \
+                    vec_f a[VEC];                                                                   \
+                    _Pragma("GCC unroll 16") for (int ii = 0; ii < VEC; ++ii) {                     \
+                        if (ii >= m) { a[ii] = (vec_f){0}; continue; }                              \
+                        const int64_t i = i0 + ii;                                                  \
+                        if (g == 0 && j == 0) { /* the token's prefetches, one token at a time */   \
+                            if (k_next != NULL) PREFETCH_SPAN(k_next + i * row, row_bytes, 3);      \
+                            PREFETCH_SPAN(vb + i * row, row_bytes, 2);                              \
+                        }                                                                           \
+                        const KV_T *k = kb + i * row + g * hrow;                                    \
+                        vec_f acc = qr[0] * VLOAD(k);                                               \
+                        _Pragma("GCC unroll 16") for (int c = 1; c < NV; ++c) acc = vfma(qr[c], VLOAD(k + c * VEC), acc); \
+                        a[ii] = acc;                                                                \
+                    }                                                                               \
+                    const vec_f sc = vsum_lanes(a) * vload_f32(ks);                                 \
+                    float *dst = scores + (int64_t)(g * group + j) * ctx + t0 + i0;                 \
+                    if (m == VEC) __builtin_memcpy(dst, &sc, sizeof sc);                            \
+                    else for (int ii = 0; ii < m; ++ii) dst[ii] = sc[ii];                           \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    softmax_rows(scores, heads, ctx);                                                               \
+    memset(o, 0, sizeof(float) * (size_t)heads * (size_t)head_dim);                                 \
+    const int chunk = ACC_VECS / NV > 0 ? ACC_VECS / NV : 1;                                        \
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {                                             \
+        const KV_T *vb = v_cache + table[t0 / block_size] * block_size * row;                       \
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
+        for (int g = 0; g < num_kv_heads; ++g) {                                                    \
+            for (int j0 = 0; j0 < group; j0 += chunk) {                                             \
+                const int nj = group - j0 < chunk ? group - j0 : chunk;                             \
+                float *oj = o + (int64_t)(g * group + j0) * head_dim;                               \
+                const float *sj = scores + (int64_t)(g * group + j0) * ctx + t0;                    \
+                vec_f acc[ACC_VECS > MAX_NV ? ACC_VECS : MAX_NV];                                   \
+                _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                       \
+                    if (jj >= nj) break;                                                            \
+                    _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c)                           \
+                        acc[jj * NV + c] = vload_f32(oj + jj * head_dim + c * VEC);                 \
+                }                                                                                   \
+                for (int64_t i = 0; i < n; ++i) {                                                   \
+                    const KV_T *v = vb + i * row + g * hrow;                                        \
+                    const float vs = SCALE_OF(v, head_dim);                                         \
+                    vec_f p[ACC_VECS];                                                              \
+                    _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                   \
+                        if (jj >= nj) break;                                                        \
+                        p[jj] = vbroadcast(sj[(int64_t)jj * ctx + i] * vs);                         \
+                    }                                                                               \
+                    _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c) {                         \
+                        const vec_f vc = VLOAD(v + c * VEC);                                        \
+                        _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {               \
+                            if (jj >= nj) break;                                                    \
+                            acc[jj * NV + c] = vfma(p[jj], vc, acc[jj * NV + c]);                   \
+                        }                                                                           \
+                    }                                                                               \
+                }                                                                                   \
+                _Pragma("GCC unroll 16") for (int jj = 0; jj < chunk; ++jj) {                       \
+                    if (jj >= nj) break;                                                            \
+                    _Pragma("GCC unroll 16") for (int c = 0; c < NV; ++c)                           \
+                        __builtin_memcpy(oj + jj * head_dim + c * VEC, &acc[jj * NV + c], sizeof(vec_f)); \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
 }
 
 /* One kernel per K/V element type: KV_T the cache's element, LOAD(row, d) its d-th value as float,
  * SCALE_OF(row, head_dim) the row's scale, EXTRA the elements after a row's values (4 for the
  * scale of an 8-bit row, else 0), UNIT the vector path of one unit (DEFINE_UNIT_VECTOR). */
-#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD, SCALE_OF, EXTRA, UNIT)                      \
+#define DEFINE_PAGED_DECODE_ATTENTION(NAME, KV_T, LOAD, SCALE_OF, EXTRA, UNIT, SEQUENCE_UNIT, BY_SEQUENCE)                      \
 void NAME(                                                                                          \
     const float *query,          /* [num_seqs, num_heads, head_dim], float32 */                     \
     const KV_T *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */             \
@@ -293,6 +404,23 @@ void NAME(                                                                      
     const int64_t hrow = (int64_t)head_dim + (EXTRA); /* elements per (token, head) row */          \
     const int64_t row = (int64_t)num_kv_heads * hrow; /* elements per token in one block */         \
     const int64_t units = (int64_t)num_seqs * num_kv_heads;                                         \
+    if (BY_SEQUENCE && (head_dim == 64 || head_dim == 128) && num_seqs >= SEQUENCE_UNITS_PER_THREAD * num_threads) { \
+        /* Enough sequences to keep every thread busy: one unit per sequence (DEFINE_UNIT_SEQUENCE). */ \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                   \
+        for (int64_t s = 0; s < num_seqs; ++s) {                                                    \
+            const int64_t ctx = seq_lens[s];                                                        \
+            float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(ctx > 0 ? ctx : 1)); \
+            const float *q = query + s * num_heads * head_dim;                                      \
+            float *o = out + s * num_heads * head_dim;                                              \
+            const int64_t *table = block_tables + s * table_stride;                                 \
+            if (head_dim == 64)                                                                     \
+                SEQUENCE_UNIT(q, k_cache, v_cache, table, ctx, num_kv_heads, row, hrow, group, block_size, scale, scores, o, 64 / VEC); \
+            else                                                                                    \
+                SEQUENCE_UNIT(q, k_cache, v_cache, table, ctx, num_kv_heads, row, hrow, group, block_size, scale, scores, o, 128 / VEC); \
+            free(scores);                                                                           \
+        }                                                                                           \
+        return;                                                                                     \
+    }                                                                                               \
     /* Round robin (static, 1): thread t runs units t, t + T, t + 2T, ..., so each unit knows the  \
      * thread's next one and streams its rows into L2 while it computes (DEFINE_UNIT_VECTOR). */    \
     _Pragma("omp parallel for schedule(static, 1) num_threads(num_threads)")                        \
@@ -354,12 +482,16 @@ DEFINE_UNIT_VECTOR(unit_vector_f32, float, vload_f32, SCALE_ONE)
 DEFINE_UNIT_VECTOR(unit_vector_bf16, uint16_t, vload_bf16, SCALE_ONE)
 DEFINE_UNIT_VECTOR(unit_vector_i8, int8_t, vload_i8, SCALE_ROW)
 DEFINE_UNIT_VECTOR(unit_vector_fp8, uint8_t, vload_fp8, SCALE_FP8)
+DEFINE_UNIT_SEQUENCE(unit_sequence_f32, float, vload_f32, SCALE_ONE)
+DEFINE_UNIT_SEQUENCE(unit_sequence_bf16, uint16_t, vload_bf16, SCALE_ONE)
+DEFINE_UNIT_SEQUENCE(unit_sequence_i8, int8_t, vload_i8, SCALE_ROW)
+DEFINE_UNIT_SEQUENCE(unit_sequence_fp8, uint8_t, vload_fp8, SCALE_FP8)
 
 /* Token p of a sequence lives in block block_table[p / block_size], row p % block_size. */
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32, SCALE_ONE, 0, unit_vector_f32)
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16, SCALE_ONE, 0, unit_vector_bf16)
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_i8, int8_t, LOAD_I8, SCALE_ROW, 4, unit_vector_i8)
-DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_fp8, uint8_t, LOAD_FP8, SCALE_ROW, 4, unit_vector_fp8)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, LOAD_F32, SCALE_ONE, 0, unit_vector_f32, unit_sequence_f32, 1)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, LOAD_BF16, SCALE_ONE, 0, unit_vector_bf16, unit_sequence_bf16, 0)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_i8, int8_t, LOAD_I8, SCALE_ROW, 4, unit_vector_i8, unit_sequence_i8, 0)
+DEFINE_PAGED_DECODE_ATTENTION(paged_decode_attention_fp8, uint8_t, LOAD_FP8, SCALE_ROW, 4, unit_vector_fp8, unit_sequence_fp8, 0)
 
 /* Writes a step's new K and V rows into the paged cache: token t's row (num_kv_heads x head_dim
  * values, row_bytes bytes, at key + t * key_stride bytes) goes to slot slots[t] of the layer's K

@@ -65,4 +65,56 @@ static inline float vsum(vec_f v)
     return total;
 #endif
 }
+
+/* Lane i of the result is the sum of a[i]'s VEC lanes: VEC horizontal sums at once, by a
+ * transpose-and-add tree (adjacent vectors interleaved and added, then 64-bit pairs, then 128-bit
+ * lanes): 45 shuffles and adds for 16 sums with AVX-512 (21 for 8 with AVX2), where one vsum
+ * each takes 8-9 dependent ones. The sums' order differs from vsum's. */
+static inline vec_f vsum_lanes(const vec_f *a)
+{
+#if defined(__AVX512F__)
+    __m512 s[8], t[4], v[2];
+    for (int k = 0; k < 8; ++k) {
+        const __m512 x = (__m512)a[2 * k], y = (__m512)a[2 * k + 1];
+        s[k] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    for (int k = 0; k < 4; ++k) {
+        const __m512d x = _mm512_castps_pd(s[2 * k]), y = _mm512_castps_pd(s[2 * k + 1]);
+        t[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; ++k)
+        v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return (vec_f)_mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(__AVX2__)
+    __m256 s[4], t[2];
+    for (int k = 0; k < 4; ++k) {
+        const __m256 x = (__m256)a[2 * k], y = (__m256)a[2 * k + 1];
+        s[k] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+    }
+    for (int k = 0; k < 2; ++k) {
+        const __m256d x = _mm256_castps_pd(s[2 * k]), y = _mm256_castps_pd(s[2 * k + 1]);
+        t[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return (vec_f)_mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20), _mm256_permute2f128_ps(t[0], t[1], 0x31));
+#else
+    vec_f r;
+    for (int i = 0; i < VEC; ++i) r[i] = vsum(a[i]);
+    return r;
+#endif
+}
+/* Lane-wise maximum (no NaN among the inputs). */
+static inline vec_f vmax(vec_f a, vec_f b)
+{
+#if defined(__AVX512F__)
+    return (vec_f)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+    return (vec_f)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    vec_f r;
+    for (int i = 0; i < VEC; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
+    return r;
+#endif
+}
 #endif
