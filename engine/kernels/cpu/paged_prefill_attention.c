@@ -60,18 +60,6 @@ typedef uint32_t vec_u32 __attribute__((vector_size(VEC * sizeof(uint32_t))));
 
 #include "vec_ops.h"
 
-static inline vec_f vmax(vec_f a, vec_f b)
-{
-#if defined(__AVX512F__)
-    return (vec_f)_mm512_max_ps((__m512)a, (__m512)b);
-#elif defined(__AVX__)
-    return (vec_f)_mm256_max_ps((__m256)a, (__m256)b);
-#else
-    for (int i = 0; i < VEC; ++i) a[i] = a[i] > b[i] ? a[i] : b[i];
-    return a;
-#endif
-}
-
 /* exp(s[t] - max) in place for t < n (1 <= n <= len), zeros in s[n .. len) (len a multiple of
  * VEC); returns 1 / their sum, the softmax's normaliser (applied to the weighted sum instead). */
 static float softmax_prefix(float *s, int64_t n, int64_t len)
