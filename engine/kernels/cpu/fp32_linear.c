@@ -381,12 +381,89 @@ typedef void (*dp_bf16_fn)(const uint32_t *, int64_t, const uint16_t *, const ui
 static const dp_bf16_fn DP_BF16[MR_MAX + 1] = {0, dp_bf16_1, dp_bf16_2, dp_bf16_3, dp_bf16_4,
                                                 dp_bf16_5, dp_bf16_6, dp_bf16_7, dp_bf16_8};
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX (Intel's tile unit: TDPBF16PS multiplies a tile of up to 16 rows x 32 bfloat16 of x by one of
+ * 16 k pairs x 16 output channels of the weight, adding to a 16 x 16 float32 tile). The pair
+ * packing above is the tiles' layout already: a panel's k-pair row is 32 channels x 2 values, so
+ * the B tile of channels 0-15 and that of 16-31 are its two 64-byte halves, 16 rows at a stride of
+ * one panel row. Each of a thread's panels (a contiguous run of them: one stream from DRAM) is
+ * multiplied by x's rows 16 at a time, the float32 tiles stored once and rounded to bfloat16
+ * once (store_row_bf16). K must be a multiple of 32 (one x tile's width). Linux gives a process
+ * the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * where it refuses, bf16_linear keeps VDPBF16PS. */
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
+#define AMX_BF16 1
+#ifndef AMX_MIN_M
+#define AMX_MIN_M 1 /* rows of x from which the tiles run the GEMM */
+#endif
+static int amx_permitted(void)
+{
+    static int state; /* 0: not asked yet, 1: granted, -1: refused (a benign race: every answer is the same) */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+struct amx_tile_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+/* Tiles 0, 1: y's float32 columns 0-15 and 16-31 of a panel (rows x 64 bytes); 2: x (rows x 32
+ * bfloat16); 3, 4: the panel's two halves (16 k pairs x 64 bytes). */
+static void amx_configure(int rows)
+{
+    struct amx_tile_config c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 3; t++) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; }
+    for (int t = 3; t < 5; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+static void bf16_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                            int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    const int64_t panels = (N + NR - 1) / NR, pairs = K / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int configured = 0;
+        float c[16 * NR] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint16_t *pw = packed + p * pairs * NR * 2;
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+                if (rows != configured) { amx_configure(rows); configured = rows; }
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                    const uint16_t *b = pw + (k0 / 2) * NR * 2;
+                    _tile_loadd(2, x + m0 * K + k0, K * (int64_t)sizeof(uint16_t));
+                    _tile_loadd(3, b, NR * 2 * (int64_t)sizeof(uint16_t));
+                    _tile_loadd(4, b + 32, NR * 2 * (int64_t)sizeof(uint16_t));
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, c, NR * (int64_t)sizeof(float));
+                _tile_stored(1, c + 16, NR * (int64_t)sizeof(float));
+                for (int i = 0; i < rows; i++)
+                    store_row_bf16(y + (m0 + i) * N, p * NR, N, bias, loadv(c + i * NR), loadv(c + i * NR + VEC));
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#else
+#define AMX_BF16 0
+#endif
 /* bf16 y[M, N] = x[M, K] @ w^T + bias with w as the pair-packing bf16_linear_pack() left it; the
  * row blocks, the work split and the prefetch as DEFINE_LINEAR's. Returns 0, or -1 when the
  * scratch cannot be allocated. */
 int bf16_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                 int64_t K, int num_threads)
 {
+#if AMX_BF16
+    if (K % 32 == 0 && M >= AMX_MIN_M && amx_permitted()) {
+        bf16_linear_amx(x, packed, bias, y, M, N, K, num_threads);
+        return 0;
+    }
+#endif
     int64_t panels = (N + NR - 1) / NR, pairs = (K + 1) / 2;
     int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
     uint32_t *xp = malloc((size_t)(M * pairs) * sizeof(uint32_t));
