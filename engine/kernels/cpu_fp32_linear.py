@@ -4,7 +4,9 @@ per machine (:mod:`engine.kernels.cpu_build`) for its own ISA (AVX2 + FMA, or AV
 tensors, or bfloat16 ones (weight, input, bias and output): a bfloat16 weight is widened to float32
 in registers as it is read, so it moves half the bytes of a float32 one and needs no AVX512-BF16;
 where the CPU has AVX512-BF16 the weight is packed in pairs of k instead and VDPBF16PS multiplies
-two pairs per lane (float32 sums of exact products, half the instructions).
+two pairs per lane (float32 sums of exact products, half the instructions);
+where it also has AMX (and Linux grants the tiles), TDPBF16PS runs the same packed weight on the
+tiles, 16 rows of x at a time (docs/engine.md).
 
 It is one candidate of the linear chooser (backend ``fp32_cpu``, engine.model.linear): on a 2-core
 AMD EPYC with AVX2 only it ran SmolLM2's GEMMs 1.2-1.9x faster than oneDNN at M = 1-8 and 1.2-1.5x

@@ -12,6 +12,8 @@
  * is rounded to bfloat16 once (round to nearest even), as oneDNN's and F.linear's bf16 GEMMs round
  * their float32 accumulators. The weight's bytes, what a decode step's GEMM is bound by, halve;
  * every CPU with AVX2 runs it (no AVX512-BF16 needed).
+ * With AVX512-BF16 the weight is packed in pairs of k for VDPBF16PS, and with AMX those same
+ * panels feed TDPBF16PS tiles (bf16_linear_amx, below).
  *
  * Reference: F.linear (engine/model/linear.py, backend "torch"); the wrapper and its checks live in
  * engine/kernels/cpu_fp32_linear.py, the test in tests/unit/engine/kernels/test_cpu_fp32_linear_kernel.py.
