@@ -383,7 +383,6 @@ typedef void (*dp_bf16_fn)(const uint32_t *, int64_t, const uint16_t *, const ui
 static const dp_bf16_fn DP_BF16[MR_MAX + 1] = {0, dp_bf16_1, dp_bf16_2, dp_bf16_3, dp_bf16_4,
                                                 dp_bf16_5, dp_bf16_6, dp_bf16_7, dp_bf16_8};
 
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX (Intel's tile unit: TDPBF16PS multiplies a tile of up to 16 rows x 32 bfloat16 of x by one of
  * 16 k pairs x 16 output channels of the weight, adding to a 16 x 16 float32 tile). The pair
@@ -397,12 +396,10 @@ static const dp_bf16_fn DP_BF16[MR_MAX + 1] = {0, dp_bf16_1, dp_bf16_2, dp_bf16_
 #include <sys/syscall.h>
 long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
 #define AMX_BF16 1
-#ifndef AMX_MIN_M
-#define AMX_MIN_M 1 /* rows of x from which the tiles run the GEMM */
-#endif
+/* Asks once; bf16_linear calls it before its threads start (and its callers hold the GIL). */
 static int amx_permitted(void)
 {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused (a benign race: every answer is the same) */
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
     if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
     return state > 0;
 }
@@ -455,13 +452,14 @@ static void bf16_linear_amx(const uint16_t *x, const uint16_t *packed, const uin
 #define AMX_BF16 0
 #endif
 /* bf16 y[M, N] = x[M, K] @ w^T + bias with w as the pair-packing bf16_linear_pack() left it; the
- * row blocks, the work split and the prefetch as DEFINE_LINEAR's. Returns 0, or -1 when the
- * scratch cannot be allocated. */
+ * row blocks, the work split and the prefetch as DEFINE_LINEAR's, or the AMX tiles
+ * (bf16_linear_amx) where they are built and granted and K is a multiple of 32. Returns 0, or -1
+ * when the scratch cannot be allocated. */
 int bf16_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                 int64_t K, int num_threads)
 {
 #if AMX_BF16
-    if (K % 32 == 0 && M >= AMX_MIN_M && amx_permitted()) {
+    if (K % 32 == 0 && amx_permitted()) {
         bf16_linear_amx(x, packed, bias, y, M, N, K, num_threads);
         return 0;
     }
