@@ -99,8 +99,10 @@ class CachedKernel:
     without it; ``declare`` sets the library's ctypes signatures. Thread-safe.
     """
 
-    def __init__(self, source: Path, name: str, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+    def __init__(self, source: Path, name: str, fallback: str, declare: Callable[[ctypes.CDLL], None],
+                 release_gil: bool = False):
         self.source, self.name, self.fallback, self.declare = source, name, fallback, declare
+        self.release_gil = release_gil
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -127,7 +129,10 @@ class CachedKernel:
             # call, and in a worker (gRPC and asyncio threads beside the forward) each of a pass's
             # ~250 kernel calls then let another Python thread onto a core the kernel's OpenMP
             # team was using, or made the forward wait to take the GIL back.
-            lib = ctypes.PyDLL(str(path))
+            # A library whose one call runs a whole pass (release_gil) lets the other threads
+            # take the GIL during it: the worker's event loop then delivers the previous pass's
+            # tokens while this one runs, not after it.
+            lib = (ctypes.CDLL if self.release_gil else ctypes.PyDLL)(str(path))
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             log.warning("%s unavailable (%s); %s", self.name, err, self.fallback)
             return None

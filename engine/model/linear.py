@@ -313,6 +313,14 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scale[:, None]
 
 
+_plan_version = 0  # plan_version(): bumped by every Linear.set_plan / clear_plan
+
+
+def _bump_plan_version() -> None:
+    global _plan_version
+    _plan_version += 1
+
+
 class Linear(nn.Module):
     """``nn.Linear``'s parameters (``weight`` [out, in], ``bias`` [out] or None) and result.
 
@@ -403,11 +411,13 @@ class Linear(nn.Module):
                  for name in set(plan)}
         self._bound = [bound[name] for name in plan]
         self._bound_dtype = torch.float32 if self.qweight is not None else weight.dtype
+        _bump_plan_version()
 
     def clear_plan(self) -> None:
         """Back to plain ``F.linear``; frees the prepared copies. Mutates this layer."""
         self.plan, self.prepared = None, [None] * len(BACKENDS)
         self._bound = self._bound_dtype = None
+        _bump_plan_version()
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend an input of ``num_tokens`` rows runs through."""
@@ -473,6 +483,12 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 @planned_linear.register_fake
 def _(x, weight, bias, scale, onednn_weight, mkl_weight, cpu_weight, plan, activation_bits=16):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def plan_version() -> int:
+    """A number that changes whenever any layer's plan is set or cleared (what caches of the plans,
+    engine.kernels.cpu_decode_layers, compare)."""
+    return _plan_version
 
 
 def planned_layers(model: nn.Module) -> list[Linear]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import paged_attention
+from engine.attention import get_forward_context, paged_attention
 from engine.kernels import cpu_elementwise
+from engine.kernels.cpu_decode_layers import DecodeLayerStack
 from engine.model.linear import Linear
 
 
@@ -152,12 +153,30 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    # Decode passes on the CPU run every layer in one C call where they can (bit for bit the
+    # loop below; engine.kernels.cpu_decode_layers); False always runs the loop.
+    fused_decode_layers = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(rope, hidden)
+        stack = self._decode_stack() if hidden.device.type == "cpu" else None
+        fused = None if stack is None else stack.run(hidden, *rope, get_forward_context())
+        if fused is not None:
+            hidden = fused
+        else:
+            for layer in self.layers:
+                hidden = layer(rope, hidden)
         return self.norm(hidden)
+
+    def _decode_stack(self) -> DecodeLayerStack | None:
+        """This model's DecodeLayerStack, built on the first call; None where it cannot run here
+        (also under torch.compile, which traces the loop)."""
+        if not self.fused_decode_layers or torch.compiler.is_compiling():
+            return None
+        if not hasattr(self, "_stack"):
+            self._stack = DecodeLayerStack.for_model(self)
+        return self._stack
 
 
 class LlamaForCausalLM(nn.Module):
