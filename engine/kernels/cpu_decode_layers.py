@@ -1,4 +1,4 @@
-"""A float32 Llama decode pass's decoder layers as one C call (``cpu/decode_layers.c``).
+"""A float32 or bfloat16 Llama decode pass's decoder layers as one C call (``cpu/decode_layers.c``).
 
 The C function runs, layer after layer, the same kernels the eager forward calls one by one
 (RMSNorm, the float32 GEMMs, the rotary embedding, the paged KV write and decode attention,
@@ -8,11 +8,12 @@ the kernels: a batch-16 decode pass of SmolLM2-135M makes ~420 kernel and tensor
 the module tree, during which the OpenMP team's other thread waits (on a 2-core AMD EPYC, Zen 4,
 perf found that thread in libgomp's wait 34 % of the pass).
 
-:class:`DecodeLayerStack` takes a pass only where every piece has its C kernel: float32 hidden
-states, an all-decode step on the CPU attention backend's kernel over a float32 cache, and every
-layer's four GEMMs planned on ``fp32_cpu`` or ``fp32_stream`` at the pass's M bucket; anything
-else (prefill, another dtype or backend, int8 or fp8 weights, tensor parallelism, torch.compile)
-returns None and the eager layers run.
+:class:`DecodeLayerStack` takes a pass only where every piece has its C kernel: float32 or
+bfloat16 hidden states, weights and KV cache, an all-decode step on the CPU attention backend's
+kernel, and every layer's four GEMMs planned on ``fp32_cpu`` (bfloat16: ``bf16_linear``) or
+``fp32_stream`` at the pass's M bucket; anything else (prefill, another dtype or backend, int8 or
+fp8 weights, an 8-bit cache, tensor parallelism, torch.compile) returns None and the eager layers
+run.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_layers_fields.restype = c_int
     lib.decode_layers_fns.restype = c_int
     lib.decode_layers_scratch.restype = i64
-    lib.decode_layers_scratch.argtypes = [i64] * 6
-    lib.decode_layers_f32.restype = c_int
-    lib.decode_layers_f32.argtypes = [ptr, ptr, c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, c_int, c_int,
-                                      c_int, i64, c_float, c_int, i64, c_float, c_int]
+    lib.decode_layers_scratch.argtypes = [i64] * 6 + [c_int]
+    for fn in (lib.decode_layers_f32, lib.decode_layers_bf16):
+        fn.restype = c_int
+        fn.argtypes = [ptr, ptr, c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, c_int, c_int, c_int, i64,
+                       c_float, c_int, i64, c_float, c_int]
 
 
 _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU decode layer stack", "decode passes call the layers' kernels one by "
@@ -63,20 +65,29 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def _kernel_table() -> torch.Tensor:
-    """The kernels' addresses in decode_layers.c's FN_* order, int64."""
+def _kernel_table(dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` kernels' addresses in decode_layers.c's FN_* order, int64."""
     elementwise, linear = cpu_elementwise.load_kernel(), cpu_fp32_linear.load_kernel()
     attention = cpu_decode_attention.load_kernel()
-    fns = (elementwise.rms_norm_f32, elementwise.rotary_f32, attention.paged_kv_write,
-           attention.paged_decode_attention_f32, elementwise.silu_mul_f32, linear.fp32_linear, linear.fp32_linear_stream)
+    if dtype == torch.float32:
+        fns = (elementwise.rms_norm_f32, elementwise.rotary_f32, attention.paged_kv_write,
+               attention.paged_decode_attention_f32, elementwise.silu_mul_f32, linear.fp32_linear,
+               linear.fp32_linear_stream)
+    else:  # bfloat16 has one GEMM schedule
+        fns = (elementwise.rms_norm_bf16, elementwise.rotary_bf16, attention.paged_kv_write,
+               attention.paged_decode_attention_bf16, elementwise.silu_mul_bf16, linear.bf16_linear, linear.bf16_linear)
     return torch.tensor([_address(fn) for fn in fns], dtype=torch.int64)
+
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class DecodeLayerStack:
     """Runs a :class:`engine.model.llama.LlamaModel`'s layers over a decode pass in one C call.
 
-    ``run(hidden, cos, sin, context)`` takes hidden ``[M, hidden_size]`` float32 (one token per
-    sequence) and the pass's rotary tables (``[M, 1, head_dim]`` float32) and returns the last
+    ``run(hidden, cos, sin, context)`` takes hidden ``[M, hidden_size]`` (one token per sequence;
+    float32 or bfloat16, the model's dtype) and the pass's rotary tables (``[M, 1, head_dim]``,
+    the same dtype) and returns the last
     layer's output ``[M, hidden_size]``, writing every layer's K/V into its cache as the eager
     layers do; or None, having changed nothing, when the pass is not one it takes (module
     docstring). Built once per model (:meth:`for_model`); bindings per M bucket are cached and
@@ -86,8 +97,10 @@ class DecodeLayerStack:
     def __init__(self, lib: ctypes.CDLL, model):
         from engine.model.linear import Linear
 
-        self._lib, self._model, self._fns = lib, model, _kernel_table()
         first = model.layers[0]
+        self.dtype = first.input_layernorm.weight.dtype
+        self._lib, self._model, self._fns = lib, model, _kernel_table(self.dtype)
+        self._run = lib.decode_layers_f32 if self.dtype == torch.float32 else lib.decode_layers_bf16
         attn, mlp = first.self_attn, first.mlp
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden_size, self.intermediate_size = first.input_layernorm.weight.shape[0], mlp.intermediate_size
@@ -98,19 +111,22 @@ class DecodeLayerStack:
     @classmethod
     def for_model(cls, model) -> DecodeLayerStack | None:
         """The stack for ``model`` (a LlamaModel), or None where its layers are not all the plain
-        float32 Llama layers this runs (or the kernels cannot be built)."""
+        float32 or bfloat16 Llama layers this runs (or the kernels cannot be built)."""
         from engine.model.linear import Linear
 
         layers = list(model.layers)
         if not layers:
             return None
         first = layers[0]
+        dtype = first.input_layernorm.weight.dtype
+        if dtype not in DTYPES:
+            return None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             gemms = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(type(g) is not Linear or g.weight is None or g.weight.dtype != torch.float32 for g in gemms) \
-                    or any(n.weight.dtype != torch.float32 or n.eps != first.input_layernorm.eps for n in norms) \
+            if any(type(g) is not Linear or g.weight is None or g.weight.dtype != dtype for g in gemms) \
+                    or any(n.weight.dtype != dtype or n.eps != first.input_layernorm.eps for n in norms) \
                     or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != \
                     (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim):
                 return None
@@ -136,7 +152,8 @@ class DecodeLayerStack:
                     break
                 code = gemm.plan[min(bucket, len(gemm.plan) - 1)]
                 backend = BACKENDS[code]
-                if backend not in ("fp32_cpu", "fp32_stream") or not gemm.prepared[code].is_contiguous():
+                if backend not in ("fp32_cpu", "fp32_stream") or gemm.prepared[code].dtype != self.dtype \
+                        or not gemm.prepared[code].is_contiguous():
                     row = None
                     break
                 row[name], row[name + "_bias"] = gemm.prepared[code], gemm.bias
@@ -156,9 +173,9 @@ class DecodeLayerStack:
         from engine.model.linear import m_bucket, plan_version
 
         backend, meta, caches = context.backend, context.meta, context.kv_caches
-        if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.device.type != "cpu" \
+        if hidden.dtype != self.dtype or hidden.dim() != 2 or hidden.device.type != "cpu" \
                 or type(backend) is not CpuAttentionBackend or backend._kernel is None \
-                or meta.max_query_len != 1 or caches[0].dtype != torch.float32 or not caches[0].is_contiguous() \
+                or meta.max_query_len != 1 or caches[0].dtype != self.dtype or not caches[0].is_contiguous() \
                 or (hidden.requires_grad and torch.is_grad_enabled()):
             return None
         m = hidden.shape[0]
@@ -171,11 +188,14 @@ class DecodeLayerStack:
             return None
         h, kv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         hidden = hidden.contiguous().clone()
+        if cos.dtype != self.dtype or sin.dtype != self.dtype:
+            return None
         cos, sin = cos.reshape(m, d).contiguous(), sin.reshape(m, d).contiguous()
         slots = meta.slot_mapping.contiguous()
-        scratch = torch.empty(self._lib.decode_layers_scratch(m, self.hidden_size, h, kv, d, i), dtype=torch.float32)
+        scratch = torch.empty(self._lib.decode_layers_scratch(m, self.hidden_size, h, kv, d, i,
+                                                              int(self.dtype == torch.bfloat16)), dtype=torch.uint8)
         _, num_blocks, block_size = caches[0].shape[:3]
-        status = self._lib.decode_layers_f32(
+        status = self._run(
             self._fns.data_ptr(), table.data_ptr(), table.shape[0], hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), plan.decode_tables.data_ptr(), plan.decode_tables.stride(0), plan.decode_lens.data_ptr(),
             scratch.data_ptr(), m, self.hidden_size, h, kv, d, i, self.eps, block_size, num_blocks * block_size,

@@ -27,6 +27,7 @@ def compile_layers(model: nn.Module) -> None:
     compiled form. Mutates the model; compilation itself happens on the first call."""
     # The layer index is an int attribute: without this, torch would compile one graph per layer.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    model.model.fused_decode_layers = False  # the compiled layers run every pass, decode too
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
 

@@ -18,8 +18,8 @@ from .conftest import make_paged_batch
 NUM_BUCKETS = 12
 
 
-def tiny_llama(head_dim: int, bias: bool, seed: int = 0) -> LlamaForCausalLM:
-    """A random float32 Llama (3 layers, GQA 4:2) whose weights have values of every size."""
+def tiny_llama(head_dim: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A random Llama (3 layers, GQA 4:2) in ``dtype`` whose weights have values of every size."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=300, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=3,
@@ -30,7 +30,7 @@ def tiny_llama(head_dim: int, bias: bool, seed: int = 0) -> LlamaForCausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def plan(model: LlamaForCausalLM, *schedules: str) -> None:
@@ -39,13 +39,13 @@ def plan(model: LlamaForCausalLM, *schedules: str) -> None:
         layer.set_plan((schedules[i % len(schedules)],) * NUM_BUCKETS)
 
 
-def decode_step(num_seqs: int, head_dim: int, seed: int):
+def decode_step(num_seqs: int, head_dim: int, seed: int, dtype: torch.dtype = torch.float32):
     """A decode step of ``num_seqs`` sequences (contexts 1-70 tokens, shuffled 4-token blocks):
     (kv caches per layer, metadata, positions)."""
     ctx_lens = [1 + (17 * i + 5 * seed) % 70 for i in range(num_seqs)]
     batch = make_paged_batch([1] * num_seqs, ctx_lens, num_kv_heads=2, group=2, head_dim=head_dim, block_size=4,
                              seed=seed)
-    caches = torch.stack([batch.kv_cache * (1 + layer) for layer in range(3)])  # [layers, 2, blocks, ...]
+    caches = torch.stack([batch.kv_cache * (1 + layer) for layer in range(3)]).to(dtype)  # [layers, 2, blocks, ...]
     return caches, batch.meta, torch.tensor(ctx_lens) - 1
 
 
@@ -67,15 +67,16 @@ def stack_kernel():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 16])
-@pytest.mark.parametrize("head_dim,bias,schedules", [
-    (64, False, ("fp32_cpu",)),
-    (64, True, ("fp32_stream", "fp32_cpu")),  # Qwen2-style QKV bias; both schedules in one pass
-    (16, False, ("fp32_stream",)),  # the attention kernel's scalar path
-], ids=["hd64", "hd64-bias-mixed", "hd16"])
-def test_equals_the_layer_loop_bit_for_bit(stack_kernel, num_seqs, head_dim, bias, schedules):
-    model = tiny_llama(head_dim, bias)
+@pytest.mark.parametrize("head_dim,bias,schedules,dtype", [
+    (64, False, ("fp32_cpu",), torch.float32),
+    (64, True, ("fp32_stream", "fp32_cpu"), torch.float32),  # Qwen2-style QKV bias; both schedules in one pass
+    (16, False, ("fp32_stream",), torch.float32),  # the attention kernel's scalar path
+    (64, True, ("fp32_cpu",), torch.bfloat16),  # bf16_linear; the residuals rounded to bfloat16
+], ids=["hd64", "hd64-bias-mixed", "hd16", "bf16"])
+def test_equals_the_layer_loop_bit_for_bit(stack_kernel, num_seqs, head_dim, bias, schedules, dtype):
+    model = tiny_llama(head_dim, bias, dtype=dtype)
     plan(model, *schedules)
-    caches, meta, positions = decode_step(num_seqs, head_dim, seed=num_seqs)
+    caches, meta, positions = decode_step(num_seqs, head_dim, seed=num_seqs, dtype=dtype)
     input_ids = torch.arange(num_seqs) * 7 % 300
     stack = model.model._decode_stack()
     assert stack is not None
@@ -91,7 +92,7 @@ def test_equals_the_layer_loop_bit_for_bit(stack_kernel, num_seqs, head_dim, bia
 
 
 def test_passes_left_to_the_layer_loop(stack_kernel):
-    """A prompt chunk, a GEMM on another backend, and a bfloat16 model run the loop, unchanged."""
+    """A prompt chunk, a GEMM on another backend, and a float16 model run the loop, unchanged."""
     model = tiny_llama(64, False)
     plan(model, "fp32_cpu")
     stack = model.model._decode_stack()
@@ -109,7 +110,7 @@ def test_passes_left_to_the_layer_loop(stack_kernel):
         before = caches.clone()
         assert stack.run(hidden, *rope, context) is None
         assert torch.equal(caches, before)
-    assert cpu_decode_layers.DecodeLayerStack.for_model(tiny_llama(64, False).to(torch.bfloat16).model) is None
+    assert cpu_decode_layers.DecodeLayerStack.for_model(tiny_llama(64, False, dtype=torch.float16).model) is None
 
 
 def test_tensor_parallel_layers_are_not_taken():

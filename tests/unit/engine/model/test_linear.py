@@ -168,6 +168,27 @@ def test_schedules_of_one_kernel_compete_on_time_alone():
     assert fastest({"torch": 1.0, "fp32_stream": 0.5}) == "fp32_stream"  # without fp32_cpu timed
 
 
+def test_decode_buckets_kept_on_the_c_kernels_where_the_layer_ties():
+    """A decode bucket moves to the C kernels when the layer's GEMMs there are, together, within
+    10 % of the chosen ones (then the pass runs as one C call); past it, or outside the decode
+    buckets, the plan stays as measured."""
+    timings = {  # per shape, per backend: ms at buckets 0, 1, 2
+        "960x64": {"onednn": [1.0, 1.0, 1.0], "fp32_cpu": [0.9, 1.0, 2.0], "fp32_stream": [0.95, 0.9, 2.0]},
+        "64x960": {"onednn": [1.0, 1.0, 1.0], "fp32_cpu": [1.05, 1.5, 2.0], "fp32_stream": [1.2, 1.6, 2.0]},
+    }
+    choices = {"960x64": ["fp32_cpu", "onednn", "onednn"], "64x960": ["onednn", "onednn", "onednn"],
+               "lm": ["onednn"] * 3}
+    plan = LinearPlan({k: list(v) for k, v in choices.items()}, timings)
+    # bucket 0: 0.9 + 1.05 against 0.9 + 1.0 (+2.6 %): moved; bucket 1: 0.9 + 1.5 against 2.0
+    # (+20 %): kept; bucket 2 is past the decode buckets
+    assert linear_chooser.keep_layers_on_c_kernels(plan, ["960x64", "64x960"], num_buckets=2) == [0]
+    assert plan.choices == {"960x64": ["fp32_cpu", "onednn", "onednn"], "64x960": ["fp32_cpu", "onednn", "onednn"],
+                            "lm": ["onednn"] * 3}
+    # no C timing for a shape (a forced or an old cached plan): nothing moves
+    bare = LinearPlan({k: list(v) for k, v in choices.items()}, {"960x64": timings["960x64"]})
+    assert linear_chooser.keep_layers_on_c_kernels(bare, ["960x64", "64x960"], num_buckets=2) == []
+
+
 @pytest.mark.skipif(not backend_supports("fp32_stream", torch.empty(1, 1)), reason="no working C compiler here")
 def test_a_plan_naming_both_schedules_packs_the_weight_once():
     layer = make_linear(bias=True)
