@@ -47,6 +47,7 @@ _KERNEL = cpu_build.CachedKernel(SOURCE, "CPU decode layer stack", "decode passe
 _FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
            "k_cache", "v_cache", "qkv_stream", "o_stream", "gate_up_stream", "down_stream")
 _GEMMS = ("qkv", "o", "gate_up", "down")
+NUM_KERNELS = 7  # the entries of _kernel_table (decode_layers.c's FN_*)
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -56,8 +57,8 @@ def load_kernel() -> ctypes.CDLL | None:
     if lib is None or None in (cpu_elementwise.load_kernel(), cpu_fp32_linear.load_kernel(),
                                cpu_decode_attention.load_kernel()):
         return None
-    if lib.decode_layers_fields() != len(_FIELDS):
-        raise RuntimeError("decode_layers.c and cpu_decode_layers.py disagree on a layer's fields")
+    if lib.decode_layers_fields() != len(_FIELDS) or lib.decode_layers_fns() != NUM_KERNELS:
+        raise RuntimeError("decode_layers.c and cpu_decode_layers.py disagree on a layer's fields or the kernels")
     return lib
 
 

@@ -1,6 +1,6 @@
-/* A float32 or bfloat16 Llama decoder stack's decode pass as one C call: every layer's RMSNorm, fused QKV
- * GEMM, rotary embedding, paged KV write, paged decode attention, output GEMM, residual add,
- * RMSNorm, fused gate/up GEMM, SiLU x up, down GEMM and residual add, for all layers in turn.
+/* A float32 or bfloat16 Llama decoder stack's decode pass as one C call: every layer's RMSNorm,
+ * fused QKV GEMM, rotary embedding, paged KV write, paged decode attention, output GEMM, residual
+ * add, RMSNorm, fused gate/up GEMM, SiLU x up, down GEMM and residual add, for all layers in turn.
  *
  * It computes nothing of its own but the residual adds: each step calls the kernel the eager
  * forward calls (engine/model/llama.py), through a function pointer taken from that kernel's
