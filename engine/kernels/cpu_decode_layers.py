@@ -96,8 +96,6 @@ class DecodeLayerStack:
     """
 
     def __init__(self, lib: ctypes.CDLL, model):
-        from engine.model.linear import Linear
-
         first = model.layers[0]
         self.dtype = first.input_layernorm.weight.dtype
         self._lib, self._model, self._fns = lib, model, _kernel_table(self.dtype)
@@ -106,7 +104,6 @@ class DecodeLayerStack:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden_size, self.intermediate_size = first.input_layernorm.weight.shape[0], mlp.intermediate_size
         self.eps, self.scale = first.input_layernorm.eps, attn.scale
-        self._linear_type = Linear
         self._tables: dict[tuple, torch.Tensor | None] = {}
 
     @classmethod
@@ -137,7 +134,8 @@ class DecodeLayerStack:
     def _table(self, bucket: int, kv_caches: list[torch.Tensor], plan_version: int) -> torch.Tensor | None:
         """The C function's per-layer table at M bucket ``bucket``, or None where a GEMM there runs
         on another backend than fp32_cpu / fp32_stream."""
-        key = (bucket, kv_caches[0].data_ptr(), len(kv_caches), plan_version)
+        # Each layer's K/V addresses follow from the cache's address and shape.
+        key = (bucket, kv_caches[0].data_ptr(), tuple(kv_caches[0].shape), len(kv_caches), plan_version)
         if key in self._tables:
             return self._tables[key]
         from engine.model.linear import BACKENDS
@@ -187,10 +185,10 @@ class DecodeLayerStack:
         if plan.decode_tables is None or plan.decode_tables.shape[0] != m or plan.decode_tables.dtype != torch.int64 \
                 or plan.decode_lens.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             return None
-        h, kv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        hidden = hidden.contiguous().clone()
         if cos.dtype != self.dtype or sin.dtype != self.dtype:
             return None
+        h, kv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        hidden = hidden.contiguous().clone()
         cos, sin = cos.reshape(m, d).contiguous(), sin.reshape(m, d).contiguous()
         slots = meta.slot_mapping.contiguous()
         scratch = torch.empty(self._lib.decode_layers_scratch(m, self.hidden_size, h, kv, d, i,
