@@ -168,6 +168,17 @@ class DecodeLayerStack:
         return table
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context) -> torch.Tensor | None:
+        """Every layer over one decode pass: hidden ``[M, hidden_size]`` and ``cos`` / ``sin``
+        (``[M, 1, head_dim]`` or ``[M, head_dim]``), all in the model's dtype, ``context`` the
+        pass's :class:`engine.attention.ForwardContext`. Returns a new ``[M, hidden_size]`` tensor
+        and writes each layer's K/V into its cache, or returns None, changing nothing, when the
+        pass is not one this runs (class docstring). ``hidden`` itself is not modified.
+
+        Raises:
+            MemoryError: a GEMM kernel could not allocate its scratch.
+            ValueError: a slot of ``context.meta.slot_mapping`` lies outside the cache (the
+                layers before it have run and written their K/V).
+        """
         from engine.cpu_attention import CpuAttentionBackend
         from engine.model.linear import m_bucket, plan_version
 
@@ -188,7 +199,7 @@ class DecodeLayerStack:
         if cos.dtype != self.dtype or sin.dtype != self.dtype:
             return None
         h, kv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        hidden = hidden.contiguous().clone()
+        hidden = hidden.clone(memory_format=torch.contiguous_format)  # one copy, updated in place
         cos, sin = cos.reshape(m, d).contiguous(), sin.reshape(m, d).contiguous()
         slots = meta.slot_mapping.contiguous()
         scratch = torch.empty(self._lib.decode_layers_scratch(m, self.hidden_size, h, kv, d, i,
