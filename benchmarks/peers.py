@@ -45,6 +45,7 @@ from bench.workloads import BenchRequest  # noqa: E402
 from core.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
 from bench.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 from core.datasets import data_file  # noqa: E402
+from engine.model.linear_chooser import BUSY_OTHER_CORES, other_cores_now  # noqa: E402
 
 SHAREGPT_DEFAULT = data_file("sharegpt")  # the data folder's ShareGPT set (docs/data.md)
 
@@ -55,6 +56,7 @@ SYSTEMS = {  # --systems key: the row's name
     "disaggregated": "tandem disaggregated 1P+1D",
 }
 TANDEM_FLAGS = {"colocated": ("--colocated",), "disaggregated": ()}
+QUIET_WAIT_S = 90.0  # the longest a system waits for the machine to be quiet before it starts anyway
 
 
 @dataclass(frozen=True)
@@ -190,9 +192,34 @@ def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
     return worker_threads(total or os.cpu_count() or 2, colocated=key == "colocated")
 
 
+def wait_until_quiet(max_wait_s: float = QUIET_WAIT_S, probe=other_cores_now) -> float:
+    """Waits until processes other than this one use at most ``BUSY_OTHER_CORES`` cores over one
+    probe window (``engine.model.linear_chooser.other_cores_now``), at most ``max_wait_s``; returns
+    the last window's cores. The system run before may leave processes finishing after its server
+    stopped (a vLLM bfloat16 run left a core busy into the next start on a 2-core AMD EPYC Zen 5:
+    that Tandem row then measured its GEMM backends, and ran, beside it at 0.11x)."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        cores = probe()
+        if cores <= BUSY_OTHER_CORES or time.monotonic() >= deadline:
+            return cores
+
+
 def run_system(key: str, workload: Workload, options: PeerOptions) -> dict:
-    """The system's row; an exception (missing install, failed start, every request failing)
-    becomes an unavailable row with the reason, and the traceback goes to the console."""
+    """The system's row, started once the machine is quiet (:func:`wait_until_quiet`; a row
+    that started beside other work says so in its note and ``other_cores_at_start``); an
+    exception (missing install, failed start, every request failing) becomes an unavailable row
+    with the reason, and the traceback goes to the console."""
+    busy = wait_until_quiet()
+    row = _run_system(key, workload, options)
+    row["other_cores_at_start"] = round(busy, 2)
+    if busy > BUSY_OTHER_CORES:
+        console.print(f"[yellow]{SYSTEMS[key]}: other processes kept {busy:.2f} cores busy at its start[/]")
+        row["note"] = "; ".join(n for n in (row.get("note", ""), f"started beside {busy:.2f} busy cores") if n)
+    return row
+
+
+def _run_system(key: str, workload: Workload, options: PeerOptions) -> dict:
     try:
         if key == "hf":
             return run_hf(workload, options)

@@ -116,3 +116,22 @@ def test_tandem_rows_record_linear_backends_and_thread_split(tmp_path):
         '{"msg": "core sharing in /tmp/c: 1 threads, 2 while prefill is idle"}\n')
     assert peers.log_lines(tmp_path, "core sharing") == {"decode-0": "core sharing in /tmp/c: 1 threads, 2 while "
                                                                      "prefill is idle"}
+
+
+def test_a_system_waits_for_a_quiet_machine_and_a_busy_start_is_noted(monkeypatch):
+    """wait_until_quiet probes until the other processes' cores drop to BUSY_OTHER_CORES; a row
+    started beside busy cores (the wait ran out) says so in its note and its JSON."""
+    from benchmarks import peers
+
+    probes = iter([1.2, 0.9, 0.1, 5.0])
+    assert peers.wait_until_quiet(max_wait_s=60, probe=lambda: next(probes)) == 0.1
+    assert next(probes) == 5.0  # stopped at the first quiet window
+    assert peers.wait_until_quiet(max_wait_s=0, probe=lambda: 1.5) == 1.5  # gives up at once: starts anyway
+
+    monkeypatch.setattr(peers, "wait_until_quiet", lambda: 1.04)
+    monkeypatch.setattr(peers, "_run_system", lambda key, workload, options: {"system": key, "note": ""})
+    row = peers.run_system("colocated", None, None)
+    assert row == {"system": "colocated", "note": "started beside 1.04 busy cores", "other_cores_at_start": 1.04}
+    monkeypatch.setattr(peers, "wait_until_quiet", lambda: 0.05)
+    assert peers.run_system("colocated", None, None) == {"system": "colocated", "note": "",
+                                                         "other_cores_at_start": 0.05}
