@@ -31,7 +31,7 @@ from core.structured_output import StructuredOutputSpec
 from router.errors import as_json
 from router.api.structured_outputs import StructuredOutputFields
 from router.api.tools import ToolRequest, ToolRequestError, tool_request
-from router.api.validation import MAX_CHOICES, InvalidRequestError, RequestInput
+from router.api.validation import MAX_CHOICES, MAX_N, InvalidRequestError, RequestInput
 from router.tokenizer import ChatOptions
 
 
@@ -206,6 +206,8 @@ class CompletionRequest(_SamplingFields):
                 ``stream``, or an unsupported field.
         """
         prompts = self.prompts  # [] is one prompt of no tokens: the validator says it is empty
+        if not 1 <= self.n <= MAX_N:  # the validator's own check, first: n alone is out of range
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         num_candidates = max(self.n, self.best_of or 0)
         if len(prompts) * num_candidates > MAX_CHOICES:
             raise InvalidRequestError(
@@ -327,6 +329,10 @@ class ChatCompletionRequest(_SamplingFields):
         unsupported fields or content parts, and for tools or a tool_choice router.api.tools
         refuses."""
         messages = tuple(m.to_input(i) for i, m in enumerate(self.messages))
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                      f"({self.max_completion_tokens}) disagree; send one of them",
+                                      "max_completion_tokens")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")

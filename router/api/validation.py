@@ -151,8 +151,9 @@ class Validator:
                                 tool_format, request.best_of, request.skip_special_tokens)
 
     def check_model(self, model: str | None) -> None:
-        """Raises InvalidRequestError (404, MODEL_NOT_FOUND) unless ``model`` is absent or served."""
-        if model and model != self.served_model_name:
+        """Raises InvalidRequestError (404, MODEL_NOT_FOUND) unless ``model`` is absent (None:
+        the served model, as vLLM takes it) or served; an empty name is an unknown one."""
+        if model is not None and model != self.served_model_name:
             raise InvalidRequestError(
                 f"model {as_json(model)} does not exist; this cluster serves {as_json(self.served_model_name)}",
                 "model",
@@ -196,6 +197,12 @@ class Validator:
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequestError("messages must not be empty", "messages")
+            if check_length and len(request.messages) > self.max_model_len:
+                # every message renders to one token or more (its role's markers): refused before
+                # the chat template renders them all (seconds for 10^5 messages, holding the GIL)
+                raise InvalidRequestError(f"messages has {len(request.messages)} messages, more than the context's "
+                                          f"{self.max_model_len} tokens (each message is one token or more)",
+                                          "messages")
             texts = [(f"messages.{i}.content", m["content"]) for i, m in enumerate(request.messages)]
             for i, message in enumerate(request.messages):
                 _check_role(message["role"], f"messages.{i}.role")

@@ -111,10 +111,28 @@ def test_an_assistant_message_of_tool_calls_may_have_null_content() -> None:
 def test_chat_content_parts_and_max_completion_tokens() -> None:
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-         "max_tokens": 3, "max_completion_tokens": 9}
+         "max_completion_tokens": 9}
     )
     request = body.to_inputs()[0]
     assert (request.messages, request.max_tokens) == (({"role": "user", "content": "ab"},), 9)
+    same = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 9, "max_completion_tokens": 9}
+    assert ChatCompletionRequest.model_validate(same).to_inputs()[0].max_tokens == 9
+
+
+def test_max_tokens_and_max_completion_tokens_that_disagree_are_refused() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 5, "max_completion_tokens": 3})
+    with pytest.raises(InvalidRequestError) as err:
+        body.to_inputs()
+    assert (err.value.message, err.value.param) == (
+        "max_tokens (5) and max_completion_tokens (3) disagree; send one of them", "max_completion_tokens")
+
+
+def test_n_out_of_range_names_n_before_the_choice_count() -> None:
+    body = CompletionRequest.model_validate({"prompt": "x", "n": 1000})
+    with pytest.raises(InvalidRequestError) as err:
+        body.to_inputs()
+    assert (err.value.message, err.value.param) == ("n must be in [1, 64], got 1000", "n")
 
 
 def test_chat_image_part_is_refused() -> None:

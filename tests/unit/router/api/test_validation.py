@@ -193,6 +193,30 @@ def test_text_that_cannot_fit_is_refused_without_tokenizing(tokenizer, chat: boo
     assert hf.calls == 1
 
 
+def test_more_messages_than_context_tokens_are_refused_before_the_template_renders(tokenizer) -> None:
+    """A message renders to one token or more, so 65 messages cannot fit 64 tokens: refused
+    without rendering (10^5 messages took the template seconds, holding the router's GIL);
+    64 messages are rendered, then refused by their real token count."""
+    hf = CountingHF(tokenizer.hf)
+    validator = Validator(dataclasses.replace(tokenizer, hf=hf), DEFAULT_MODEL, MAX_MODEL_LEN, default_max_tokens=16)
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(make_input(messages=({"role": "user", "content": ""},) * 65))
+    assert (info.value.message, info.value.param) == (
+        "messages has 65 messages, more than the context's 64 tokens (each message is one token or more)", "messages")
+    assert hf.calls == 0
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(make_input(messages=({"role": "user", "content": ""},) * 64))
+    assert info.value.message == "prompt has 345 tokens but the context is 64" and hf.calls > 0
+
+
+def test_an_empty_model_name_is_not_found_and_an_absent_one_is_the_served_model(validator: Validator) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validator.validate(make_input(model="", prompt="hi"))
+    assert (info.value.message, info.value.http_status) == (
+        f'model "" does not exist; this cluster serves "{DEFAULT_MODEL}"', 404)
+    assert validator.validate(make_input(model=None, prompt="hi")).prompt_token_ids
+
+
 async def test_validate_async_tokenizes_off_the_event_loop(validator: Validator) -> None:
     loop_thread = threading.get_ident()
     threads = []
