@@ -195,9 +195,9 @@ def thread_split(key: str, tandem_args: tuple[str, ...]) -> dict[str, int]:
 def wait_until_quiet(max_wait_s: float = QUIET_WAIT_S, probe=other_cores_now) -> float:
     """Waits until processes other than this one use at most ``BUSY_OTHER_CORES`` cores over one
     probe window (``engine.model.linear_chooser.other_cores_now``), at most ``max_wait_s``; returns
-    the last window's cores. The system run before may leave processes finishing after its server
-    stopped (a vLLM bfloat16 run left a core busy into the next start on a 2-core AMD EPYC Zen 5:
-    that Tandem row then measured its GEMM backends, and ran, beside it at 0.11x)."""
+    the last window's cores. Once, right after a bfloat16 vLLM row on a 2-core AMD EPYC Zen 5,
+    other processes kept a core busy: the Tandem row started then timed its GEMM backends, and
+    ran, beside them at 0.11x."""
     deadline = time.monotonic() + max_wait_s
     while True:
         cores = probe()
