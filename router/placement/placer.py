@@ -37,10 +37,18 @@ def kv_spec_of(workers: Sequence[WorkerInfo]) -> tuple[str, int]:
     return "", DEFAULT_BLOCK_SIZE
 
 
+# When a client may retry a request refused for want of a worker (HTTP Retry-After, gRPC
+# retry-after): the router re-reads the registry every half second, and a restarted worker
+# registers once its model is loaded and calibrated (10-20 s for the default model on 2 cores).
+NO_WORKER_RETRY_AFTER_S = 5.0
+
+
 def require_workers(role: str, workers: Sequence[WorkerInfo]) -> None:
-    """Raises RouterError(NO_WORKER) when ``workers`` (the live ones of ``role``) is empty."""
+    """Raises RouterError(NO_WORKER, retry after NO_WORKER_RETRY_AFTER_S) when ``workers`` (the
+    live ones of ``role``) is empty."""
     if not workers:
-        raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER)
+        raise RouterError(f"no healthy {role} worker is registered", ErrorKind.NO_WORKER,
+                          retry_after_s=NO_WORKER_RETRY_AFTER_S)
 
 
 class Placer:

@@ -678,7 +678,7 @@ async def test_no_workers_is_503_and_health_says_why(cluster: Cluster) -> None:
     await cluster.deregister(("prefill", "decode"))
     try:
         response = await cluster.http.post("/v1/completions", json={"prompt": "x"})
-        assert response.status_code == 503
+        assert (response.status_code, response.headers["retry-after"]) == (503, "5")
         assert response.json()["error"]["message"] == "no healthy decode worker is registered"
         health = await cluster.http.get("/health")
         assert health.status_code == 503
@@ -749,6 +749,7 @@ async def test_grpc_no_workers_is_unavailable(cluster: Cluster, grpc_stub) -> No
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [r async for r in stub.Generate(router_pb2.GenerateRequest(text="x", sampling_params=common_pb2.SamplingParams(max_tokens=1)))]
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no healthy decode worker is registered")
+        assert dict(info.value.trailing_metadata())["retry-after"] == "5"
     finally:
         await cluster.register()
 

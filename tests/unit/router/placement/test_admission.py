@@ -108,6 +108,8 @@ def test_placer_is_the_one_no_worker_check_and_owns_in_flight() -> None:
     with pytest.raises(RouterError, match="no healthy decode worker is registered") as info:
         asyncio.run(placer.place("r1", [1, 2, 3], 4, [worker("p1")], []))
     assert info.value.kind is ErrorKind.NO_WORKER
+    assert (info.value.http_status, info.value.http_headers()) == (503, {"Retry-After": "5"})
+    assert info.value.grpc_trailing_metadata() == (("retry-after", "5"),)
     with pytest.raises(RouterError, match="no healthy prefill worker is registered"):
         placer.choose("prefill", [], "r1", [1, 2, 3])
     busy, idle = worker("d1", "decode"), worker("d2", "decode")
