@@ -31,7 +31,7 @@ from core.structured_output import StructuredOutputSpec
 from router.errors import as_json
 from router.api.structured_outputs import StructuredOutputFields
 from router.api.tools import ToolRequest, ToolRequestError, tool_request
-from router.api.validation import MAX_CHOICES, MAX_N, InvalidRequestError, RequestInput
+from router.api.validation import MAX_CHOICES, InvalidRequestError, RequestInput, check_n
 from router.tokenizer import ChatOptions
 
 
@@ -206,8 +206,7 @@ class CompletionRequest(_SamplingFields):
                 ``stream``, or an unsupported field.
         """
         prompts = self.prompts  # [] is one prompt of no tokens: the validator says it is empty
-        if not 1 <= self.n <= MAX_N:  # the validator's own check, first: n alone is out of range
-            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        check_n(self.n)  # before the choice count: n alone may be out of range
         num_candidates = max(self.n, self.best_of or 0)
         if len(prompts) * num_candidates > MAX_CHOICES:
             raise InvalidRequestError(

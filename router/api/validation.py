@@ -103,6 +103,12 @@ class ValidatedRequest:
         return self.best_of or self.n
 
 
+def check_n(n: int) -> None:
+    """Raises InvalidRequestError (``param`` n) unless 1 <= ``n`` <= MAX_N."""
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}", "n")
+
+
 class Validator:
     """Checks requests against the served model's name, vocabulary and context limit."""
 
@@ -181,8 +187,7 @@ class Validator:
         temperature = request.sampling.get("temperature")
         if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN, infinities
             raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
-        if not 1 <= request.n <= MAX_N:
-            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {request.n}", "n")
+        check_n(request.n)
         if any(not s for s in request.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if request.best_of is not None and not request.n <= request.best_of <= MAX_N:

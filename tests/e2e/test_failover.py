@@ -152,6 +152,7 @@ async def run_with_kill(cluster: LocalCluster, kill_when, victim):
     service name, or a callable giving it once ``kill_when`` held) once ``kill_when(progress)``
     holds; returns the prompts, every result in request order, the progress at the kill and the
     router's counters read just before it."""
+    victim_name, label = (victim, "the victim") if callable(victim) else (lambda: victim, victim)
     prompts = [reference.PROMPTS[i % len(reference.PROMPTS)] for i in range(NUM_REQUESTS)]
     progress = Progress()
     async with grpc.aio.insecure_channel(cluster.grpc_address) as channel, openai.AsyncOpenAI(
@@ -162,10 +163,9 @@ async def run_with_kill(cluster: LocalCluster, kill_when, victim):
             asyncio.create_task(grpc_request(stub, p, progress) if i % 2 == 0 else openai_request(client, p, progress))
             for i, p in enumerate(prompts)
         ]
-        await wait_for(lambda: kill_when(progress), progress,
-                       f"the moment to kill {victim if isinstance(victim, str) else 'the victim'}")
+        await wait_for(lambda: kill_when(progress), progress, f"the moment to kill {label}")
         before = await asyncio.to_thread(router_counters, cluster)
-        os.kill(cluster.service(victim if isinstance(victim, str) else victim()).process.pid, signal.SIGKILL)
+        os.kill(cluster.service(victim_name()).process.pid, signal.SIGKILL)
         killed_at = (progress.first_tokens, progress.tokens)
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=REQUEST_TIMEOUT_S)
     return prompts, results, killed_at, before
