@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="after start, pin the decode worker to CPU 0 and the prefill worker to CPU 1 "
                              "(taskset -a): dedicated cores instead of shared ones (and no core sharing)")
+    parser.add_argument("--no-share-cores", action="store_true",
+                        help="disaggregated: each role keeps its own cores (tandem up --no-share-cores)")
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results/decode_stalls"))
     parser.add_argument("--out", type=Path, default=Path("bench-results/decode_stalls.json"))
     args = parser.parse_args()
@@ -127,7 +129,7 @@ def main() -> None:
     config = ClusterConfig.from_options(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(),
                                         colocated=args.colocated, log_dir=args.log_dir, num_threads=args.num_threads,
                                         # pinned, each worker has one CPU: nothing to borrow (engine.core_share)
-                                        share_cores=not args.pin, **worker_options(args.worker_arg))
+                                        share_cores=not (args.pin or args.no_share_cores), **worker_options(args.worker_arg))
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level="DEBUG"))
     with LocalCluster(config) as cluster:
         cluster.start()

@@ -33,6 +33,7 @@ cores. A hung borrower holding either lock costs an owner ``wait_s`` (then it ru
 from __future__ import annotations
 
 import fcntl
+from collections.abc import Callable
 import logging
 import os
 import time
@@ -116,6 +117,9 @@ class CoreShare:
         self.holding = False  # owner: holds both locks; borrower: holds ``cores`` exclusively
         self._threads: int | None = None  # what this object last set (None: not yet; the first pass sets it)
         self._slow_waits = 0
+        # Told the threads each time a borrower changes them (the engine scales its mixed-step
+        # prompt tokens by them: engine.scheduler.Scheduler.mixed_prefill_share).
+        self.on_threads: Callable[[int], None] | None = None
 
     @property
     def threads(self) -> int:
@@ -200,6 +204,8 @@ class CoreShare:
         if self.role == "borrower" and n != self._threads:
             torch.set_num_threads(n)
             self._threads = n
+            if self.on_threads is not None:
+                self.on_threads(n)
 
 
 def _try_lock(fd: int, kind: int) -> bool:

@@ -85,6 +85,10 @@ class Scheduler:
         # Prompt logprobs collected so far, by request (handed out with the first token).
         self.prompt_logprobs: dict[str, list[SampledToken]] = {}
         self.num_preemptions = 0
+        # The share of the worker's cores its next step runs on (engine.core_share: a decode worker
+        # on its own cores while prefill holds the rest): a prompt token costs 1 / share as much
+        # there, so the mixed-step cap shrinks with it and a decoding stream waits as long.
+        self.mixed_prefill_share = 1.0
 
     @property
     def num_unfinished(self) -> int:
@@ -123,13 +127,17 @@ class Scheduler:
         return out
 
     def _mixed_prefill_budget(self, budget: int) -> int:
-        """The prompt tokens this step may compute: ``max_mixed_prefill_tokens`` when a running
-        request decodes in it (Sarathi-Serve's bound on what a decode waits for), else the whole
-        token budget. A chunk of one token (a prompt whose KV came from the pool) is not counted."""
+        """The prompt tokens this step may compute: ``max_mixed_prefill_tokens`` (times
+        :attr:`mixed_prefill_share`, at least 1) when a request decodes in it (Sarathi-Serve's bound
+        on what a decode waits for), else the whole token budget. A request decodes in it when it
+        runs with one token to compute or waits with its prompt's KV loaded from the pool (its
+        first decode is this step); a chunk of one token is not counted."""
         cap = self.config.max_mixed_prefill_tokens if self.config.enable_chunked_prefill else 0
-        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running
-                       if r.status is RequestStatus.RUNNING):
-            return min(cap, budget)
+        if cap and (any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+                        if r.status is RequestStatus.RUNNING)
+                    or any(ext.num_tokens >= self.requests[rid].num_tokens - 1
+                           for rid, ext in self.external_kv.items() if rid in self.requests)):
+            return min(max(1, int(cap * self.mixed_prefill_share)), budget)
         return budget
 
     def _prefill_chunk(self, n: int, budget: int) -> int:
@@ -202,18 +210,26 @@ class Scheduler:
         if not self.batching.admission_open(self.running):
             return
         whole_batch = self.batching.admits_whole_batch
+        # Prompts that wait for the next step's prompt tokens keep their place in line; a request
+        # behind them whose KV is already here (loaded from the pool) needs none and starts now.
+        held: list[Request] = []
         while self.waiting and (budget > 0 or whole_batch) and len(self.running) < self.config.max_num_seqs:
             scheduled = self._admit(self.waiting[0], budget, out)
+            if scheduled is _PROMPT_TOKENS_SPENT:
+                held.append(self.waiting.popleft())
+                continue
             if scheduled is None:
                 break
             self.waiting.popleft()
             budget -= scheduled
+        self.waiting.extendleft(reversed(held))
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | object | None:
         """Gives ``request`` its blocks (prefix-cache hits shared, external KV loaded) and
         schedules its first chunk (none when the budget is spent: a static batch admits all its
-        requests at once and prefills them over the next steps). Returns the tokens scheduled, None
-        if it cannot start now."""
+        requests at once and prefills them over the next steps). Returns the tokens scheduled,
+        ``_PROMPT_TOKENS_SPENT`` if its prompt needs tokens this step has no more of, None if it
+        cannot start now for another reason (no blocks, KV still swapped out)."""
         if request.request_id in self.swapped:  # its KV is not back from the swap space yet
             return None
         bs = self.config.block_size
@@ -227,7 +243,7 @@ class Scheduler:
         if n > budget and not self.config.enable_chunked_prefill and budget > 0:
             return None
         if n > 1 and self._prefill_budget == 0 and not self.batching.admits_whole_batch:
-            return None  # this step's prompt tokens are spent: it starts next step
+            return _PROMPT_TOKENS_SPENT  # it starts next step
         n = self._prefill_chunk(n, budget)
         # A hit covering the last token: that block is rewritten, so it is copied first.
         cow_last = hit.num_tokens > num_computed and num_computed // bs < len(hit.block_ids)
@@ -431,6 +447,9 @@ class Scheduler:
             left = request.num_tokens - max(request.num_computed_tokens, ext.num_tokens if ext else 0)
             total += left if left > 1 else 0
         return total
+
+
+_PROMPT_TOKENS_SPENT = object()  # _admit: the request's prompt waits for the next step's prompt tokens
 
 
 def _awaits_token(request: Request) -> bool:

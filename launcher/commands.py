@@ -32,6 +32,14 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
             "decode": max(1, (cores - cores // 2) // num_decode_workers)}
 
 
+# A decode worker that shares one machine's cores with a prefill worker (engine.core_share) takes
+# at most this many prompt tokens into a step beside its running decodes (--max-mixed-prefill-tokens,
+# scaled down while it runs on its own cores only), unless the cluster sets its own: a whole prompt
+# there (the router places one on the decode worker while the prefill worker is busy, which is when
+# the decode worker has one core) stalled ~10 streams for 2-3x their usual gap, the 1P+1D TBT p99.
+SHARED_CORES_MIXED_PREFILL_TOKENS = 12
+
+
 def shared_threads(cores: int, threads: dict[str, int], c: ClusterConfig) -> int:
     """Threads a decode worker adds while it runs on the idle prefill workers' cores
     (engine.core_share): the cores the decode workers do not own, or 0 where sharing is off (the

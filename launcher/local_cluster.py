@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import processes
-from launcher.commands import pool_node_args, service_argv, service_env, shared_threads, worker_threads
+from launcher.commands import (SHARED_CORES_MIXED_PREFILL_TOKENS, pool_node_args, service_argv, service_env,
+                               shared_threads, worker_threads)
 from launcher.config import ClusterConfig
 from launcher.ports import free_port
 from launcher.readiness import grpc_ready, http_ready, redis_ready, router_sees
@@ -188,6 +189,8 @@ class LocalCluster:
             argv += ["--core-share-dir", self._core_share_dir]
             if role == "decode":
                 argv += ["--core-share-threads", str(self._shared_threads)]
+                if not c.engine.max_mixed_prefill_tokens:
+                    argv += ["--max-mixed-prefill-tokens", str(SHARED_CORES_MIXED_PREFILL_TOKENS)]
         return self._spawn(name, argv, grpc_ready(self.addresses[name]),
                            env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads))})
 

@@ -63,6 +63,9 @@ def _core_share(role: str, worker: WorkerConfig, engine: LLMEngine) -> CoreShare
     base = engine.config.num_threads or torch.get_num_threads()
     share = (CoreShare(worker.core_share_dir, "borrower", base, worker.core_share_threads) if role == "decode"
              else CoreShare(worker.core_share_dir, "owner", base))
+    if role == "decode":  # a prompt chunk beside decodes shrinks with the cores it runs on
+        full = base + worker.core_share_threads
+        share.on_threads = lambda n: setattr(engine.scheduler, "mixed_prefill_share", n / full)
     log.info("core sharing in %s: %s", worker.core_share_dir,
              f"{base} threads, {base + worker.core_share_threads} while prefill is idle" if role == "decode"
              else f"decode runs on these {base} threads while this worker is idle")
