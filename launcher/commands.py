@@ -49,6 +49,20 @@ def shared_threads(cores: int, threads: dict[str, int], c: ClusterConfig) -> int
     return max(0, cores - c.num_decode_workers * threads["decode"])
 
 
+def core_share_argv(c: ClusterConfig, role: str, directory: str, extra_threads: int) -> list[str]:
+    """The flags by which a ``role`` worker takes part in core sharing through ``directory``
+    (empty: sharing is off, no flags): the decode worker's ``extra_threads`` and, unless the
+    cluster sets its own, its :data:`SHARED_CORES_MIXED_PREFILL_TOKENS`."""
+    if not directory:
+        return []
+    argv = ["--core-share-dir", directory]
+    if role == "decode":
+        argv += ["--core-share-threads", str(extra_threads)]
+        if not c.engine.max_mixed_prefill_tokens:
+            argv += ["--max-mixed-prefill-tokens", str(SHARED_CORES_MIXED_PREFILL_TOKENS)]
+    return argv
+
+
 def section_argv(attribute: str, config: object, extra: tuple[str, ...] = ()) -> list[str]:
     """The flags giving a service the cluster's settings of one section (``engine``, ``worker``,
     ``router``, ``pool``): each ``tandem up`` option of it (and ``extra`` or hidden field) whose

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import processes
-from launcher.commands import (SHARED_CORES_MIXED_PREFILL_TOKENS, pool_node_args, service_argv, service_env,
-                               shared_threads, worker_threads)
+from launcher.commands import (core_share_argv, pool_node_args, service_argv, service_env, shared_threads,
+                               worker_threads)
 from launcher.config import ClusterConfig
 from launcher.ports import free_port
 from launcher.readiness import grpc_ready, http_ready, redis_ready, router_sees
@@ -185,12 +185,7 @@ class LocalCluster:
                             pool_address=self._pool_address, num_threads=threads, metrics_port=metrics_port)
         if name in self.advertised:
             argv += ["--advertise-address", self.advertised[name]]
-        if self._core_share_dir:
-            argv += ["--core-share-dir", self._core_share_dir]
-            if role == "decode":
-                argv += ["--core-share-threads", str(self._shared_threads)]
-                if not c.engine.max_mixed_prefill_tokens:
-                    argv += ["--max-mixed-prefill-tokens", str(SHARED_CORES_MIXED_PREFILL_TOKENS)]
+        argv += core_share_argv(c, role, self._core_share_dir, self._shared_threads)
         return self._spawn(name, argv, grpc_ready(self.addresses[name]),
                            env={"OMP_NUM_THREADS": str(c.rank_threads(role, threads))})
 

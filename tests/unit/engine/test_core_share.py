@@ -77,6 +77,29 @@ def test_an_owner_with_work_takes_its_cores_back_between_two_passes(share):
     assert decode.holding and torch.get_num_threads() == 2
 
 
+def test_a_borrower_tells_on_threads_each_change_of_its_threads(share):
+    """The decode worker's scheduler scales its mixed-step prompt tokens by the threads a pass
+    runs on (engine.scheduler.Scheduler.mixed_prefill_share): told at each change, not at each pass."""
+    decode = share("borrower", base=1, extra=1)
+    prefill = share("owner", base=1)
+    told = []
+    decode.on_threads = told.append
+    decode.busy()
+    decode.between_passes()
+    assert told == [2]
+    owner = threading.Thread(target=prefill.busy)
+    owner.start()
+    poll_until(decode.owner_wants, message="the owner announced itself")
+    decode.between_passes()  # gives the cores back
+    owner.join(timeout=10)
+    decode.between_passes()
+    assert told == [2, 1] and prefill.holding
+    prefill.idle()
+    decode.between_passes()
+    decode.idle()
+    assert told == [2, 1, 2, 1]
+
+
 def test_an_owner_runs_beside_a_borrower_that_keeps_the_cores_past_wait_s(share):
     decode = share("borrower", base=1, extra=1)
     prefill = share("owner", base=1, wait_s=0.05)

@@ -80,6 +80,59 @@ def test_prompts_beside_running_decodes_take_at_most_max_mixed_prefill_tokens_pe
     assert s.kv.num_used_blocks == 0
 
 
+def test_a_request_with_its_kv_from_the_pool_starts_behind_a_prompt_that_waits_for_prompt_tokens():
+    """When a step's mixed prompt tokens are spent, the prompt next in line keeps its place and a
+    request behind it whose KV came from the pool (nothing to compute) starts in this step."""
+    s = make_scheduler(max_num_batched_tokens=32, max_mixed_prefill_tokens=4, enable_prefix_caching=False)
+    a = make_request(4, max_tokens=8)
+    s.add_request(a)
+    run_step(s)  # a decodes from here on
+    b, c = make_request(10, max_tokens=1), make_request(9, max_tokens=1)
+    d = make_request(12, max_tokens=2)
+    s.add_request(b)
+    s.add_request(c)
+    s.add_request(d, ExternalKV(11, []))  # 11 of 12 tokens from the pool
+    out, _ = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [(a.request_id, 1), (b.request_id, 4),
+                                                                          (d.request_id, 1)]
+    assert [r.request_id for r in s.waiting] == [c.request_id]  # c still next, not behind a later arrival
+    while s.num_unfinished:
+        run_step(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_a_waiting_request_whose_first_decode_is_this_step_caps_the_prompt_tokens_beside_it():
+    """No request runs yet, but one waits with its prompt's KV loaded from the pool: it decodes in
+    this step, so the prompts beside it take max_mixed_prefill_tokens, not the whole budget."""
+    s = make_scheduler(max_num_batched_tokens=32, max_mixed_prefill_tokens=6, enable_prefix_caching=False)
+    d = make_request(12, max_tokens=2)
+    b = make_request(20, max_tokens=1)
+    s.add_request(d, ExternalKV(11, []))
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [(d.request_id, 1), (b.request_id, 6)]
+    partial = make_request(12, max_tokens=1)  # a pool hit short of the whole prompt: it prefills, not decodes
+    s2 = make_scheduler(max_num_batched_tokens=32, max_mixed_prefill_tokens=6, enable_prefix_caching=False)
+    s2.add_request(partial, ExternalKV(8, []))
+    s2.add_request(make_request(20, max_tokens=1))
+    out, _ = run_step(s2)
+    assert [x.num_new_tokens for x in out.scheduled] == [4, 20]
+
+
+@pytest.mark.parametrize(("share", "tokens"), [(1.0, 12), (0.5, 6), (0.25, 3), (0.01, 1)])
+def test_the_mixed_prompt_tokens_shrink_with_the_share_of_the_cores_the_step_runs_on(share, tokens):
+    """A decode worker on its own cores only (core sharing) computes a prompt token 1 / share as
+    slowly: the cap is scaled by the share (at least one token)."""
+    s = make_scheduler(max_num_batched_tokens=64, max_mixed_prefill_tokens=12, enable_prefix_caching=False)
+    a = make_request(4, max_tokens=8)
+    s.add_request(a)
+    run_step(s)
+    s.mixed_prefill_share = share
+    s.add_request(make_request(30, max_tokens=1))
+    out, _ = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [1, tokens]
+
+
 def test_max_mixed_prefill_tokens_is_refused_below_zero():
     with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0 \\(0: the token budget\\), got -1"):
         make_scheduler(max_mixed_prefill_tokens=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.commands import shared_threads, worker_threads
+from launcher.commands import SHARED_CORES_MIXED_PREFILL_TOKENS, core_share_argv, shared_threads, worker_threads
 from launcher.config import ClusterConfig
 
 
@@ -51,6 +51,20 @@ def test_a_decode_worker_borrows_the_cores_it_does_not_own():
     assert extra(2, colocated=True) == 0
     assert extra(4, prefill_tp=2) == 0
     assert extra(4, decode_tp=2) == 0
+
+
+def test_a_decode_worker_sharing_cores_caps_the_prompt_tokens_beside_its_decodes():
+    """Sharing one machine's cores, the decode worker takes at most SHARED_CORES_MIXED_PREFILL_TOKENS
+    prompt tokens into a step beside decodes unless the cluster sets --max-mixed-prefill-tokens;
+    the prefill worker gets the directory alone; without sharing, no flags."""
+    config = ClusterConfig.from_options(model="m")
+    assert core_share_argv(config, "decode", "/d", 1) == [
+        "--core-share-dir", "/d", "--core-share-threads", "1",
+        "--max-mixed-prefill-tokens", str(SHARED_CORES_MIXED_PREFILL_TOKENS)]
+    assert core_share_argv(config, "prefill", "/d", 1) == ["--core-share-dir", "/d"]
+    assert core_share_argv(config, "decode", "", 0) == []
+    own = ClusterConfig.from_options(model="m", max_mixed_prefill_tokens=32)
+    assert core_share_argv(own, "decode", "/d", 1) == ["--core-share-dir", "/d", "--core-share-threads", "1"]
 
 
 def test_routers_are_named_and_given_consecutive_ports():
