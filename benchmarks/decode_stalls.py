@@ -129,7 +129,8 @@ def main() -> None:
     config = ClusterConfig.from_options(model=DEFAULT_MODEL, http_port=free_port(), grpc_port=free_port(),
                                         colocated=args.colocated, log_dir=args.log_dir, num_threads=args.num_threads,
                                         # pinned, each worker has one CPU: nothing to borrow (engine.core_share)
-                                        share_cores=not (args.pin or args.no_share_cores), **worker_options(args.worker_arg))
+                                        share_cores=not (args.pin or args.no_share_cores),
+                                        **worker_options(args.worker_arg))
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, log_level="DEBUG"))
     with LocalCluster(config) as cluster:
         cluster.start()

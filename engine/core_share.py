@@ -33,10 +33,10 @@ cores. A hung borrower holding either lock costs an owner ``wait_s`` (then it ru
 from __future__ import annotations
 
 import fcntl
-from collections.abc import Callable
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
