@@ -89,6 +89,10 @@ class Scheduler:
         # on its own cores while prefill holds the rest): a prompt token costs 1 / share as much
         # there, so the mixed-step cap shrinks with it and a decoding stream waits as long.
         self.mixed_prefill_share = 1.0
+        # A disaggregated decode worker: streams whose prompt a prefill worker computes join at any
+        # step, so every step that computes prompt tokens keeps to the mixed-step cap (else a
+        # whole burst of local prompts in one long step holds their second token).
+        self.decodes_may_join = False
 
     @property
     def num_unfinished(self) -> int:
@@ -131,10 +135,12 @@ class Scheduler:
         :attr:`mixed_prefill_share`, at least 1) when a request decodes in it (Sarathi-Serve's bound
         on what a decode waits for), else the whole token budget. A request decodes in it when it
         runs with one token to compute or waits with its prompt's KV loaded from the pool (its
-        first decode is this step); a chunk of one token is not counted."""
+        first decode is this step); with :attr:`decodes_may_join`, every step counts as one. A
+        chunk of one token is not counted."""
         cap = self.config.max_mixed_prefill_tokens if self.config.enable_chunked_prefill else 0
-        if cap and (any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running
-                        if r.status is RequestStatus.RUNNING)
+        if cap and (self.decodes_may_join
+                    or any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+                           if r.status is RequestStatus.RUNNING)
                     or any(ext.num_tokens >= self.requests[rid].num_tokens - 1
                            for rid, ext in self.external_kv.items() if rid in self.requests)):
             return min(max(1, int(cap * self.mixed_prefill_share)), budget)

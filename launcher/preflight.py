@@ -13,13 +13,15 @@ class PreflightError(ValueError):
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
-    """Raises PreflightError for the first port (by its flag, e.g. ``--http-port``) that another
-    process listens on; port 0 (pick a free one) is skipped.
+    """Raises PreflightError for the first port (by its flag, e.g. ``--http-port``) outside
+    [0, 65535] or that another process listens on; port 0 (pick a free one) is skipped.
 
     Binds with SO_REUSEADDR as the servers do, so a port left in TIME_WAIT by a stopped cluster
     counts as free.
     """
     for flag, port in ports.items():
+        if not 0 <= port <= 65535:
+            raise PreflightError(f"{flag} must be in [0, 65535], got {port}")
         if port == 0:
             continue
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:

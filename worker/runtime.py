@@ -66,6 +66,9 @@ def _core_share(role: str, worker: WorkerConfig, engine: LLMEngine) -> CoreShare
     if role == "decode":  # a prompt chunk beside decodes shrinks with the cores it runs on
         full = base + worker.core_share_threads
         share.on_threads = lambda n: setattr(engine.scheduler, "mixed_prefill_share", n / full)
+        # the prefill worker beside it hands streams over at any step: no step of local prompts
+        # may run long while one waits for its second token
+        engine.scheduler.decodes_may_join = True
     log.info("core sharing in %s: %s", worker.core_share_dir,
              f"{base} threads, {base + worker.core_share_threads} while prefill is idle" if role == "decode"
              else f"decode runs on these {base} threads while this worker is idle")

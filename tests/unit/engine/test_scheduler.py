@@ -119,6 +119,22 @@ def test_a_waiting_request_whose_first_decode_is_this_step_caps_the_prompt_token
     assert [x.num_new_tokens for x in out.scheduled] == [4, 20]
 
 
+def test_on_a_decode_worker_that_streams_join_every_step_keeps_to_the_cap():
+    """decodes_may_join (a disaggregated decode worker): with nothing decoding yet, local prompts
+    still take max_mixed_prefill_tokens per step, so a stream handed over meanwhile waits one short
+    step for its first decode; without it the first step takes the whole budget."""
+    for may_join, first_step in ((False, [20, 12]), (True, [6])):
+        s = make_scheduler(max_num_batched_tokens=32, max_mixed_prefill_tokens=6, enable_prefix_caching=False)
+        s.decodes_may_join = may_join
+        s.add_request(make_request(20, max_tokens=1))
+        s.add_request(make_request(12, max_tokens=1))
+        out, _ = run_step(s)
+        assert [x.num_new_tokens for x in out.scheduled] == first_step
+        while s.num_unfinished:
+            run_step(s)
+        assert s.kv.num_used_blocks == 0
+
+
 @pytest.mark.parametrize(("share", "tokens"), [(1.0, 12), (0.5, 6), (0.25, 3), (0.01, 1)])
 def test_the_mixed_prompt_tokens_shrink_with_the_share_of_the_cores_the_step_runs_on(share, tokens):
     """A decode worker on its own cores only (core sharing) computes a prompt token 1 / share as

@@ -33,6 +33,9 @@ def test_a_port_in_use_names_its_flag(listening: int) -> None:
     with pytest.raises(PreflightError, match=rf"^port {listening} is in use \(another tandem up\?\); pass --grpc-port$"):
         check_ports_free("127.0.0.1", {"--http-port": 0, "--grpc-port": listening})
     check_ports_free("127.0.0.1", {"--http-port": free_port(), "--grpc-port": 0})  # free and "any": fine
+    for port in (70000, -5):
+        with pytest.raises(PreflightError, match=rf"^--http-port must be in \[0, 65535\], got {port}$"):
+            check_ports_free("127.0.0.1", {"--http-port": port})
 
 
 def test_tandem_up_on_a_taken_port_fails_before_touching_the_logs(listening: int, tmp_path) -> None:
