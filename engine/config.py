@@ -51,7 +51,9 @@ class EngineConfig:
     # without running decodes keep the whole token budget. 0: the token budget.
     max_mixed_prefill_tokens: int = setting(0, "Most prompt tokens a step computes beside running decodes (0: the "
                                                "token budget); longer prompts are chunked over more steps, so "
-                                               "decoding streams never wait a long chunk.")
+                                               "decoding streams never wait a long chunk. tandem up gives a decode "
+                                               "worker that shares one machine's cores with a prefill worker 12 "
+                                               "where this is 0 (--no-share-cores: none).")
     enable_chunked_prefill: bool = setting(True, "Split prompts over steps to fit the token budget.")
     enable_prefix_caching: bool = setting(True, "Reuse the KV of identical prompt prefixes in this worker's cache "
                                                 "(vLLM prefix caching).")
