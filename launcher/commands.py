@@ -33,10 +33,11 @@ def worker_threads(cores: int, colocated: bool = False, num_prefill_workers: int
 
 
 # A decode worker that shares one machine's cores with a prefill worker (engine.core_share) takes
-# at most this many prompt tokens into a step beside its running decodes (--max-mixed-prefill-tokens,
-# scaled down while it runs on its own cores only), unless the cluster sets its own: a whole prompt
-# there (the router places one on the decode worker while the prefill worker is busy, which is when
-# the decode worker has one core) stalled ~10 streams for 2-3x their usual gap, the 1P+1D TBT p99.
+# at most this many prompt tokens into any step (--max-mixed-prefill-tokens, scaled down while it
+# runs on its own cores only; every step, as handed-over streams join at any step:
+# Scheduler.decodes_may_join), unless the cluster sets its own: a whole prompt there (the router
+# places one on the decode worker while the prefill worker is busy, which is when the decode worker
+# has one core) stalled ~10 streams for 2-3x their usual gap, the 1P+1D TBT p99.
 SHARED_CORES_MIXED_PREFILL_TOKENS = 12
 
 
